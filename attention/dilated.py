@@ -1,0 +1,122 @@
+"""``DilatedAttention``: LongNet's dilated attention, exact, on one device.
+
+Every branch ``(w, r)`` uses all heads; head h reads positions ``(p mod w') mod r == o_h`` with
+``o_h = h // ceil(H / r)`` inside segments of length ``w' = min(w, seq)``; branch outputs are
+merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zero. Equivalent to
+``softmax(scale * Q K^T + log C) V`` (see ``attention/reference.py``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from attention.autograd_path import dilated_attention_autograd
+from attention.function import DilatedAttentionFunction, LocalKeySource
+from attention.plan import make_branch_plan
+
+
+def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check the branch configuration; raise ``ValueError`` naming the bad argument."""
+    segments, rates = tuple(segment_lengths), tuple(dilation_rates)
+    if len(segments) == 0:
+        raise ValueError("segment_lengths must name at least one branch")
+    if len(segments) != len(rates):
+        raise ValueError(f"segment_lengths ({len(segments)} entries) and dilation_rates "
+                         f"({len(rates)} entries) must have the same length")
+    for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
+        for value in values:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must hold positive integers, got {value!r}")
+    for w, r in zip(segments, rates):
+        if w % r != 0:
+            raise ValueError(f"segment_lengths: segment {w} is not divisible by its "
+                             f"dilation_rates entry {r}")
+    return segments, rates
+
+
+def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_padding_mask: torch.Tensor | None) -> None:
+    """Shapes ``(B, T, H, D)``, equal for q, k, v; mask ``(B, T)`` bool."""
+    if query.dim() != 4:
+        raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.shape[-1] != query.shape[-1]:
+            raise ValueError(f"{name} head_dim {tensor.shape[-1]} differs from query head_dim "
+                             f"{query.shape[-1]}")
+        if tensor.shape != query.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} differs from query shape "
+                             f"{tuple(query.shape)}")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != query.shape[:2]:
+            raise ValueError(f"key_padding_mask must be (batch, seq) = {tuple(query.shape[:2])}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
+
+
+def validate_segments_for_seq(segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                              seq_len: int) -> None:
+    """A segment longer than the sequence is cut to ``seq``: it must still divide by its rate."""
+    for w, r in zip(segment_lengths, dilation_rates):
+        if w > seq_len and seq_len % r != 0:
+            raise ValueError(f"segment_lengths: segment {w} is cut to the sequence length "
+                             f"{seq_len}, which is not divisible by its dilation rate {r}")
+
+
+class DilatedAttention(nn.Module):
+    """Exact dilated attention on ``(batch, seq, heads, head_dim)`` tensors, one device.
+
+    Cost per branch: O(seq * w / r) time and O(seq) memory; never a seq x seq matrix. Uses the
+    fused flash kernel on CPU (fp32, fp64, fp16, bf16; merges accumulate in fp32). With
+    ``attention_dropout > 0`` in training mode it takes a slower path differentiated by
+    autograd, dropping merged attention probabilities.
+    """
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 softmax_scale: float | None = None, attention_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.segment_lengths, self.dilation_rates = validate_branches(segment_lengths,
+                                                                      dilation_rates)
+        if softmax_scale is not None and softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.softmax_scale = softmax_scale
+        self.attention_dropout = attention_dropout
+        self._sources: dict[tuple, list[LocalKeySource]] = {}
+
+    def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
+                     is_causal: bool) -> list[LocalKeySource]:
+        cache_key = (seq_len, num_heads, str(device), is_causal)
+        if cache_key not in self._sources:
+            self._sources[cache_key] = [
+                LocalKeySource(make_branch_plan(seq_len=seq_len, start=0, stop=seq_len,
+                                                segment_length=w, dilation_rate=r,
+                                                num_heads=num_heads, device=device), is_causal)
+                for w, r in zip(self.segment_lengths, self.dilation_rates)]
+        return self._sources[cache_key]
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                is_causal: bool = False,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, T, H, D)`` q, k, v -> ``(B, T, H, D)``."""
+        validate_inputs(query, key, value, key_padding_mask)
+        batch, seq_len, num_heads, head_dim = query.shape
+        validate_segments_for_seq(self.segment_lengths, self.dilation_rates, seq_len)
+        scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
+        sources = self._key_sources(seq_len, num_heads, query.device, is_causal)
+        if self.training and self.attention_dropout > 0.0:
+            return dilated_attention_autograd(query, key, value, sources, is_causal=is_causal,
+                                              key_padding_mask=key_padding_mask, scale=scale,
+                                              dropout=self.attention_dropout)
+        out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
+                                                is_causal, scale)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"segment_lengths={list(self.segment_lengths)}, "
+                f"dilation_rates={list(self.dilation_rates)}, "
+                f"attention_dropout={self.attention_dropout}")

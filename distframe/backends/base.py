@@ -1,0 +1,411 @@
+"""CommunicationBackendBase: what the four engines share.
+
+The public methods here validate arguments, number the call (a per-group sequence number),
+count it in ``stats``, optionally check in ``debug`` mode that every rank makes the same call,
+and run it now or on the backend's communication thread (``async_op=True``). Engines implement the
+``_raw`` methods below on already validated, contiguous tensors; a raw method an engine does not
+override is composed from the ones it has (for example ``reduce`` from ``all_reduce``).
+
+[Note: ordering] Collectives must be issued in the same order on every rank. Asynchronous calls
+run one at a time, in issue order, on a single communication thread; a synchronous call first
+waits for every asynchronous call issued before it. So the order the engine sees is the order the
+user wrote, whichever thread runs it.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from distframe.backends.signature import DTYPES, Signature, describe_mismatch
+from distframe.backends.types import CommStats, CompletedWork, FutureWork, ReduceOp, Work, effective_op
+from distframe.errors import CollectiveMismatchError
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One numbered call on one group, handed to the engine's raw method."""
+
+    op: str
+    seq: int
+    signature: Signature
+    timeout: float
+
+
+class CommunicationBackendBase(abc.ABC):
+    """Shared life cycle of the engines. See ``ICommunicationBackend`` for the contract.
+
+    ``timeout`` (seconds) bounds every blocking wait; ``debug=True`` makes engines that cannot see
+    their peers' arguments (MPI, Gloo, NCCL) exchange a 16-integer signature before each
+    collective, so a mismatch raises ``CollectiveMismatchError`` on every rank instead of giving a
+    wrong answer or hanging. The in-memory engine always checks.
+    """
+
+    engine: str = "base"
+
+    def __init__(self, rank: int, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 debug: bool = False) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a group of world_size {world_size}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._rank = rank
+        self._world_size = world_size
+        self.timeout = float(timeout)
+        self.debug = debug
+        self.stats = CommStats()
+        self._seq = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    # ---- identity and life cycle -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self._rank}, world_size={self._world_size})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Waits for pending asynchronous work, then releases the engine's resources. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=False)
+        self._shutdown()
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._closed
+
+    # ---- collectives -----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
+                   async_op: bool = False) -> torch.Tensor | Work:
+        """Reduces ``tensor`` across ranks, in place on every rank; returns it."""
+        op = ReduceOp.parse(op)
+        self._check_tensor("all_reduce", tensor)
+        applied = effective_op(op, tensor.dtype)
+        sig = Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+
+        def run(call: Call) -> torch.Tensor:
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self._all_reduce(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
+            if applied is ReduceOp.AVG:
+                work.div_(self._world_size)
+            if work is not tensor:
+                tensor.copy_(work)
+            return tensor
+        return self._run(sig, tensor.nbytes, run, async_op)
+
+    def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Work:
+        """Concatenation of every rank's ``tensor`` along dim 0 in rank order (a 0-dim tensor
+        counts as shape (1,)). Every rank must pass the same shape."""
+        self._check_tensor("all_gather", tensor)
+        sig = Signature("all_gather", tuple(tensor.shape), tensor.dtype)
+        flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        return self._run(sig, tensor.nbytes, lambda call: self._all_gather(flat, call), async_op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
+                       async_op: bool = False) -> torch.Tensor | Work:
+        """Reduces ``tensor`` across ranks and returns chunk ``rank`` of dim 0."""
+        op = ReduceOp.parse(op)
+        self._check_tensor("reduce_scatter", tensor)
+        if tensor.dim() == 0 or tensor.shape[0] % self._world_size:
+            raise ValueError(
+                f"reduce_scatter needs dim 0 divisible by the world size {self._world_size}, got "
+                f"shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self._world_size}")
+        applied = effective_op(op, tensor.dtype)
+        sig = Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+
+        def run(call: Call) -> torch.Tensor:
+            out = self._reduce_scatter(tensor.contiguous(),
+                                       ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
+            return out.div_(self._world_size) if applied is ReduceOp.AVG else out
+        return self._run(sig, tensor.nbytes, run, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
+        """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank; returns it."""
+        self._check_tensor("broadcast", tensor)
+        self._check_peer("broadcast", "src", src)
+        sig = Signature("broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
+        return self._run(sig, tensor.nbytes, lambda call: self._in_place(
+            tensor, lambda work: self._broadcast(work, src, call)), async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+               async_op: bool = False) -> torch.Tensor | Work:
+        """Reduces into ``tensor`` on rank ``dst`` (other ranks' tensors are left unchanged)."""
+        op = ReduceOp.parse(op)
+        self._check_tensor("reduce", tensor)
+        self._check_peer("reduce", "dst", dst)
+        applied = effective_op(op, tensor.dtype)
+        sig = Signature("reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
+
+        def run(call: Call) -> torch.Tensor:
+            def apply(work: torch.Tensor) -> None:
+                self._reduce(work, dst, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
+                if applied is ReduceOp.AVG and self._rank == dst:
+                    work.div_(self._world_size)
+            return self._in_place(tensor, apply)
+        return self._run(sig, tensor.nbytes, run, async_op)
+
+    def gather(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False
+               ) -> list[torch.Tensor] | None | Work:
+        """Rank ``dst`` gets the list of every rank's ``tensor`` (rank order); others get None."""
+        self._check_tensor("gather", tensor)
+        self._check_peer("gather", "dst", dst)
+        sig = Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
+        return self._run(sig, tensor.nbytes,
+                         lambda call: self._gather(tensor.contiguous(), dst, call), async_op)
+
+    def scatter(self, chunks: Sequence[torch.Tensor] | None, src: int, *,
+                async_op: bool = False) -> torch.Tensor | Work:
+        """Rank ``src`` passes ``world_size`` tensors of one shape and dtype; every rank returns the
+        one at its own index. Other ranks' ``chunks`` are ignored (pass None)."""
+        self._check_peer("scatter", "src", src)
+        nbytes = 0
+        if self._rank == src:
+            chunks = self._check_chunks("scatter", chunks, same_shape=True)
+            nbytes = sum(c.nbytes for c in chunks)
+        sig = Signature("scatter", None, None, (("src", src),))
+        own = list(chunks) if self._rank == src else None
+        return self._run(sig, nbytes, lambda call: self._scatter(own, src, call), async_op)
+
+    def all_to_all(self, chunks: Sequence[torch.Tensor], *, async_op: bool = False
+                   ) -> list[torch.Tensor] | Work:
+        """Rank r sends ``chunks[j]`` to rank j and returns the list whose entry j came from rank j.
+        Chunks share a dtype and trailing dims everywhere; dim 0 may differ."""
+        chunks = self._check_chunks("all_to_all", chunks, same_shape=False)
+        sig = Signature("all_to_all", (len(chunks), *chunks[0].shape[1:]), chunks[0].dtype)
+        return self._run(sig, sum(c.nbytes for c in chunks),
+                         lambda call: self._all_to_all(chunks, call), async_op)
+
+    def barrier(self, *, async_op: bool = False) -> None | Work:
+        """Returns once every rank of the group has called it."""
+        return self._run(Signature("barrier"), 0, lambda call: self._barrier(call), async_op)
+
+    def new_group(self, ranks: Sequence[int]):
+        """Called by every rank of this group: members get a backend over ``ranks`` (renumbered
+        0..k-1 in the order given), the others get None."""
+        ranks = self._check_group_ranks(ranks)
+        sig = Signature("new_group", (len(ranks),), None, (("ranks", ranks),))
+        return self._run(sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
+
+    # ---- point to point --------------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Sends ``tensor`` to rank ``dst``; matched by a ``recv`` with the same tag."""
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Fills ``tensor`` with what rank ``src`` sent with ``tag``; its shape and dtype must match."""
+        return self.irecv(tensor, src, tag).wait()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._check_p2p("isend", tensor, dst, tag)
+        self.stats.record("send", tensor.nbytes)
+        return self._isend(tensor.contiguous(), dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        self._check_p2p("irecv", tensor, src, tag)
+        self.stats.record("recv", tensor.nbytes)
+        return self._irecv(tensor, src, tag)
+
+    # ---- engine interface ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
+        """In place; ``op`` is SUM, PRODUCT, MIN or MAX."""
+
+    @abc.abstractmethod
+    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None: ...
+
+    @abc.abstractmethod
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _new_group(self, ranks: list[int], call: Call): ...
+
+    def _shutdown(self) -> None:
+        """Engine resources; called once."""
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+        work = tensor.clone()
+        self._all_reduce(work, op, call)
+        return work.chunk(self._world_size)[self._rank].clone()
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
+        work = tensor.clone()
+        self._all_reduce(work, op, call)
+        if self._rank == dst:
+            tensor.copy_(work)
+
+    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
+        gathered = self._all_gather(tensor.reshape(1, *tensor.shape), call)
+        return list(gathered.unbind(0)) if self._rank == dst else None
+
+    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
+        meta = torch.zeros(2 + 8, dtype=torch.int64)
+        if chunks is not None:
+            shape = tuple(chunks[0].shape)
+            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
+            meta[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        self._broadcast(meta, src, call)
+        shape = tuple(meta[2:2 + int(meta[0])].tolist())
+        full = (torch.stack(chunks) if chunks is not None
+                else torch.empty((self._world_size, *shape), dtype=DTYPES[int(meta[1])]))
+        self._broadcast(full, src, call)
+        return full[self._rank].clone()
+
+    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+        sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+        all_sizes = self._all_gather(sizes, call).view(self._world_size, self._world_size)
+        sends = [self._isend(c.contiguous(), j, _A2A_TAG) for j, c in enumerate(chunks) if j != self._rank]
+        out: list[torch.Tensor] = []
+        recvs = []
+        for j in range(self._world_size):
+            if j == self._rank:
+                out.append(chunks[j].clone())
+                continue
+            buf = torch.empty((int(all_sizes[j, self._rank]), *chunks[0].shape[1:]), dtype=chunks[0].dtype)
+            out.append(buf)
+            recvs.append(self._irecv(buf, j, _A2A_TAG))
+        for w in sends + recvs:
+            w.wait()
+        return out
+
+    def _barrier(self, call: Call) -> None:
+        self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
+
+    # ---- shared machinery ------------------------------------------------------------------------
+    def _run(self, sig: Signature, nbytes: int, fn: Callable[[Call], Any], async_op: bool) -> Any:
+        with self._lock:
+            self._check_open(sig.op)
+            self._seq += 1
+            call = Call(sig.op, self._seq, sig, self.timeout)
+        self.stats.record(sig.op, nbytes)
+
+        def execute() -> Any:
+            if self.debug:
+                self._check_signature(call)
+            return fn(call)
+        if not async_op:
+            self._drain()
+            return execute()
+        future = self._communication_thread().submit(execute)
+        with self._lock:
+            self._pending.append(future)
+        return FutureWork(future, sig.op, call.seq)
+
+    def _communication_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"distframe-{self.engine}-rank{self._rank}")
+            return self._executor
+
+    def _drain(self) -> None:
+        """Waits for asynchronous calls issued earlier; re-raises the first failure among them."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _check_signature(self, call: Call) -> None:
+        mine = call.signature.encode(call.seq)
+        check = Call("all_gather", call.seq, Signature("all_gather", tuple(mine.shape), mine.dtype),
+                     call.timeout)
+        everyone = self._all_gather(mine, check).view(self._world_size, -1)
+        if not bool((everyone == mine).all()):
+            texts = {r: Signature.decode(everyone[r]) for r in range(self._world_size)}
+            texts[self._rank] = f"{call.signature.describe()} at sequence number {call.seq}"
+            raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
+
+    @staticmethod
+    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        apply(work)
+        if work is not tensor:
+            tensor.copy_(work)
+        return tensor
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise ValueError(f"{op} called on {self!r} after shutdown(); create a new backend "
+                             "(or call it inside spawn) instead of reusing a closed one")
+
+    def _check_tensor(self, op: str, tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op} expects a torch.Tensor, got {type(tensor).__name__}")
+
+    def _check_peer(self, op: str, name: str, peer: object) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self._world_size:
+            raise ValueError(f"{op}: {name}={peer!r} is out of range for a group of world_size "
+                             f"{self._world_size}; use a rank in 0..{self._world_size - 1}")
+
+    def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> None:
+        self._check_open(op)
+        self._check_tensor(op, tensor)
+        self._check_peer(op, "dst" if "send" in op else "src", peer)
+        if peer == self._rank:
+            raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
+        if not isinstance(tag, int) or not 0 <= tag < _A2A_TAG:
+            raise ValueError(f"{op}: tag must be an int in 0..{_A2A_TAG - 1}, got {tag!r}")
+
+    def _check_chunks(self, op: str, chunks: object, *, same_shape: bool) -> list[torch.Tensor]:
+        if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != self._world_size:
+            raise ValueError(f"{op} needs a list of world_size={self._world_size} tensors, got {chunks!r:.80}")
+        chunks = list(chunks)
+        for c in chunks:
+            self._check_tensor(op, c)
+        first = chunks[0]
+        for j, c in enumerate(chunks):
+            if c.dtype != first.dtype or (same_shape and c.shape != first.shape) or (
+                    not same_shape and (c.dim() == 0 or c.shape[1:] != first.shape[1:])):
+                what = "shape and dtype" if same_shape else "dtype and dims after dim 0"
+                raise ValueError(f"{op}: chunk {j} has shape {tuple(c.shape)} and dtype {c.dtype}, "
+                                 f"chunk 0 has {tuple(first.shape)} and {first.dtype}; all chunks need one {what}")
+        return chunks
+
+    def _check_group_ranks(self, ranks: object) -> list[int]:
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise ValueError(f"new_group needs a sequence of ranks, got {ranks!r}")
+        ranks = list(ranks)
+        if not ranks:
+            raise ValueError("new_group needs at least one rank")
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self._world_size]
+        if bad:
+            raise ValueError(f"new_group: unknown ranks {bad}; this group has ranks 0..{self._world_size - 1}")
+        if len(set(ranks)) != len(ranks):
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise ValueError(f"new_group: ranks {dup} are listed more than once; list each rank once")
+        return ranks
+
+
+# Tag reserved for the composed all_to_all; user tags are below it.
+_A2A_TAG = 2**20

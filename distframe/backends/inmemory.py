@@ -1,0 +1,175 @@
+"""InMemoryCommunicationBackend: ranks are threads of one process meeting at a shared rendezvous.
+
+Data moves by direct tensor copies between the threads' buffers, so the engine works for any
+device torch supports. Reductions are split by rank: rank r reduces element range r of every
+input (in rank order, so results are bitwise identical on all ranks and deterministic) and writes
+it straight into every rank's output, so the ranks share the memory traffic.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.reduction import reduce_into
+from distframe.backends.rendezvous import Rendezvous, Slot, World
+from distframe.backends.types import CompletedWork, ReduceOp, Work
+from distframe.errors import CollectiveMismatchError
+
+
+class InMemoryCommunicationBackend(CommunicationBackendBase):
+    """One rank of a group of threads. Build a whole group with :meth:`create_group` (or let
+    ``distframe.launch.spawn`` do it); every collective checks that all ranks made the same call
+    and raises ``CollectiveMismatchError`` otherwise; a rank that fails inside ``spawn`` makes
+    the others raise ``RankFailedError`` at once."""
+
+    engine = "inmemory"
+
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, debug: bool = False) -> None:
+        super().__init__(rank, world_size, timeout=timeout, debug=debug)
+        if rendezvous is None:
+            if world_size != 1:
+                raise ValueError("a group of more than one in-memory rank shares one rendezvous: "
+                                 "use InMemoryCommunicationBackend.create_group(world_size)")
+            rendezvous = Rendezvous(World(), [0])
+        if rendezvous.size != world_size:
+            raise ValueError(f"rendezvous is for {rendezvous.size} ranks, not {world_size}")
+        self._rdv = rendezvous
+        self._p2p_seq: dict[tuple[str, int, int], int] = {}
+
+    @classmethod
+    def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                     debug: bool = False) -> list[InMemoryCommunicationBackend]:
+        """Every rank's backend of a new group of ``world_size`` threads (rank order)."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        rdv = Rendezvous(World(), list(range(world_size)))
+        return [cls(r, world_size, rdv, timeout=timeout, debug=debug) for r in range(world_size)]
+
+    @property
+    def world(self) -> World:
+        return self._rdv.world
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """The ranks of the top-level group that this group's ranks 0..k-1 are."""
+        return list(self._rdv.global_ranks)
+
+    # ---- the meeting pattern -------------------------------------------------------------------
+    def _collective(self, call: Call, payload: Any, body: Callable[[Slot], Any]) -> Any:
+        slot = self._rdv.arrive(self._rank, call.seq, call.signature, payload, call.timeout)
+        try:
+            return body(slot)
+        finally:
+            self._rdv.depart(self._rank, call.seq, slot, call.op, call.timeout)
+
+    def _element_range(self, numel: int) -> slice:
+        per_rank = -(-numel // self._world_size)
+        start = min(numel, self._rank * per_rank)
+        return slice(start, min(numel, start + per_rank))
+
+    # ---- raw collectives -----------------------------------------------------------------------
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
+        def body(slot: Slot) -> None:
+            part = self._element_range(tensor.numel())
+            flats = [slot.inputs[r].view(-1)[part] for r in range(self._world_size)]
+            reduced = reduce_into(torch.empty_like(flats[0]), flats, op)
+            # Only this rank reads range `part` of the inputs, so writing it now is safe; the
+            # depart barrier keeps every rank here until all ranges are written.
+            for flat in flats:
+                flat.copy_(reduced)
+        self._collective(call, tensor, body)
+
+    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+        return self._collective(call, tensor, lambda slot: torch.cat(
+            [slot.inputs[r] for r in range(self._world_size)]))
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+        def body(slot: Slot) -> torch.Tensor:
+            chunks = [slot.inputs[r].chunk(self._world_size)[self._rank] for r in range(self._world_size)]
+            return reduce_into(torch.empty_like(chunks[0]), chunks, op)
+        return self._collective(call, tensor, body)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
+        def body(slot: Slot) -> None:
+            if self._rank != src:
+                tensor.copy_(slot.inputs[src])
+        self._collective(call, tensor, body)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
+        def body(slot: Slot) -> None:
+            # Only dst reads the inputs, so it may overwrite its own as soon as it has reduced.
+            if self._rank == dst:
+                inputs = [slot.inputs[r] for r in range(self._world_size)]
+                tensor.copy_(reduce_into(torch.empty_like(tensor), inputs, op))
+        self._collective(call, tensor, body)
+
+    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
+        return self._collective(call, tensor, lambda slot: [
+            slot.inputs[r].clone() for r in range(self._world_size)] if self._rank == dst else None)
+
+    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
+        return self._collective(call, chunks, lambda slot: slot.inputs[src][self._rank].clone())
+
+    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+        return self._collective(call, chunks, lambda slot: [
+            slot.inputs[j][self._rank].clone() for j in range(self._world_size)])
+
+    def _barrier(self, call: Call) -> None:
+        self._collective(call, None, lambda slot: None)
+
+    def _new_group(self, ranks: list[int], call: Call) -> InMemoryCommunicationBackend | None:
+        def body(slot: Slot) -> Rendezvous:
+            return self._rdv.compute_once(slot, "group", lambda: Rendezvous(
+                self._rdv.world, [self._rdv.global_ranks[r] for r in ranks]))
+        child = self._collective(call, None, body)
+        if self._rank not in ranks:
+            return None
+        return type(self)(ranks.index(self._rank), len(ranks), child, timeout=self.timeout,
+                          debug=self.debug)
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
+        key = (direction, peer, tag)
+        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+        return self._p2p_seq[key]
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        seq = self._next_p2p_seq("send", dst, tag)
+        # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once.
+        self._rdv.post(self._rank, dst, tag, (seq, tensor.clone()))
+        return CompletedWork(None)
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        seq = self._next_p2p_seq("recv", src, tag)
+        return _RecvWork(self, tensor, src, tag, seq)
+
+
+class _RecvWork(Work):
+    """A receive completes when its message is taken from the mailbox, in ``wait``."""
+
+    def __init__(self, backend: InMemoryCommunicationBackend, tensor: torch.Tensor, src: int,
+                 tag: int, seq: int) -> None:
+        self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._done:
+            return self._tensor
+        b = self._backend
+        _, payload = b._rdv.take(self._src, b.rank, self._tag, self._seq,
+                                 b.timeout if timeout is None else timeout)
+        if payload.shape != self._tensor.shape or payload.dtype != self._tensor.dtype:
+            raise CollectiveMismatchError(
+                "recv", self._seq, f"rank {self._src} sent shape {tuple(payload.shape)} "
+                f"{payload.dtype} with tag {self._tag}, rank {b.rank} expects shape "
+                f"{tuple(self._tensor.shape)} {self._tensor.dtype}")
+        self._tensor.copy_(payload)
+        self._done = True
+        return self._tensor
+
+    def is_completed(self) -> bool:
+        return self._done or self._backend._rdv.has_message(self._src, self._backend.rank, self._tag)

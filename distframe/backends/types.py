@@ -1,0 +1,130 @@
+"""Value types every engine shares: reduction ops, pending work and communication counters."""
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from distframe.errors import CollectiveTimeoutError
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by ``all_reduce``, ``reduce`` and ``reduce_scatter`` (torch.distributed names)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls[op.upper()]
+            except KeyError:
+                pass
+        raise ValueError(f"op must be a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX), got {op!r}")
+
+
+def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
+    """The op actually applied for ``dtype``: bool SUM is logical OR and PRODUCT logical AND,
+    as in torch.distributed; AVG needs a floating or complex dtype."""
+    if dtype == torch.bool:
+        if op is ReduceOp.AVG:
+            raise ValueError("ReduceOp.AVG is undefined for bool tensors; use MAX (any) or MIN (all)")
+        return {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
+    if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}; "
+                         "use ReduceOp.SUM and divide, or convert to a float dtype first")
+    return op
+
+
+class Work:
+    """A pending operation. ``wait()`` blocks until it completes and returns its result
+    (the output tensor, list of tensors, or None), raising what the operation raised."""
+
+    def wait(self, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+
+class CompletedWork(Work):
+    """Work that finished when it was created (a synchronous call returned through ``async_op``)."""
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FutureWork(Work):
+    """Work running on a backend's communication thread."""
+
+    def __init__(self, future: Future, op: str, seq: int, on_done: Callable[[], None] | None = None) -> None:
+        self._future = future
+        self._op = op
+        self._seq = seq
+        self._on_done = on_done
+
+    def wait(self, timeout: float | None = None) -> Any:
+        try:
+            result = self._future.result(timeout=timeout)
+        except FutureTimeout:
+            raise CollectiveTimeoutError(
+                self._op, self._seq, None, timeout or 0.0,
+                "Work.wait(timeout=...) expired before the operation completed") from None
+        if self._on_done is not None:
+            self._on_done()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class CommStats:
+    """Per-op counters of one backend object: ``calls[op]`` and ``bytes[op]``, where bytes are those
+    of the tensors this rank handed to ``op`` (its input; for ``scatter`` on the source, all chunks).
+    Wire volume follows from the op and the world size."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def record(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            self.calls[op] += 1
+            self.bytes[op] += nbytes
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.bytes.clear()
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+    def __repr__(self) -> str:
+        return f"CommStats(calls={dict(self.calls)}, bytes={dict(self.bytes)})"

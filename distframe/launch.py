@@ -1,0 +1,119 @@
+"""How ranks come to exist: ``spawn`` (threads or processes from one Python call) and
+``init_backend`` (a process started by mpirun/mpiexec or torchrun)."""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.backends.inmemory import InMemoryCommunicationBackend
+from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
+
+T = TypeVar("T")
+ENGINES = ("inmemory", "gloo", "nccl", "mpi")
+
+
+def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
+          timeout: float = DEFAULT_TIMEOUT, **backend_kwargs: Any) -> list[T]:
+    """Runs ``fn(backend)`` on ``world_size`` ranks and returns each rank's result, in rank order.
+
+    ``inmemory`` ranks are threads of this process; ``gloo`` and ``nccl`` ranks are spawned
+    processes (``fn`` and its results must pickle; ``nccl`` needs one GPU per rank); ``mpi`` ranks
+    are processes started with ``mpiexec``. ``timeout`` and ``backend_kwargs`` go to each backend's
+    constructor. If any rank raises, the others stop (in-memory: at once, with RankFailedError;
+    processes: they are terminated), every thread or process has ended when ``spawn`` returns,
+    and the first original exception is re-raised with a note naming its rank.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+    if backend == "inmemory":
+        return _spawn_threads(fn, world_size, timeout=timeout, **backend_kwargs)
+    if backend in ("gloo", "nccl"):
+        from distframe._process_launch import spawn_processes
+        return spawn_processes(fn, world_size, backend, timeout=timeout, **backend_kwargs)
+    if backend == "mpi":
+        from distframe._mpi_launch import spawn_mpi
+        return spawn_mpi(fn, world_size, timeout=timeout, **backend_kwargs)
+    raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(ENGINES)}")
+
+
+def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any) -> list[T]:
+    backends = InMemoryCommunicationBackend.create_group(world_size, **backend_kwargs)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        b = backends[rank]
+        try:
+            results[rank] = fn(b)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
+            errors[rank] = exc
+            b.world.abort(rank, exc)
+        finally:
+            b.shutdown()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"distframe-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException as exc:  # Ctrl-C in the caller: stop every rank, then re-raise.
+        backends[0].world.abort(-1, exc)
+        for t in threads:
+            t.join(timeout=5)
+        raise
+    if errors:
+        raise_first_failure(errors)
+    return results
+
+
+def raise_first_failure(errors: dict[int, BaseException]) -> None:
+    """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it."""
+    originals = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)}
+    rank, exc = min((originals or errors).items())
+    exc.add_note(f"(raised on rank {rank}; {len(errors)} of the ranks failed)")
+    raise exc
+
+
+def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
+    """'mpi' under mpirun/mpiexec, 'torchrun' under torchrun, None otherwise."""
+    env = os.environ if environ is None else environ
+    if any(k in env for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")):
+        return "mpi"
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return "torchrun"
+    return None
+
+
+def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **backend_kwargs: Any):
+    """The backend of a process that a launcher started.
+
+    ``auto``: MPI under mpirun/mpiexec; under torchrun NCCL when CUDA is available, else Gloo;
+    otherwise a single-rank in-memory group. ``mpi``, ``gloo``, ``nccl`` and ``inmemory`` force one.
+    """
+    launcher = detect_launcher()
+    if name == "auto":
+        if launcher == "mpi":
+            name = "mpi"
+        elif launcher == "torchrun":
+            import torch
+            name = "nccl" if torch.cuda.is_available() else "gloo"
+        else:
+            name = "inmemory"
+    if name == "inmemory":
+        return InMemoryCommunicationBackend(0, 1, timeout=timeout, **backend_kwargs)
+    if name == "mpi":
+        from distframe.backends.mpi import MPICommunicationBackend
+        return MPICommunicationBackend(timeout=timeout, **backend_kwargs)
+    if name in ("gloo", "nccl"):
+        if launcher != "torchrun":
+            raise BackendUnavailableError(
+                f"backend {name!r} needs RANK, WORLD_SIZE and MASTER_ADDR: start the program with "
+                f"torchrun, or use spawn(fn, world_size, backend={name!r})")
+        from distframe.backends.torch_dist import from_environment
+        return from_environment(name, timeout=timeout, **backend_kwargs)
+    raise ConfigError(f"unknown backend {name!r}; choose auto or one of {', '.join(ENGINES)}")
