@@ -57,15 +57,6 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
 
 
-def validate_segments_for_seq(segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-                              seq_len: int) -> None:
-    """A segment longer than the sequence is cut to ``seq``: it must still divide by its rate."""
-    for w, r in zip(segment_lengths, dilation_rates):
-        if w > seq_len and seq_len % r != 0:
-            raise ValueError(f"segment_lengths: segment {w} is cut to the sequence length "
-                             f"{seq_len}, which is not divisible by its dilation rate {r}")
-
-
 class DilatedAttention(nn.Module):
     """Exact dilated attention on ``(batch, seq, heads, head_dim)`` tensors, one device.
 
@@ -105,7 +96,6 @@ class DilatedAttention(nn.Module):
         """``(B, T, H, D)`` q, k, v -> ``(B, T, H, D)``."""
         validate_inputs(query, key, value, key_padding_mask)
         batch, seq_len, num_heads, head_dim = query.shape
-        validate_segments_for_seq(self.segment_lengths, self.dilation_rates, seq_len)
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
         sources = self._key_sources(seq_len, num_heads, query.device, is_causal)
         if self.training and self.attention_dropout > 0.0:

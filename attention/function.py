@@ -52,7 +52,7 @@ def scatter_local_rows(src: torch.Tensor, plan: BranchPlan, into: torch.Tensor) 
     """Add the valid (local) rows of ``src (B*nseg, H, M, X)`` into ``into (B, T_local, H, X)``."""
     batch, width = into.shape[0], into.shape[-1]
     flat_src = src.reshape(batch, -1, width)  # (B, S, X)
-    if plan.all_slots_local():
+    if plan.all_slots_local:
         targets = plan.gather_index
     else:
         slots = plan.local_slots
@@ -63,7 +63,7 @@ def scatter_local_rows(src: torch.Tensor, plan: BranchPlan, into: torch.Tensor) 
 
 def _local_row_mask(plan: BranchPlan, batch: int, device: torch.device) -> torch.Tensor | None:
     """``(B*nseg, H, M)`` bool of rows that are not this slice's queries (None: all are)."""
-    if plan.all_slots_local():
+    if plan.all_slots_local:
         return None
     pos = plan.slot_positions.to(device)
     outside = (pos < plan.start) | (pos >= plan.stop)
@@ -79,7 +79,7 @@ def _merge(acc_out, acc_lse, out_i, lse_i):
     return acc_out, new_lse
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -106,7 +106,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, key_padding_mask, sources: Sequence[KeySource],
                 is_causal: bool, scale: float):
-        acc_dtype = _accumulate_dtype(query.dtype)
+        acc_dtype = accumulate_dtype(query.dtype)
         batch, local_len, heads, head_dim = query.shape
         acc_out = query.new_zeros(batch, local_len, heads, head_dim, dtype=acc_dtype)
         acc_lse = query.new_full((batch, local_len, heads), float("-inf"), dtype=acc_dtype)

@@ -72,9 +72,11 @@ class BranchPlan:
         pos = self.slot_positions.clamp(self.start, self.stop - 1)
         return ((pos - self.start) * self.num_heads + self.slot_heads).reshape(-1)
 
+    @cached_property
     def all_slots_local(self) -> bool:
         """True when every slot holds a position of the slice (no padding rows)."""
-        return self.start % self.segment_length == 0 and self.stop % self.segment_length == 0
+        pos = self.slot_positions
+        return bool(((pos >= self.start) & (pos < self.stop)).all())
 
     def missing_keys(self, is_causal: bool) -> torch.Tensor | None:
         """``(nseg, H, M)`` bool of slots that hold no key and are not hidden by causality."""
@@ -89,11 +91,9 @@ def make_branch_plan(*, seq_len: int, start: int, stop: int, segment_length: int
                      device: torch.device | None = None) -> BranchPlan:
     """Plan of branch ``(segment_length, dilation_rate)`` for the slice ``[start, stop)``."""
     w = min(segment_length, seq_len)
-    if w % dilation_rate != 0:
-        raise ValueError(f"segment length {w} is not divisible by dilation rate {dilation_rate}")
     first = start // w
     num_segments = math.ceil(stop / w) - first
-    rows = w // dilation_rate
+    rows = math.ceil(w / dilation_rate)  # w' = seq may not divide by r
     seg_starts = (torch.arange(num_segments) + first) * w  # (nseg,)
     offsets = torch.tensor(head_offsets(num_heads, dilation_rate))  # (H,)
     within = torch.arange(rows) * dilation_rate  # (M,)
