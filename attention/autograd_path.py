@@ -12,13 +12,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from attention.function import KeySource, accumulate_dtype, gather_slots
+from attention.function import KeySource, accumulate_dtype
 
 
 def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, scale, dropout):
     plan = source.plan
     acc = accumulate_dtype(query.dtype)
-    qc = gather_slots(query, plan).to(acc)  # (B*nseg, H, M, D)
+    qc = plan.compressed(query).to(acc)  # (B*nseg, H, M, D)
     kc, vc, key_mask = source.gather_keys(key, value, key_padding_mask)
     scores = (qc @ kc.to(acc).transpose(-1, -2)) * scale  # (B*nseg, H, M, M)
     if key_mask is not None:
@@ -31,38 +31,39 @@ def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, s
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse))
     probs = F.dropout(probs, p=dropout, training=dropout > 0.0)
-    out_c = torch.cat([probs @ vc.to(acc), lse], dim=-1)  # (B*nseg, H, M, D + 1)
+    out_c = torch.cat([probs @ vc.to(acc), lse], dim=-1)  # (B*nseg, hg, M, D + 1)
     return _scatter(out_c, plan, query.shape)
 
 
 def _scatter(src, plan, shape):
-    batch, local_len, heads, _ = shape
-    width = src.shape[-1]
-    flat = src.reshape(batch, -1, width)
-    if plan.all_slots_local:
-        targets = plan.gather_index
-    else:
-        targets = plan.local_targets
-        flat = flat.index_select(1, plan.local_slots)
-    full = flat.new_zeros(batch, local_len * heads, width)
-    covered = flat.new_zeros(batch, local_len * heads, 1)
-    full = full.index_add(1, targets, flat)
-    covered = covered.index_add(1, targets, torch.ones_like(flat[..., :1]))
-    full = full.view(batch, local_len, heads, width)
-    lse = full[..., -1].masked_fill(covered.view(batch, local_len, heads) == 0, float("-inf"))
-    return full[..., :-1], lse  # (B, T, H, D), (B, T, H)
+    """Valid rows of ``src`` into full ``(B, T, H, D)`` output and ``(B, T, H)`` lse."""
+    batch, local_len, heads, head_dim = shape
+    full = src.new_zeros(batch, local_len, heads, head_dim + 1)
+    full[..., -1] = float("-inf")
+    index = plan.local_targets if not plan.regular else plan.gather_index
+    rows = src.reshape(batch, -1, head_dim + 1)
+    if not plan.regular:
+        rows = rows.index_select(1, plan.local_slots)
+    full = full.view(batch, -1, head_dim + 1).index_copy(1, index, rows)
+    full = full.view(batch, local_len, heads, head_dim + 1)
+    return full[..., :-1], full[..., -1]  # (B, T, H, D), (B, T, H)
 
 
 def dilated_attention_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                sources: Sequence[KeySource], *, is_causal: bool,
                                key_padding_mask: torch.Tensor | None, scale: float,
                                dropout: float) -> torch.Tensor:
-    """Merged dilated attention ``(B, T, H, D)`` with dropout on the attention probabilities."""
+    """Merged dilated attention ``(B, T, H, D)`` with dropout on the attention probabilities.
+
+    Units (head groups of a branch) cover disjoint rows, so merging over all units at once is
+    merging over branches.
+    """
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, dropout)
                        for s in sources))
-    lse = torch.stack(lses)  # (branches, B, T, H)
+    lse = torch.stack(lses)  # (units, B, T, H)
     total = torch.logsumexp(lse, dim=0, keepdim=True)
     safe_total = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-    weights = torch.exp(lse - safe_total).unsqueeze(-1)  # (branches, B, T, H, 1)
+    weights = torch.exp(lse - safe_total).unsqueeze(-1)  # (units, B, T, H, 1)
     out = (weights * torch.stack(outs)).sum(0)
     return out.to(query.dtype)

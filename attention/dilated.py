@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.autograd_path import dilated_attention_autograd
 from attention.function import DilatedAttentionFunction, LocalKeySource
-from attention.plan import make_branch_plan
+from attention.plan import make_slot_plans
 
 
 def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
@@ -84,10 +84,11 @@ class DilatedAttention(nn.Module):
         cache_key = (seq_len, num_heads, str(device), is_causal)
         if cache_key not in self._sources:
             self._sources[cache_key] = [
-                LocalKeySource(make_branch_plan(seq_len=seq_len, start=0, stop=seq_len,
-                                                segment_length=w, dilation_rate=r,
-                                                num_heads=num_heads, device=device), is_causal)
-                for w, r in zip(self.segment_lengths, self.dilation_rates)]
+                LocalKeySource(plan, is_causal)
+                for w, r in zip(self.segment_lengths, self.dilation_rates)
+                for plan in make_slot_plans(seq_len=seq_len, start=0, stop=seq_len,
+                                            segment_length=w, dilation_rate=r,
+                                            num_heads=num_heads, device=device)]
         return self._sources[cache_key]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,15 +1,17 @@
-"""Index plans: where each dilated branch reads its compressed segments from.
+"""Slot plans: where one head group of one dilated branch reads its compressed segments.
 
 A branch ``(w, r)`` cuts the sequence into segments of length ``w' = min(w, seq)`` (the last may
-be shorter) and, for head h, keeps the positions ``segment_start + o_h + j * r`` with
-``o_h = h // ceil(H / r)``. A *slot* ``(s, h, j)`` of the compressed tensor ``(nseg, H, M, D)``
-(``M = w' / r``) holds that position. A plan is made for one contiguous slice
-``[start, stop)`` of the sequence (the whole sequence on one device, one rank's slice in the ring):
-it covers every segment that meets the slice. Query rows are valid where the slot's position lies
-in the slice; keys come from the slice itself or, in the ring, from the rank that owns them.
+be shorter) and, for head h, keeps positions ``segment_start + o + j * r`` with
+``o = h // ceil(H / r)``. Heads sharing an offset form a *head group*; a plan covers one group.
+A *slot* ``(s, h, j)`` of the compressed tensor ``(nseg, hg, M, D)`` (``M = ceil(w' / r)``)
+holds one position. A plan is made for one contiguous slice ``[start, stop)`` of the sequence
+(the whole sequence on one device, one rank's slice in the ring) and covers every segment that
+meets the slice. Query rows are valid where the slot's position lies in the slice.
 
-Indices address a ``(B, T_local, H, D)`` tensor viewed as ``(B, T_local * H, D)``:
-``flat = (position - start) * H + h``.
+Two access paths return the same values: a *regular* plan (slice and sequence aligned to whole
+segments, ``r`` dividing ``w'``) reads strided views of the ``(B, T, H, X)`` tensor, copying
+nothing; any other plan gathers rows by index from its ``(B, T * H, X)`` view
+(``flat = (position - start) * H + h``).
 """
 from __future__ import annotations
 
@@ -19,35 +21,41 @@ from functools import cached_property
 
 import torch
 
-from attention.reference import head_offsets
-
 
 @dataclass(frozen=True, kw_only=True)
-class BranchPlan:
-    """Compressed layout of one branch for the slice ``[start, stop)`` of a ``seq_len`` sequence."""
+class SlotPlan:
+    """Compressed layout of heads ``[head_start, head_stop)`` of one branch for ``[start, stop)``."""
 
     seq_len: int
     start: int
     stop: int
     segment_length: int  # effective: min(w, seq_len)
     dilation_rate: int
+    offset: int
+    head_start: int
+    head_stop: int
     num_heads: int
     first_segment: int
     num_segments: int
-    slot_positions: torch.Tensor  # (nseg, H, M) global positions, may be >= seq_len
+    rows: int  # M
+    device: torch.device | None
 
     @property
-    def rows_per_segment(self) -> int:
-        return self.slot_positions.shape[-1]
-
-    @property
-    def num_slots(self) -> int:
-        return self.slot_positions.numel()
+    def group_heads(self) -> int:
+        return self.head_stop - self.head_start
 
     @cached_property
-    def slot_heads(self) -> torch.Tensor:
-        heads = torch.arange(self.num_heads, device=self.slot_positions.device)
-        return heads.view(1, -1, 1).expand_as(self.slot_positions)
+    def slot_positions(self) -> torch.Tensor:
+        """``(nseg, hg, M)`` global position of every slot (may exceed the sequence)."""
+        seg = (torch.arange(self.num_segments, device=self.device) + self.first_segment)
+        within = torch.arange(self.rows, device=self.device) * self.dilation_rate + self.offset
+        pos = seg.view(-1, 1) * self.segment_length + within.view(1, -1)  # (nseg, M)
+        return pos.unsqueeze(1).expand(-1, self.group_heads, -1)
+
+    @cached_property
+    def regular(self) -> bool:
+        w = self.segment_length
+        return (self.start % w == 0 and self.stop % w == 0 and w % self.dilation_rate == 0)
 
     @cached_property
     def local_slots(self) -> torch.Tensor:
@@ -55,49 +63,93 @@ class BranchPlan:
         pos = self.slot_positions.reshape(-1)
         return torch.nonzero((pos >= self.start) & (pos < self.stop)).flatten()
 
-    def local_flat(self, slots: torch.Tensor) -> torch.Tensor:
-        """Flat ``(B, T_local*H)`` index of the given slots (which must be local)."""
-        pos = self.slot_positions.reshape(-1)[slots]
-        heads = self.slot_heads.reshape(-1)[slots]
-        return (pos - self.start) * self.num_heads + heads
+    def flat_index(self, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Flat ``(T_local * H)`` index of ``positions`` held by the given flat slots."""
+        heads = torch.arange(self.head_start, self.head_stop, device=self.device)
+        heads = heads.view(1, -1, 1).expand_as(self.slot_positions).reshape(-1)[slots]
+        return (positions - self.start) * self.num_heads + heads
 
     @cached_property
     def local_targets(self) -> torch.Tensor:
-        """Flat local index of every slot in ``local_slots``, in the same order."""
-        return self.local_flat(self.local_slots)
+        return self.flat_index(self.slot_positions.reshape(-1)[self.local_slots],
+                               self.local_slots)
 
     @cached_property
     def gather_index(self) -> torch.Tensor:
         """Flat local index for every slot; slots outside the slice are clamped (rows unused)."""
-        pos = self.slot_positions.clamp(self.start, self.stop - 1)
-        return ((pos - self.start) * self.num_heads + self.slot_heads).reshape(-1)
+        pos = self.slot_positions.clamp(self.start, self.stop - 1).reshape(-1)
+        return self.flat_index(pos, torch.arange(pos.numel(), device=self.device))
 
     @cached_property
-    def all_slots_local(self) -> bool:
-        """True when every slot holds a position of the slice (no padding rows)."""
+    def outside_rows(self) -> torch.Tensor | None:
+        """``(nseg, hg, M)`` bool of slots that are not this slice's queries (None: none)."""
+        if self.regular:
+            return None
         pos = self.slot_positions
-        return bool(((pos >= self.start) & (pos < self.stop)).all())
+        return (pos < self.start) | (pos >= self.stop)
 
     def missing_keys(self, is_causal: bool) -> torch.Tensor | None:
-        """``(nseg, H, M)`` bool of slots that hold no key and are not hidden by causality."""
-        if is_causal:
-            return None  # such slots sit after every valid query row of their segment
+        """``(nseg, hg, M)`` bool of slots beyond the sequence that causality does not hide."""
+        if is_causal or self.regular:
+            return None  # under causality such slots follow every valid query of their segment
         missing = self.slot_positions >= self.seq_len
         return missing if bool(missing.any()) else None
 
+    # -- access: compressed kernel tensors <-> rows of the local (B, T_local, H, X) tensor --
 
-def make_branch_plan(*, seq_len: int, start: int, stop: int, segment_length: int,
-                     dilation_rate: int, num_heads: int,
-                     device: torch.device | None = None) -> BranchPlan:
-    """Plan of branch ``(segment_length, dilation_rate)`` for the slice ``[start, stop)``."""
+    def _strided(self, x: torch.Tensor) -> torch.Tensor:
+        """Regular plans: ``(B, T, H, X) -> (B, nseg, hg, M, X)`` view of this group's slots."""
+        batch, _, heads, width = x.shape
+        view = x.view(batch, self.num_segments, self.rows, self.dilation_rate, heads, width)
+        return view[:, :, :, self.offset, self.head_start:self.head_stop].permute(0, 1, 3, 2, 4)
+
+    def compressed(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T_local, H, X) -> (B * nseg, hg, M, X)`` kernel input (a view when regular)."""
+        batch, width = x.shape[0], x.shape[-1]
+        if self.regular:
+            return self._strided(x).flatten(0, 1)
+        flat = x.reshape(batch, -1, width).index_select(1, self.gather_index)
+        return flat.view(batch * self.num_segments, self.group_heads, self.rows, width)
+
+    def valid(self, yc: torch.Tensor, batch: int) -> torch.Tensor:
+        """Kernel output ``(B * nseg, hg, M, X)`` -> its valid rows in the plan's row order."""
+        if self.regular:
+            return yc.view(batch, self.num_segments, self.group_heads, self.rows, -1)
+        return yc.reshape(batch, -1, yc.shape[-1]).index_select(1, self.local_slots)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the local tensor ``(B, T_local, H, X)`` in the plan's row order."""
+        if self.regular:
+            return self._strided(x)
+        return x.view(x.shape[0], -1, x.shape[-1]).index_select(1, self.local_targets)
+
+    def write_local(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        if self.regular:
+            self._strided(x).copy_(values)
+        else:
+            x.view(x.shape[0], -1, x.shape[-1]).index_copy_(1, self.local_targets, values)
+
+    def add_local(self, x: torch.Tensor, values: torch.Tensor) -> None:
+        if self.regular:
+            self._strided(x).add_(values)
+        else:
+            x.view(x.shape[0], -1, x.shape[-1]).index_add_(1, self.local_targets,
+                                                           values.to(x.dtype))
+
+
+def make_slot_plans(*, seq_len: int, start: int, stop: int, segment_length: int,
+                    dilation_rate: int, num_heads: int,
+                    device: torch.device | None = None) -> list[SlotPlan]:
+    """One plan per head group of branch ``(segment_length, dilation_rate)`` for ``[start, stop)``."""
     w = min(segment_length, seq_len)
+    group = math.ceil(num_heads / dilation_rate)
     first = start // w
-    num_segments = math.ceil(stop / w) - first
-    rows = math.ceil(w / dilation_rate)  # w' = seq may not divide by r
-    seg_starts = (torch.arange(num_segments) + first) * w  # (nseg,)
-    offsets = torch.tensor(head_offsets(num_heads, dilation_rate))  # (H,)
-    within = torch.arange(rows) * dilation_rate  # (M,)
-    slots = seg_starts.view(-1, 1, 1) + offsets.view(1, -1, 1) + within.view(1, 1, -1)
-    return BranchPlan(seq_len=seq_len, start=start, stop=stop, segment_length=w,
-                      dilation_rate=dilation_rate, num_heads=num_heads, first_segment=first,
-                      num_segments=num_segments, slot_positions=slots.to(device))
+    plans = []
+    for head_start in range(0, num_heads, group):
+        plans.append(SlotPlan(
+            seq_len=seq_len, start=start, stop=stop, segment_length=w,
+            dilation_rate=dilation_rate, offset=head_start // group, head_start=head_start,
+            head_stop=min(head_start + group, num_heads), num_heads=num_heads,
+            first_segment=first, num_segments=math.ceil(stop / w) - first,
+            rows=math.ceil(w / dilation_rate), device=device))
+    return plans
