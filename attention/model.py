@@ -1,0 +1,149 @@
+"""``DilatedTransformerLM``: the decoder-only byte-level language model the main job trains.
+
+Layout (names are a contract for the pipeline splitter and tensor-parallel plans):
+``tok_embedding`` -> ``pos_embedding`` added -> ``blocks`` (an ``nn.ModuleList`` of pre-norm
+``attn`` = ``MultiheadDilatedAttention`` and ``mlp`` = ``fc_in``/``fc_out``) -> ``final_norm``
+-> ``head``. Attention is causal. A plain single-device ``nn.Module``: strategies wrap it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attention.multihead import MultiheadDilatedAttention
+
+try:  # the project's error type when it is there; a ValueError either way
+    from distframe.errors import ConfigError
+except ImportError:  # pragma: no cover - attention also works on its own
+    ConfigError = ValueError  # type: ignore[misc,assignment]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DilatedTransformerConfig:
+    """Model shape. Validated on construction; errors name the field."""
+
+    vocab_size: int = 256
+    seq_len: int = 1024
+    embed_dim: int = 256
+    num_heads: int = 4
+    num_layers: int = 4
+    mlp_ratio: int = 4
+    segment_lengths: tuple[int, ...] = (256, 512, 1024)
+    dilation_rates: tuple[int, ...] = (1, 2, 4)
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
+        object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
+        for name in ("vocab_size", "seq_len", "embed_dim", "num_heads", "num_layers",
+                     "mlp_ratio"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.embed_dim % self.num_heads != 0:
+            raise ConfigError(f"embed_dim ({self.embed_dim}) must be divisible by num_heads "
+                              f"({self.num_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._validate_branches()
+
+    def _validate_branches(self) -> None:
+        if len(self.segment_lengths) == 0 or len(self.segment_lengths) != len(self.dilation_rates):
+            raise ConfigError("segment_lengths and dilation_rates must be non-empty and of equal "
+                              f"length, got {self.segment_lengths} and {self.dilation_rates}")
+        for w, r in zip(self.segment_lengths, self.dilation_rates):
+            if w <= 0 or r <= 0:
+                raise ConfigError(f"segment_lengths/dilation_rates must be positive, got ({w}, {r})")
+            if w > self.seq_len:
+                raise ConfigError(f"segment_lengths: {w} exceeds seq_len {self.seq_len}; use "
+                                  f"segments no longer than the sequence")
+            if w % r != 0:
+                raise ConfigError(f"segment_lengths: {w} is not divisible by its dilation rate {r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "DilatedTransformerConfig":
+        """``"tiny"`` (tests, seconds on CPU) or ``"small"`` (the main job); fields may be overridden."""
+        presets = {
+            "tiny": dict(seq_len=64, embed_dim=32, num_heads=2, num_layers=2,
+                         segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4)),
+            "small": dict(seq_len=1024, embed_dim=256, num_heads=4, num_layers=4,
+                          segment_lengths=(256, 512, 1024), dilation_rates=(1, 2, 4)),
+        }
+        if name not in presets:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+    def replace(self, **changes) -> "DilatedTransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DilatedTransformerConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_ratio * config.embed_dim
+        self.fc_in = nn.Linear(config.embed_dim, hidden)
+        self.activation = nn.GELU()
+        self.fc_out = nn.Linear(hidden, config.embed_dim)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.activation(self.fc_in(x))))
+
+
+class DilatedTransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(ln_attn(x))``, then ``x + mlp(ln_mlp(x))``; causal."""
+
+    def __init__(self, config: DilatedTransformerConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
+        self.attn = MultiheadDilatedAttention(
+            config.embed_dim, config.num_heads, segment_lengths=config.segment_lengths,
+            dilation_rates=config.dilation_rates, dropout=config.dropout,
+            layer_norm_eps=config.layer_norm_eps)
+        self.ln_mlp = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, E)
+        h = self.ln_attn(x)
+        attended, _ = self.attn(h, h, h, is_causal=True)
+        x = x + self.dropout(attended)
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class DilatedTransformerLM(nn.Module):
+    """Byte-level decoder-only LM: ``tokens (B, T) int64 -> logits (B, T, vocab)``, causal."""
+
+    def __init__(self, config: DilatedTransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embedding = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.pos_embedding = nn.Embedding(config.seq_len, config.embed_dim)
+        self.blocks = nn.ModuleList(DilatedTransformerBlock(config)
+                                    for _ in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
+        self.head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        nn.init.normal_(self.tok_embedding.weight, std=0.02)
+        nn.init.normal_(self.pos_embedding.weight, std=0.02)
+        if config.tie_embeddings:
+            self.head.weight = self.tok_embedding.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, T) int64 -> (B, T, E)``: token plus learned position embeddings."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq), got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds config.seq_len "
+                             f"{self.config.seq_len}")
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok_embedding(tokens) + self.pos_embedding(positions)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # (B, T, E)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))  # (B, T, V)

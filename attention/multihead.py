@@ -1,0 +1,82 @@
+"""``MultiheadDilatedAttention``: projections + dilated attention + MAGNETO sub-layer norm.
+
+Batch-first ``(batch, seq, embed_dim)``. ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are
+separate ``nn.Linear`` submodules so a tensor-parallel plan can split the first three by columns
+and ``out_proj`` by rows (``num_heads`` is then the local head count).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from attention.dilated import DilatedAttention
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """LongNet multi-head dilated attention.
+
+    Output is ``out_proj(layer_norm(attention))``: the MAGNETO sub-LN sits before the output
+    projection (``layer_norm=False`` removes it). Initialisation follows LongNet/MAGNETO:
+    Xavier-normal for ``q_proj``/``k_proj``, Xavier-normal with gain ``gamma_init`` for
+    ``v_proj``/``out_proj``, zero biases. With one branch covering the sequence, dilation 1 and
+    ``layer_norm=False`` it computes what ``nn.MultiheadAttention(batch_first=True)`` computes
+    with the same weights.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
+                 dilation_rates: Sequence[int], dropout: float = 0.0, bias: bool = True,
+                 layer_norm: bool = True, layer_norm_eps: float = 1e-5, gamma_init: float = 1.0,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be positive, got {embed_dim}, "
+                             f"{num_heads}")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
+                             f"({num_heads})")
+        head_dim = embed_dim // num_heads
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.gamma_init = gamma_init
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.attention = DilatedAttention(segment_lengths, dilation_rates,
+                                          attention_dropout=dropout)
+        self.norm = (nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
+                     if layer_norm else None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_normal_(self.q_proj.weight)
+        nn.init.xavier_normal_(self.k_proj.weight)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                is_causal: bool = False, key_padding_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, None]:
+        """``(B, T, E)`` inputs -> ``((B, T, E), None)`` (no attention weights are formed)."""
+        if query.dim() != 3:
+            raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
+        batch, seq_len, _ = query.shape
+        # num_heads follows the projection width, so a column-split q_proj just works.
+        heads = self.q_proj.out_features // self.head_dim
+        q = self.q_proj(query).view(batch, seq_len, heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(key).view(batch, key.shape[1], heads, self.head_dim)
+        v = self.v_proj(value).view(batch, value.shape[1], heads, self.head_dim)
+        attended = self.attention(q, k, v, is_causal=is_causal,
+                                  key_padding_mask=key_padding_mask)  # (B, T, H, D)
+        attended = attended.reshape(batch, seq_len, heads * self.head_dim)  # (B, T, E)
+        if self.norm is not None:
+            attended = self.norm(attended)
+        return self.out_proj(attended), None
