@@ -1,0 +1,162 @@
+"""Faults on the in-memory engine: mismatch, timeout, a failing rank, use after shutdown, leaks."""
+import threading
+import time
+
+import pytest
+import torch
+
+from distframe import spawn
+from distframe.backends import InMemoryCommunicationBackend
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+
+
+def _outcomes(fn, world_size, **kw):
+    """Runs fn on every rank and returns each rank's exception (or None), without re-raising."""
+    def wrapped(b):
+        try:
+            fn(b)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return exc
+        return None
+    return spawn(wrapped, world_size, **kw)
+
+
+@pytest.mark.parametrize("variant", ["op", "shape", "dtype", "reduce_op", "root"])
+def test_mismatch_raises_on_every_rank(variant):
+    def fn(b):
+        odd = b.rank == 1
+        t = torch.zeros(3 if odd and variant == "shape" else 2,
+                        dtype=torch.float64 if odd and variant == "dtype" else torch.float32)
+        if variant == "op" and odd:
+            b.broadcast(t, 0)
+        elif variant == "reduce_op":
+            b.all_reduce(t, "max" if odd else "sum")
+        elif variant == "root":
+            b.broadcast(t, 1 if odd else 0)
+        else:
+            b.all_reduce(t)
+    errors = _outcomes(fn, 3, timeout=10)
+    assert all(isinstance(e, CollectiveMismatchError) for e in errors), errors
+    assert all(e.seq == 1 and "rank 1 called" in str(e) for e in errors)
+
+
+def test_recv_shape_mismatch():
+    def fn(b):
+        if b.rank == 0:
+            b.send(torch.zeros(3), 1)
+        else:
+            b.recv(torch.zeros(4), 0)
+    errors = _outcomes(fn, 2, timeout=10)
+    assert errors[0] is None and isinstance(errors[1], CollectiveMismatchError)
+    assert "shape (3,)" in str(errors[1]) and "(4,)" in str(errors[1])
+
+
+def test_timeout_names_op_sequence_and_missing_ranks():
+    def fn(b):
+        b.all_reduce(torch.ones(1))  # seq 1, everyone
+        if b.rank not in (1, 3):
+            b.all_gather(torch.ones(1))  # seq 2: ranks 1 and 3 never come
+    start = time.monotonic()
+    errors = _outcomes(fn, 4, timeout=0.5)
+    assert time.monotonic() - start < 5
+    for r in (0, 2):
+        e = errors[r]
+        assert isinstance(e, CollectiveTimeoutError)
+        assert (e.op, e.seq, e.missing_ranks) == ("all_gather", 2, [1, 3])
+        assert "all_gather (sequence number 2)" in str(e) and "[1, 3]" in str(e)
+    assert errors[1] is None and errors[3] is None
+
+
+def test_timeout_in_subgroup_names_global_ranks():
+    def fn(b):
+        sub = b.new_group([2, 3])
+        if sub is not None and sub.rank == 0:
+            sub.barrier()
+    errors = _outcomes(fn, 4, timeout=0.3)
+    assert isinstance(errors[2], CollectiveTimeoutError)
+    assert errors[2].missing_ranks == [1] and "global ranks [3]" in str(errors[2])
+
+
+def test_recv_timeout_names_the_sender():
+    errors = _outcomes(lambda b: b.recv(torch.zeros(1), 1) if b.rank == 0 else None, 2, timeout=0.2)
+    assert isinstance(errors[0], CollectiveTimeoutError) and errors[0].missing_ranks == [1]
+
+
+def test_raising_rank_stops_the_others_within_a_second():
+    waited = {}
+
+    def fn(b):
+        if b.rank == 2:
+            time.sleep(0.1)
+            raise KeyError("boom on purpose")
+        start = time.monotonic()
+        try:
+            b.all_reduce(torch.ones(4))
+        finally:
+            waited[b.rank] = time.monotonic() - start
+    with pytest.raises(KeyError, match="boom on purpose") as info:
+        spawn(fn, 4, timeout=60)
+    assert any("rank 2" in note for note in info.value.__notes__)
+    assert len(waited) == 3 and max(waited.values()) < 1.0
+
+
+def test_peers_see_rank_failed_error():
+    seen = []
+
+    def fn(b):
+        if b.rank == 0:
+            raise RuntimeError("rank 0 dies")
+        try:
+            b.barrier()
+        except RankFailedError as exc:
+            seen.append(exc.failed_rank)
+            raise
+    with pytest.raises(RuntimeError, match="rank 0 dies"):
+        spawn(fn, 3, timeout=60)
+    assert seen == [0, 0]
+
+
+def test_no_threads_leak():
+    before = {t.ident for t in threading.enumerate()}
+
+    def fn(b):
+        b.all_reduce(torch.ones(8), async_op=True).wait()
+        if b.rank == 1:
+            raise ValueError("x")
+        b.barrier()
+    with pytest.raises(ValueError):
+        spawn(fn, 3, timeout=30)
+    spawn(lambda b: b.all_reduce(torch.ones(2), async_op=True).wait(), 2)
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert leftover == []
+
+
+def test_async_failure_surfaces_on_wait_and_next_call():
+    def fn(b):
+        if b.rank == 0:
+            work = b.all_reduce(torch.ones(2), async_op=True)
+            with pytest.raises(CollectiveTimeoutError):
+                work.wait()
+            return "ok"
+        return "absent"
+    assert spawn(fn, 2, timeout=0.2) == ["ok", "absent"]
+
+
+def test_single_rank_backend_needs_no_group():
+    b = InMemoryCommunicationBackend(0, 1)
+    assert b.all_reduce(torch.tensor([2.0]), "avg").item() == 2.0
+    with pytest.raises(ValueError, match="create_group"):
+        InMemoryCommunicationBackend(0, 2)
+    b.shutdown()
+    with pytest.raises(ValueError, match="after shutdown"):
+        b.barrier()
+
+
+def test_spawn_rejects_bad_arguments():
+    from distframe.errors import ConfigError
+    with pytest.raises(ConfigError, match="unknown backend"):
+        spawn(lambda b: None, 2, backend="carrier-pigeon")
+    with pytest.raises(ConfigError, match="world_size"):
+        spawn(lambda b: None, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        spawn(lambda b: None, 2, timeout=0)
