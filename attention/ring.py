@@ -1,0 +1,123 @@
+"""``RingDilatedAttention``: dilated attention with the sequence split across ranks.
+
+Layout: with P ranks and a global sequence of T = P * L positions, rank r holds the contiguous
+slice ``[r * L, (r + 1) * L)`` of q, k, v (and of ``key_padding_mask``) and receives the same
+slice of the output that ``DilatedAttention`` gives on the full sequence. Each head group of
+each branch is a unit; a unit whose segments all lie inside every slice (``L % w' == 0``) needs
+no communication; any other unit moves only the dilated keys/values its segments need, in one
+``all_to_all`` (see ``attention/ring_exchange.py``). Forward and backward are exact (the merged
+backward of ``attention/function.py``); the backward repeats the key exchange (rather than keep
+remote keys alive between passes) and returns key/value gradients in a second ``all_to_all``.
+
+Memory per rank: the local q, k, v, output and fp32 accumulators, O(L * H * D); plus, for the
+one unit in flight, its compressed queries, keys and values, O(min(T, L + 2 w') / r * hg * D)
+(the segments that meet the slice, each w'/r rows). Nothing of size T * H * D is formed unless a
+segment itself spans the whole sequence with rate 1, where the exact result needs those keys.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from attention.dilated import DilatedAttention, validate_inputs
+from attention.function import DilatedAttentionFunction, compressed_key_mask
+from attention.plan import SlotPlan, make_slot_plans
+from attention.ring_exchange import Routes, exchange_keys, make_routes, return_key_grads
+
+
+class RingKeySource:
+    """Keys of one unit on one rank: local rows plus rows received from their owners."""
+
+    def __init__(self, plan: SlotPlan, routes: Routes, backend, is_causal: bool) -> None:
+        self.plan, self.routes, self.backend = plan, routes, backend
+        self._missing = plan.missing_keys(is_causal)
+        self._exchange = routes.needed
+
+    def gather_keys(self, key, value, key_padding_mask):
+        plan, batch, head_dim = self.plan, key.shape[0], key.shape[-1]
+        if not self._exchange:
+            mask = compressed_key_mask(key_padding_mask, plan, self._missing, batch)
+            return plan.compressed(key), plan.compressed(value), mask
+        parts = [key, value]
+        if key_padding_mask is not None:
+            flags = key_padding_mask[:, :, None, None].expand(-1, -1, key.shape[2], 1)
+            parts.append(flags.to(key.dtype))
+        payload = torch.cat(parts, dim=-1)  # (B, L, H, 2D [+1])
+        compressed = plan.compressed(payload).clone()  # (B*nseg, hg, M, 2D [+1])
+        flat = compressed.view(batch, -1, payload.shape[-1])  # (B, S, X)
+        received = exchange_keys(self.backend, self.routes,
+                                 payload.view(batch, -1, payload.shape[-1]))
+        for slots, rows in zip(self.routes.recv_slots, received):
+            if slots.numel():
+                flat.index_copy_(1, slots, rows.transpose(0, 1))
+        kc, vc = compressed[..., :head_dim], compressed[..., head_dim:2 * head_dim]
+        # Flags travelled with the keys; slots past the sequence are added by the plan.
+        flags = (compressed[..., -1] != 0) if key_padding_mask is not None else None
+        mask = compressed_key_mask(None, plan, self._missing, batch)
+        if flags is not None:
+            mask = flags if mask is None else (mask | flags)
+        return kc.contiguous(), vc.contiguous(), mask
+
+    def return_key_grads(self, grad_key_c, grad_value_c, grad_key, grad_value):
+        plan, batch = self.plan, grad_key.shape[0]
+        plan.add_local(grad_key, plan.valid(grad_key_c, batch))
+        plan.add_local(grad_value, plan.valid(grad_value_c, batch))
+        if not self._exchange:
+            return
+        head_dim = grad_key.shape[-1]
+        both = torch.cat([grad_key_c, grad_value_c], dim=-1).reshape(batch, -1, 2 * head_dim)
+        received = return_key_grads(self.backend, self.routes, both)
+        for rows, grads in zip(self.routes.send_rows, received):
+            if rows.numel():
+                grads = grads.transpose(0, 1).to(grad_key.dtype)  # (B, N, 2D)
+                grad_key.view(batch, -1, head_dim).index_add_(1, rows, grads[..., :head_dim])
+                grad_value.view(batch, -1, head_dim).index_add_(1, rows, grads[..., head_dim:])
+
+
+class RingDilatedAttention(DilatedAttention):
+    """Sequence-parallel ``DilatedAttention`` over any ``ICommunicationBackend``.
+
+    Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
+    output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
+    and two in backward (keys again, then key gradients); none otherwise. Counted in
+    ``backend.stats``. Attention dropout is not supported here.
+    """
+
+    def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+                 softmax_scale: float | None = None, attention_dropout: float = 0.0, *,
+                 backend) -> None:
+        super().__init__(segment_lengths, dilation_rates, softmax_scale, attention_dropout)
+        if attention_dropout != 0.0:
+            raise ValueError("attention_dropout: RingDilatedAttention supports only 0.0")
+        self.backend = backend
+
+    def _ring_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
+        world, rank = self.backend.world_size, self.backend.rank
+        cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
+        if cache_key in self._sources:
+            return self._sources[cache_key]
+        seq_len, sources = local_len * world, []
+        for w, r in zip(self.segment_lengths, self.dilation_rates):
+            plans = make_slot_plans(seq_len=seq_len, start=rank * local_len,
+                                    stop=(rank + 1) * local_len, segment_length=w,
+                                    dilation_rate=r, num_heads=num_heads, device=device)
+            for index, plan in enumerate(plans):
+                routes = make_routes(seq_len=seq_len, world_size=world, rank=rank,
+                                     segment_length=w, dilation_rate=r, num_heads=num_heads,
+                                     group_index=index, is_causal=is_causal, device=device)
+                sources.append(RingKeySource(plan, routes, self.backend, is_causal))
+        self._sources[cache_key] = sources
+        return sources
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                is_causal: bool = False,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's ``(B, T / P, H, D)`` slices -> its ``(B, T / P, H, D)`` output slice."""
+        validate_inputs(query, key, value, key_padding_mask)
+        batch, local_len, num_heads, head_dim = query.shape
+        scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
+        sources = self._ring_sources(local_len, num_heads, query.device, is_causal)
+        out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
+                                                is_causal, scale)
+        return out
