@@ -76,10 +76,11 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         def body(slot: Slot) -> None:
             part = self._element_range(tensor.numel())
             flats = [slot.inputs[r].view(-1)[part] for r in range(self._world_size)]
-            reduced = reduce_into(torch.empty_like(flats[0]), flats, op)
-            # Only this rank reads range `part` of the inputs, so writing it now is safe; the
-            # depart barrier keeps every rank here until all ranges are written.
-            for flat in flats:
+            # Only this rank touches range `part` of the inputs, so it may reduce into rank 0's
+            # copy of it and then copy that to the others; the depart barrier keeps every rank
+            # here until all ranges are written. No temporary: two memory passes per input.
+            reduced = reduce_into(flats[0], flats, op)
+            for flat in flats[1:]:
                 flat.copy_(reduced)
         self._collective(call, tensor, body)
 

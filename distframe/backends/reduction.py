@@ -18,7 +18,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def reduce_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     """Write ``op`` over ``tensors`` (left fold in the given order, so every caller that passes the
     same tensors in the same order gets the same bits) into ``out``. ``op`` is SUM, PRODUCT, MIN or
-    MAX (AVG and bool ops are translated by the caller). ``out`` may alias none of the inputs."""
+    MAX (AVG and bool ops are translated by the caller). ``out`` may be ``tensors[0]`` itself (the
+    cheapest: no temporary, one pass per input) but must not alias any other input."""
     if not tensors:
         raise ValueError("reduce_into needs at least one tensor")
     acc_dtype = accumulation_dtype(out.dtype)
@@ -28,7 +29,8 @@ def reduce_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], op: ReduceOp
             _combine_(acc, t.to(acc_dtype), op)
         out.copy_(acc)
         return out
-    out.copy_(tensors[0])
+    if out is not tensors[0]:
+        out.copy_(tensors[0])
     for t in tensors[1:]:
         _combine_(out, t, op)
     return out

@@ -1,0 +1,125 @@
+"""Collective bandwidth of every engine beside the raw call it wraps and single-thread memcpy.
+
+    python bench/collectives.py [--engines inmemory,gloo,mpi] [--worlds 2,4] [--quick]
+
+For each op (all_reduce, all_gather, reduce_scatter), size S (the full tensor: all_reduce's
+buffer, all_gather's output, reduce_scatter's input) and world size n, prints the median time of
+repeated calls, algbw = S / time and busbw (nccl-tests convention: all_reduce x 2(n-1)/n, the
+others x (n-1)/n). Beside each engine: the raw library call it wraps, measured in the same run
+(mpi4py in place on NumPy buffers; torch.distributed gloo), and memcpy of S bytes on one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from distframe import spawn  # noqa: E402
+
+SIZES = [2**10, 2**20, 16 * 2**20, 64 * 2**20]
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def repeats_for(size: int) -> int:
+    return 200 if size <= 2**16 else 30 if size <= 2**22 else 10
+
+
+def busbw_factor(op: str, n: int) -> float:
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def memcpy_seconds(size: int) -> float:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(size // 4), torch.empty(size // 4)
+        times = []
+        for _ in range(repeats_for(size)):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _inmemory_rank(backend, sizes, ops):
+    out = []
+    for op in ops:
+        for size in sizes:
+            elems = size // 4
+            n = backend.world_size
+            x = torch.ones(elems // n if op == "all_gather" else elems)
+            times = []
+            for _ in range(repeats_for(size)):
+                backend.barrier()
+                start = time.perf_counter()
+                getattr(backend, op)(x)
+                times.append(time.perf_counter() - start)
+            out.append((op, size, statistics.median(times)))
+    return out
+
+
+def measure_inmemory(world_size: int, sizes, ops) -> list[dict]:
+    per_rank = spawn(lambda b: _inmemory_rank(b, sizes, ops), world_size)
+    rows = []
+    for k, (op, size, _) in enumerate(per_rank[0]):
+        rows.append(dict(engine="inmemory", op=op, size_bytes=size, world_size=world_size,
+                         median_s=max(r[k][2] for r in per_rank), raw_median_s=None))
+    return rows
+
+
+def fmt_size(size: int) -> str:
+    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+
+
+def print_table(rows: list[dict], memcpy: dict[int, float]) -> None:
+    print("| engine | op | world | size | median ms | algbw GB/s | busbw GB/s | raw call busbw GB/s "
+          "| engine / raw time | busbw / memcpy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        size, n, t = r["size_bytes"], r["world_size"], r["median_s"]
+        alg = size / t / 1e9
+        bus = alg * busbw_factor(r["op"], n)
+        raw = r.get("raw_median_s")
+        raw_bus = f"{size / raw / 1e9 * busbw_factor(r['op'], n):.2f}" if raw else "-"
+        ratio = f"{t / raw:.3f}" if raw else "-"
+        mem_bw = size / memcpy[size] / 1e9
+        print(f"| {r['engine']} | {r['op']} | {n} | {fmt_size(size)} | {t * 1e3:.3f} | {alg:.2f} | "
+              f"{bus:.2f} | {raw_bus} | {ratio} | {bus / mem_bw:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="inmemory,gloo,mpi")
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--quick", action="store_true", help="1 KB and 1 MB only")
+    args = parser.parse_args()
+    sizes = SIZES[:2] if args.quick else SIZES
+    engines = args.engines.split(",")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"command: python bench/collectives.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, intra-op threads {torch.get_num_threads()}")
+    memcpy = {s: memcpy_seconds(s) for s in sizes}
+    print("single-thread memcpy GB/s: " + ", ".join(f"{fmt_size(s)} {s / t / 1e9:.2f}" for s, t in memcpy.items()))
+    rows: list[dict] = []
+    for n in worlds:
+        if "inmemory" in engines:
+            rows += measure_inmemory(n, sizes, OPS)
+        if "gloo" in engines:
+            from _gloo_collectives import measure as measure_gloo
+            rows += measure_gloo(n, sizes, OPS, max(repeats_for(s) for s in sizes))
+        if "mpi" in engines:
+            from _mpi_collectives import measure as measure_mpi
+            rows += measure_mpi(n, sizes, OPS, max(repeats_for(s) for s in sizes))
+    print_table(rows, memcpy)
+
+
+if __name__ == "__main__":
+    main()
