@@ -1,0 +1,22 @@
+"""Shared helpers for the attention tests: random inputs and comparison of outputs and grads."""
+from __future__ import annotations
+
+import torch
+
+
+def random_qkv(batch, seq, heads, dim, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, seq, heads, dim, dtype=dtype, generator=generator)
+            .requires_grad_() for _ in range(3)]
+
+
+def outputs_and_grads(fn, tensors, grad_out):
+    out = fn(*tensors)
+    grads = torch.autograd.grad(out, tensors, grad_out)
+    return out, grads
+
+
+def max_error(a, b):
+    if isinstance(a, (tuple, list)):
+        return max(max_error(x, y) for x, y in zip(a, b))
+    return (a.double() - b.double()).abs().max().item()

@@ -1,0 +1,64 @@
+"""BlockSparseDilatedAttention equals dense attention under the equivalent element mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention import BlockSparseDilatedAttention
+from attention_helpers import max_error, outputs_and_grads, random_qkv
+
+
+def _dense(q, k, v, allowed):  # allowed (B, H, T, T)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    scores = (qh @ kh.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    has_key = allowed.any(-1, keepdim=True)
+    scores = torch.where(has_key, scores.masked_fill(~allowed, float("-inf")), 0.0)
+    return ((torch.softmax(scores, -1) * has_key) @ vh).transpose(1, 2)
+
+
+PATTERNS = [dict(local_window=1), dict(segment_blocks=3, dilation=2),
+            dict(global_blocks=1, local_window=0),
+            dict(block_layout=torch.rand(3, 6, 6, generator=torch.Generator().manual_seed(0)) < 0.3)]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_equals_dense_with_element_mask(pattern, causal, padded):
+    torch.manual_seed(0)
+    q, k, v = random_qkv(2, 24, 3, 4)
+    mask = (torch.rand(2, 24) < 0.3) if padded else None
+    module = BlockSparseDilatedAttention(4, **pattern)
+    allowed = module.element_mask(24, 3, causal)[None].expand(2, -1, -1, -1)
+    if padded:
+        allowed = allowed & ~mask[:, None, None, :]
+    g = torch.randn(2, 24, 3, 4, dtype=torch.float64)
+    out, grads = outputs_and_grads(lambda *t: module(*t, is_causal=causal, key_padding_mask=mask),
+                                   (q, k, v), g)
+    ref, ref_grads = outputs_and_grads(lambda *t: _dense(*t, allowed), (q, k, v), g)
+    assert max_error(out, ref) < 1e-10 and max_error(grads, ref_grads) < 1e-10
+
+
+def test_all_blocks_active_equals_dense_attention():
+    q, k, v = random_qkv(1, 16, 2, 4)
+    module = BlockSparseDilatedAttention(4, block_layout=torch.ones(4, 4, dtype=torch.bool))
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    assert max_error(module(q, k, v), ref.transpose(1, 2)) < 1e-10
+
+
+def test_computes_only_active_blocks():
+    module = BlockSparseDilatedAttention(4, local_window=0)
+    from attention.block_sparse import _active_index
+    index, _ = _active_index(module.layout(8, 1), torch.device("cpu"))
+    assert index.shape[-1] == 1  # one key block per query block, not eight
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="block_size"):
+        BlockSparseDilatedAttention(0, local_window=1)
+    with pytest.raises(ValueError, match="pattern"):
+        BlockSparseDilatedAttention(4)
+    q, k, v = random_qkv(1, 10, 1, 2)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        BlockSparseDilatedAttention(4, local_window=1)(q, k, v)

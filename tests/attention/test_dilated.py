@@ -1,0 +1,146 @@
+"""DilatedAttention against the dense ``log C`` reference: forward and gradients, float64 1e-10."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from attention import DilatedAttention, dense_dilated_attention
+from attention.autograd_path import dilated_attention_autograd
+from attention_helpers import max_error, outputs_and_grads, random_qkv
+
+TOL64 = 1e-10
+TOL32 = 1e-5
+
+GRID = [
+    # segments, rates, heads, seq
+    ((4,), (1,), 2, 8),
+    ((4, 8), (1, 2), 4, 16),
+    ((4, 8), (1, 2), 4, 13),          # ragged last segment
+    ((3, 6, 12), (1, 2, 4), 3, 17),   # heads not divisible by rate
+    ((8, 16, 32), (1, 2, 4), 5, 20),  # segments longer than the sequence
+    ((30,), (3,), 3, 10),             # cut segment not divisible by its rate
+    ((2, 4, 8), (2, 4, 8), 8, 24),    # every branch dilated
+    ((4, 8, 16), (1, 2, 4), 4, 32),
+]
+
+
+def _compare(segments, rates, heads, seq, causal, padded, seed=0, batch=2, dim=4):
+    q, k, v = random_qkv(batch, seq, heads, dim, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = (torch.rand(batch, seq, generator=gen) < 0.3) if padded else None
+    grad_out = torch.randn(batch, seq, heads, dim, dtype=torch.float64, generator=gen)
+    module = DilatedAttention(segments, rates)
+    out, grads = outputs_and_grads(
+        lambda *t: module(*t, is_causal=causal, key_padding_mask=mask), (q, k, v), grad_out)
+    ref, ref_grads = outputs_and_grads(
+        lambda *t: dense_dilated_attention(*t, segments, rates, is_causal=causal,
+                                           key_padding_mask=mask), (q, k, v), grad_out)
+    assert max_error(out, ref) < TOL64
+    assert max_error(grads, ref_grads) < TOL64
+
+
+@pytest.mark.parametrize("segments,rates,heads,seq", GRID)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_matches_dense_reference(segments, rates, heads, seq, causal, padded):
+    _compare(segments, rates, heads, seq, causal, padded)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_matches_dense_reference_hypothesis(data):
+    branches = data.draw(st.integers(1, 3))
+    rates = [data.draw(st.sampled_from([1, 2, 3, 4])) for _ in range(branches)]
+    segments = [r * data.draw(st.integers(1, 6)) for r in rates]
+    _compare(segments, rates, heads=data.draw(st.integers(1, 6)), seq=data.draw(st.integers(1, 30)),
+             causal=data.draw(st.booleans()), padded=data.draw(st.booleans()),
+             seed=data.draw(st.integers(0, 1000)), batch=data.draw(st.integers(1, 2)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_full_branch_equals_sdpa(causal):
+    q, k, v = random_qkv(2, 16, 4, 8)
+    out = DilatedAttention([16], [1])(q, k, v, is_causal=causal)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                         is_causal=causal).transpose(1, 2)
+    assert max_error(out, ref) < TOL64
+
+
+def test_rate_one_segments_equal_block_diagonal_attention():
+    q, k, v = random_qkv(1, 12, 2, 4)
+    block = torch.block_diag(*[torch.ones(4, 4, dtype=torch.bool)] * 3)
+    out = DilatedAttention([4], [1])(q, k, v)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                         attn_mask=block).transpose(1, 2)
+    assert max_error(out, ref) < TOL64
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    q, k, v = random_qkv(1, 8, 2, 4)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    out = DilatedAttention([4, 8], [1, 2])(q, k, v, key_padding_mask=mask)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_gradcheck():
+    q, k, v = random_qkv(1, 10, 3, 3)
+    module = DilatedAttention([4, 8], [1, 2])
+    assert torch.autograd.gradcheck(lambda *t: module(*t, is_causal=True), (q, k, v))
+
+
+def test_autograd_path_matches_function():
+    q, k, v = random_qkv(2, 13, 4, 4)
+    module = DilatedAttention([4, 8], [1, 2])
+    sources = module._key_sources(13, 4, q.device, True)
+    ref = module(q, k, v, is_causal=True)
+    out = dilated_attention_autograd(q, k, v, sources, is_causal=True, key_padding_mask=None,
+                                     scale=0.5, dropout=0.0)
+    assert max_error(out, ref) < TOL64
+
+
+def test_dropout_trains_and_eval_is_deterministic():
+    torch.manual_seed(0)
+    q, k, v = random_qkv(1, 16, 2, 4, dtype=torch.float32)
+    module = DilatedAttention([8], [1], attention_dropout=0.5)
+    module.train()
+    a = module(q, k, v)
+    a.sum().backward()
+    module.eval()
+    assert torch.equal(module(q, k, v), module(q, k, v))
+    assert not torch.allclose(a, module(q, k, v))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL32), (torch.bfloat16, 5e-2),
+                                       (torch.float16, 5e-3)])
+def test_low_precision_dtypes(dtype, tol):
+    q, k, v = random_qkv(2, 24, 4, 8)
+    module = DilatedAttention([8, 16], [1, 2])
+    ref = module(q, k, v, is_causal=True)
+    low = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = module(*low, is_causal=True)
+    assert out.dtype == dtype
+    assert max_error(out, ref) < tol
+    out.float().sum().backward()
+    assert all(t.grad.dtype == dtype and torch.isfinite(t.grad.float()).all() for t in low)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(segment_lengths=[4, 8], dilation_rates=[1]), "same length"),
+    (dict(segment_lengths=[0], dilation_rates=[1]), "segment_lengths"),
+    (dict(segment_lengths=[4], dilation_rates=[-1]), "dilation_rates"),
+    (dict(segment_lengths=[6], dilation_rates=[4]), "divisible"),
+    (dict(segment_lengths=[4], dilation_rates=[1], attention_dropout=1.5), "attention_dropout"),
+])
+def test_invalid_configuration(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DilatedAttention(**kwargs)
+
+
+def test_head_dim_mismatch():
+    q, k, v = random_qkv(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        DilatedAttention([4], [1])(q, k[..., :3], v)

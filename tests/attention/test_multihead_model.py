@@ -1,0 +1,82 @@
+"""MultiheadDilatedAttention parity with nn.MultiheadAttention, and the language model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from attention import DilatedTransformerConfig, DilatedTransformerLM, MultiheadDilatedAttention
+from attention_helpers import max_error
+
+
+def _copy_weights(ours: MultiheadDilatedAttention, theirs: nn.MultiheadAttention) -> None:
+    with torch.no_grad():
+        for proj in (ours.q_proj, ours.k_proj, ours.v_proj):
+            proj.bias.normal_()
+        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
+                                               ours.v_proj.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias,
+                                             ours.v_proj.bias]))
+        theirs.out_proj.weight.copy_(ours.out_proj.weight)
+        theirs.out_proj.bias.copy_(ours.out_proj.bias)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_equals_nn_multihead_attention(causal):
+    torch.manual_seed(0)
+    embed, heads, seq = 16, 4, 12
+    ours = MultiheadDilatedAttention(embed, heads, segment_lengths=[seq], dilation_rates=[1],
+                                     layer_norm=False, dtype=torch.float64)
+    theirs = nn.MultiheadAttention(embed, heads, batch_first=True, dtype=torch.float64)
+    _copy_weights(ours, theirs)
+    x = torch.randn(2, seq, embed, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, seq) < 0.3
+    mask[:, 0] = False
+    out, weights = ours(x, x, x, is_causal=causal, key_padding_mask=mask)
+    attn_mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64) \
+        if causal else None
+    ref, _ = theirs(x, x, x, key_padding_mask=mask, attn_mask=attn_mask, is_causal=causal)
+    assert weights is None
+    assert max_error(out, ref) < 1e-10
+    g = torch.randn_like(out)
+    assert max_error(torch.autograd.grad(out, x, g), torch.autograd.grad(ref, x, g)) < 1e-10
+
+
+def test_submodules_and_sub_layer_norm():
+    mha = MultiheadDilatedAttention(32, 4, segment_lengths=[8, 16], dilation_rates=[1, 2],
+                                    gamma_init=0.5)
+    assert all(isinstance(getattr(mha, n), nn.Linear)
+               for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    assert isinstance(mha.norm, nn.LayerNorm) and mha.num_heads == 4
+    out, _ = mha(*(torch.randn(2, 16, 32),) * 3)
+    assert out.shape == (2, 16, 32)
+
+
+def test_language_model_shapes_causality_and_names():
+    torch.manual_seed(0)
+    model = DilatedTransformerLM(DilatedTransformerConfig.preset("tiny"))
+    tokens = torch.randint(0, 256, (2, 64))
+    logits = model(tokens)
+    assert logits.shape == (2, 64, 256)
+    changed = tokens.clone()
+    changed[:, 40] = (changed[:, 40] + 1) % 256
+    assert torch.equal(model(changed)[:, :40], logits[:, :40])
+    names = dict(model.named_modules())
+    assert "blocks.1.attn.q_proj" in names and "blocks.0.mlp.fc_in" in names
+    assert isinstance(model.blocks, nn.ModuleList)
+    assert model.head.weight is model.tok_embedding.weight
+    logits.sum().backward()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="segment_lengths"):
+        DilatedTransformerConfig.preset("tiny", seq_len=32)
+    with pytest.raises(ValueError, match="num_heads"):
+        DilatedTransformerConfig.preset("tiny", num_heads=3)
+    with pytest.raises(ValueError, match="preset"):
+        DilatedTransformerConfig.preset("huge")
+    config = DilatedTransformerConfig.preset("small")
+    with pytest.raises(Exception):
+        config.seq_len = 5
+    untied = DilatedTransformerLM(DilatedTransformerConfig.preset("tiny", tie_embeddings=False))
+    assert untied.head.weight is not untied.tok_embedding.weight
