@@ -1,0 +1,48 @@
+"""spawn / init_backend dispatch that needs no second process."""
+import pytest
+import torch
+
+from distframe import init_backend, spawn
+from distframe.backends import InMemoryCommunicationBackend
+from distframe.errors import ConfigError
+from distframe.launch import detect_launcher
+
+
+def test_spawn_returns_results_in_rank_order():
+    assert spawn(lambda b: (b.rank, b.world_size), 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_spawn_passes_timeout_to_backends():
+    assert spawn(lambda b: b.timeout, 2, timeout=7.5) == [7.5, 7.5]
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
+    ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "torchrun"),
+    ({"RANK": "0"}, None),
+])
+def test_detect_launcher(env, expected):
+    assert detect_launcher(env) == expected
+
+
+def test_init_backend_without_a_launcher_is_a_single_rank(monkeypatch):
+    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with init_backend("auto", timeout=5) as b:
+        assert isinstance(b, InMemoryCommunicationBackend) and (b.rank, b.world_size) == (0, 1)
+        assert b.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_init_backend_rejects_unknown_names():
+    with pytest.raises(ConfigError, match="unknown backend"):
+        init_backend("smoke-signals")
+
+
+def test_gloo_outside_torchrun_says_how_to_start(monkeypatch):
+    from distframe.errors import BackendUnavailableError
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(BackendUnavailableError, match="torchrun"):
+        init_backend("gloo")
