@@ -1,0 +1,284 @@
+"""Running Python functions on MPI ranks from one ordinary process: ``spawn_mpi`` and ``MPIPool``.
+
+The parent starts ``mpiexec -n N python -m distframe._mpi_launch HOST PORT`` once. Every rank
+connects back to the parent over a local socket (``multiprocessing.connection``, authenticated
+with a random key passed in the environment) and then loops: receive a pickled task, build an
+``MPICommunicationBackend`` over a fresh duplicate of ``COMM_WORLD``, run ``fn(backend, *args,
+**kwargs)``, shut the backend down, send the result or the exception back. Tasks go to each rank
+over its own connection rather than by MPI broadcast, so the parent learns at once when a rank
+fails and never depends on the MPI state that a failure may have left behind.
+
+If a rank fails and its peers have not reported within ``FAILURE_GRACE_SECONDS`` (typically
+they wait inside a collective for the failed rank), or a rank dies, the parent kills the whole
+job (its own process group), raises the first failure with a note naming its rank, and starts a
+fresh job on the next ``run``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import connection
+from typing import Any
+
+from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
+
+FAILURE_GRACE_SECONDS = 1.0
+STARTUP_SECONDS = 120.0
+_AUTHKEY_ENV = "DISTFRAME_MPI_AUTHKEY"
+_INSTALL_HINT = "install it with `pip install 'distframe[mpi]'` (or `pip install mpi4py mpich`)"
+
+
+def spawn_mpi(fn: Callable[..., Any], world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+              **backend_kwargs: Any) -> list[Any]:
+    """Runs ``fn(backend)`` on ``world_size`` MPI ranks (one mpiexec job, ended before this
+    returns) and returns each rank's result in rank order; see ``distframe.launch.spawn``."""
+    with MPIPool(world_size, timeout=timeout, **backend_kwargs) as pool:
+        return pool.run(fn)
+
+
+def find_mpiexec() -> str:
+    """mpiexec next to this Python (a virtual environment with the mpich wheel), else on PATH."""
+    try:
+        importlib.import_module("mpi4py")
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the MPI backend needs mpi4py ({exc}); {_INSTALL_HINT}") from exc
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise BackendUnavailableError(f"no mpiexec next to {sys.executable} or on PATH; {_INSTALL_HINT}")
+    return found
+
+
+class MPIPool:
+    """A persistent mpiexec job of ``world_size`` ranks that runs functions on every rank.
+
+    ``run(fn, *args, **kwargs)`` calls ``fn(backend, *args, **kwargs)`` on every rank, where
+    ``backend`` is a new ``MPICommunicationBackend(timeout=timeout, **backend_kwargs)`` for that
+    run, and returns the results in rank order. ``fn`` is pickled by reference, so it must be
+    importable (a module-level function); the ranks see this process's ``sys.path``.
+    ``run_timeout`` (seconds, default none) bounds a whole run from the parent's side.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 run_timeout: float | None = None, **backend_kwargs: Any) -> None:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.run_timeout = run_timeout
+        self.backend_kwargs = backend_kwargs
+        self._mpiexec = find_mpiexec()
+        self._job: _Job | None = None
+        self._closed = False
+        self._job = _Job(self._mpiexec, world_size)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if self._closed:
+            raise ValueError("MPIPool.run called after close(); create a new pool")
+        payload = pickle.dumps((fn, args, kwargs, self.timeout, self.backend_kwargs))
+        if self._job is None or not self._job.usable:
+            if self._job is not None:
+                self._job.kill()
+            self._job = _Job(self._mpiexec, self.world_size)
+        return self._job.run(payload, self.run_timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._job is not None:
+            self._job.close()
+            self._job = None
+
+    def __enter__(self) -> MPIPool:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_job", None) is not None:
+            self._job.kill()
+
+
+class _Job:
+    """One mpiexec process group and a connection to each of its ranks."""
+
+    def __init__(self, mpiexec: str, world_size: int) -> None:
+        self.world_size = world_size
+        self.usable = False
+        authkey = secrets.token_bytes(32)
+        server = socket.create_server(("127.0.0.1", 0))
+        env = dict(os.environ)
+        env[_AUTHKEY_ENV] = authkey.hex()
+        # Ranks import fn by reference: give them this process's import path (tests.* included).
+        paths = [os.getcwd(), *(p for p in sys.path if p)]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.setdefault("UCX_LOG_LEVEL", "error")  # UCX warns about MPI windows at exit otherwise
+        host, port = server.getsockname()[:2]
+        self.process = subprocess.Popen(
+            [mpiexec, "-n", str(world_size), sys.executable, "-m", "distframe._mpi_launch", host, str(port)],
+            env=env, start_new_session=True)
+        try:
+            self.conns = self._accept(server, authkey)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            server.close()
+        self.usable = True
+
+    def _accept(self, server: socket.socket, authkey: bytes) -> list[connection.Connection]:
+        conns: dict[int, connection.Connection] = {}
+        deadline = time.monotonic() + STARTUP_SECONDS
+        server.settimeout(0.2)
+        while len(conns) < self.world_size:
+            if self.process.poll() is not None:
+                raise RankFailedError(None, f"mpiexec exited with status {self.process.returncode} "
+                                            "before every rank connected")
+            if time.monotonic() > deadline:
+                raise BackendUnavailableError(f"mpiexec did not start {self.world_size} ranks within "
+                                              f"{STARTUP_SECONDS:g} s")
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(None)
+            conn = connection.Connection(sock.detach())
+            connection.deliver_challenge(conn, authkey)
+            connection.answer_challenge(conn, authkey)
+            rank = conn.recv()
+            conns[rank] = conn
+        return [conns[r] for r in range(self.world_size)]
+
+    def run(self, payload: bytes, run_timeout: float | None) -> list[Any]:
+        self.usable = False  # until every rank has answered
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        results: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        deadline = None if run_timeout is None else time.monotonic() + run_timeout
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        while waiting:
+            if errors:
+                grace = time.monotonic() + FAILURE_GRACE_SECONDS
+                deadline = grace if deadline is None else min(deadline, grace)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait(list(waiting), timeout=left)
+            if not ready:
+                break
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    ok, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    errors[rank] = RankFailedError(rank, "its process exited during the run")
+                    continue
+                if ok:
+                    results[rank] = value
+                else:
+                    errors[rank] = _restore_exception(value)
+        if waiting:
+            self.kill()
+            if not errors:
+                raise TimeoutError(f"MPIPool.run did not finish within {run_timeout:g} s; ranks "
+                                   f"{sorted(waiting.values())} were still running (job killed)")
+        elif not any(isinstance(e, RankFailedError) for e in errors.values()):
+            self.usable = True
+        if errors:
+            from distframe.launch import raise_first_failure
+            raise_first_failure(errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for conn in getattr(self, "conns", []):
+            try:
+                conn.send_bytes(b"")
+                conn.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        self.usable = False
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+        for conn in getattr(self, "conns", []):
+            conn.close()
+
+
+# ---- exceptions across processes ------------------------------------------------------------------
+def _portable_exception(exc: BaseException) -> Any:
+    """What the parent needs to rebuild ``exc``: distframe's errors take several constructor
+    arguments but keep only the message in ``args``, so they do not round-trip through pickle."""
+    text = "".join(traceback.format_exception(exc))
+    state = (type(exc), exc.args, dict(vars(exc)), text)
+    try:
+        pickle.dumps(state)
+        return state
+    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
+        return (RuntimeError, (f"{type(exc).__name__}: {exc}",), {}, text)
+
+
+def _restore_exception(state: Any) -> BaseException:
+    cls, args, attributes, text = state
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    exc.add_note("remote traceback:\n" + text.rstrip())
+    return exc
+
+
+# ---- the rank side ------------------------------------------------------------------------------
+def _serve(host: str, port: int) -> None:
+    from mpi4py import MPI
+
+    from distframe.backends.mpi import MPICommunicationBackend
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
+    conn.send(rank)
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            os._exit(1)  # the parent is gone: do not wait in MPI_Finalize for anyone
+        if not payload:
+            return
+        try:
+            fn, args, kwargs, timeout, backend_kwargs = pickle.loads(payload)
+            with MPICommunicationBackend(timeout=timeout, **backend_kwargs) as backend:
+                reply = (True, fn(backend, *args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            reply = (False, _portable_exception(exc))
+        # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's
+        # pickler that pass tensors as shared file descriptors, which this channel cannot carry.
+        try:
+            data = pickle.dumps(reply)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
+            data = pickle.dumps((False, _portable_exception(exc)))
+        conn.send_bytes(data)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

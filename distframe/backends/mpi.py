@@ -1,0 +1,300 @@
+"""MPICommunicationBackend: the engine for processes started by mpiexec, over mpi4py.
+
+Every collective maps onto its native non-blocking MPI call (Iallreduce, Iallgather,
+Ireduce_scatter_block, Ibcast, Ireduce, Igather, Iscatter, Ialltoallv, Ibarrier) on zero-copy
+NumPy views of the tensors (see ``mpi_buffers``), and is polled until it completes or the
+backend's timeout passes (see ``mpi_progress``); a timeout raises ``CollectiveTimeoutError``
+naming the ranks that never entered the call. Point-to-point uses Isend/Irecv of the tensor's
+bytes, and a receive whose message has another size raises ``CollectiveMismatchError``.
+
+With ``debug=True`` the base class all-gathers a 16-integer signature before each collective, so
+ranks that disagree on op, shape, dtype or arguments all raise ``CollectiveMismatchError``. Cost:
+one extra 128-byte-per-rank all-gather per call, i.e. one small-message latency (a few
+microseconds between ranks of one node); the bandwidth of large calls is unaffected.
+
+[Note: after a timeout] A timed-out MPI request cannot be cancelled. It stays referenced by the
+backend (with its buffers) and may still complete if the late rank arrives, so a group that has
+timed out is not fit for further collectives: shut it down and build a new one. ``shutdown``
+frees the communicator only when no request is left pending, and never synchronises with peers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.mpi_buffers import (device_aware, import_mpi, mpi_op, needs_staging,
+                                            reduction_dtype, stage_back, stage_in, wire, write_back)
+from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
+from distframe.backends.signature import DTYPES
+from distframe.backends.types import ReduceOp, Work
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
+
+_MAX_SCATTER_DIMS = 32
+
+
+class MPICommunicationBackend(CommunicationBackendBase):
+    """One MPI process of a group. ``comm`` defaults to a duplicate of ``MPI.COMM_WORLD`` (a
+    communicator passed in is duplicated too, so the engine's traffic never meets the caller's).
+    Building one is collective over the communicator.
+
+    Collectives run as described in ``ICommunicationBackend``; each rank holds exactly what the
+    in-memory engine would give it. ``timeout`` (seconds) bounds every wait inside MPI."""
+
+    engine = "mpi"
+
+    def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT, debug: bool = False) -> None:
+        MPI = import_mpi()
+        own = (MPI.COMM_WORLD if comm is None else comm).Dup()
+        self._setup(MPI, own, timeout, debug)
+
+    @classmethod
+    def _adopt(cls, comm: Any, MPI: Any, timeout: float, debug: bool) -> MPICommunicationBackend:
+        """A backend over a communicator this engine created (a subgroup); it takes ownership."""
+        backend = cls.__new__(cls)
+        backend._setup(MPI, comm, timeout, debug)
+        return backend
+
+    def _setup(self, MPI: Any, comm: Any, timeout: float, debug: bool) -> None:
+        super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout, debug=debug)
+        self._MPI = MPI
+        self._comm = comm
+        self._device_aware = device_aware(MPI)
+        self._board = ProgressBoard(comm, MPI)
+        self._p2p_seq: dict[tuple[str, int, int], int] = {}
+        # Requests that timed out, with the buffers MPI may still write: never freed.
+        self._abandoned: list[tuple[Any, Any]] = []
+
+    @property
+    def comm(self) -> Any:
+        """The engine's own MPI communicator (for inspection; do not issue calls on it)."""
+        return self._comm
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def _complete(self, call: Call, start, keep: Any) -> None:
+        """Publishes the call's sequence number, starts the request and waits for it."""
+        self._board.publish(call.seq)
+        request = start()
+        wait_request(request, time.monotonic() + call.timeout,
+                     lambda: self._timed_out(call, request, keep))
+
+    def _timed_out(self, call: Call, request: Any, keep: Any) -> CollectiveTimeoutError:
+        self._abandoned.append((request, keep))
+        missing, unknown = missing_ranks(self._board.read(), call.seq, self._world_size)
+        if missing:
+            detail = "they have not entered this call"
+        elif unknown:
+            detail = "every rank on this node arrived"
+        else:
+            detail = ("every rank entered this call but it did not complete: a rank may be stuck "
+                      "or ranks passed different sizes (debug=True checks)")
+        if unknown:
+            detail += f"; the progress of ranks {unknown} (other nodes) cannot be read"
+        detail += "; this group is unusable now, shut it down"
+        return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout, detail)
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
+        stage = needs_staging(tensor, self._device_aware)
+        host = stage_in(tensor, stage)
+        work = _upcast(host)
+        buf = wire(work)
+        self._complete(call, lambda: self._comm.Iallreduce(
+            self._MPI.IN_PLACE, buf, mpi_op(self._MPI, op)), buf)
+        write_back(host, work)
+        write_back(tensor, host)
+
+    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+        stage = needs_staging(tensor, self._device_aware)
+        host = stage_in(tensor, stage)
+        out = host.new_empty((self._world_size * host.shape[0], *host.shape[1:]))
+        send, recv = wire(host), wire(out)
+        self._complete(call, lambda: self._comm.Iallgather(send, recv), (send, recv))
+        return stage_back(out, tensor, stage)
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+        stage = needs_staging(tensor, self._device_aware)
+        work = _upcast(stage_in(tensor, stage))
+        out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
+        send, recv = wire(work), wire(out)
+        self._complete(call, lambda: self._comm.Ireduce_scatter_block(
+            send, recv, mpi_op(self._MPI, op)), (send, recv))
+        return stage_back(out.to(tensor.dtype), tensor, stage)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
+        stage = needs_staging(tensor, self._device_aware)
+        host = stage_in(tensor, stage)
+        buf = wire(host)
+        self._complete(call, lambda: self._comm.Ibcast(buf, root=src), buf)
+        write_back(tensor, host)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
+        stage = needs_staging(tensor, self._device_aware)
+        host = stage_in(tensor, stage)
+        work = _upcast(host)
+        buf = wire(work)
+        root = self._rank == dst
+        send = self._MPI.IN_PLACE if root else buf
+        self._complete(call, lambda: self._comm.Ireduce(
+            send, buf if root else None, mpi_op(self._MPI, op), root=dst), buf)
+        if root:
+            write_back(host, work)
+            write_back(tensor, host)
+
+    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
+        stage = needs_staging(tensor, self._device_aware)
+        host = stage_in(tensor, stage)
+        out = host.new_empty((self._world_size, *host.shape)) if self._rank == dst else None
+        send, recv = wire(host), None if out is None else wire(out)
+        self._complete(call, lambda: self._comm.Igather(send, recv, root=dst), (send, recv))
+        return None if out is None else list(stage_back(out, tensor, stage).unbind(0))
+
+    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
+        # Only src knows the chunks' shape and dtype: broadcast them first.
+        meta = torch.zeros(2 + _MAX_SCATTER_DIMS, dtype=torch.int64)
+        full = None
+        if chunks is not None:
+            shape = tuple(chunks[0].shape)
+            if len(shape) > _MAX_SCATTER_DIMS:
+                raise ValueError(f"scatter supports chunks of at most {_MAX_SCATTER_DIMS} dims")
+            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
+            meta[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+            full = torch.stack([c.to("cpu") if needs_staging(c, self._device_aware) else c
+                                for c in chunks])
+        meta_buf = wire(meta)
+        self._complete(call, lambda: self._comm.Ibcast(meta_buf, root=src), meta_buf)
+        shape, dtype = tuple(meta[2:2 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
+        device = full.device if full is not None else "cpu"
+        out = torch.empty(shape, dtype=dtype, device=device)
+        send, recv = (None if full is None else wire(full)), wire(out)
+        self._complete(call, lambda: self._comm.Iscatter(send, recv, root=src), (send, recv))
+        return out
+
+    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+        stage = any(needs_staging(c, self._device_aware) for c in chunks)
+        host = [stage_in(c, stage) for c in chunks]
+        trailing = tuple(host[0].shape[1:])
+        per_row = max(1, int(torch.Size(trailing).numel()))
+        send_rows = torch.tensor([c.shape[0] for c in host], dtype=torch.int64)
+        recv_rows = torch.empty_like(send_rows)
+        send_meta, recv_meta = wire(send_rows), wire(recv_rows)
+        self._complete(call, lambda: self._comm.Ialltoall(send_meta, recv_meta), (send_meta, recv_meta))
+        send_counts = (send_rows * per_row).tolist()
+        recv_counts = (recv_rows * per_row).tolist()
+        flat_in = torch.cat([c.reshape(-1) for c in host])
+        flat_out = flat_in.new_empty(sum(recv_counts))
+        send = [wire(flat_in), (send_counts, _offsets(send_counts))]
+        recv = [wire(flat_out), (recv_counts, _offsets(recv_counts))]
+        self._complete(call, lambda: self._comm.Ialltoallv(send, recv), (send, recv))
+        parts = flat_out.split(recv_counts)
+        return [stage_back(p.view(int(n), *trailing), chunks[0], stage)
+                for p, n in zip(parts, recv_rows.tolist())]
+
+    def _barrier(self, call: Call) -> None:
+        self._complete(call, self._comm.Ibarrier, None)
+
+    def _new_group(self, ranks: list[int], call: Call) -> MPICommunicationBackend | None:
+        # Comm.Split has no non-blocking form: an Ibarrier first bounds the wait for late ranks,
+        # after which Split only meets ranks that are already there.
+        self._complete(call, self._comm.Ibarrier, None)
+        member = self._rank in ranks
+        sub = self._comm.Split(0 if member else self._MPI.UNDEFINED,
+                               ranks.index(self._rank) if member else 0)
+        if not member:
+            return None
+        return type(self)._adopt(sub, self._MPI, self.timeout, self.debug)
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
+        key = (direction, peer, tag)
+        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+        return self._p2p_seq[key]
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        seq = self._next_p2p_seq("send", dst, tag)
+        host = stage_in(tensor, needs_staging(tensor, self._device_aware))
+        buf = [wire(host), self._MPI.BYTE]
+        return _P2PWork(self, self._comm.Isend(buf, dst, tag), "send", seq, dst, tag, host)
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        seq = self._next_p2p_seq("recv", src, tag)
+        stage = needs_staging(tensor, self._device_aware)
+        host = tensor
+        if stage or not tensor.is_contiguous():  # receive into a buffer, copied over on completion
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu" if stage else tensor.device)
+        buf = [wire(host), self._MPI.BYTE]
+        return _P2PWork(self, self._comm.Irecv(buf, src, tag), "recv", seq, src, tag, host,
+                        target=tensor)
+
+    def _shutdown(self) -> None:
+        self._board.close()
+        if not self._abandoned:
+            self._comm.Free()
+
+
+class _P2PWork(Work):
+    """A pending Isend/Irecv; ``wait`` polls it within the timeout and checks a receive's size."""
+
+    def __init__(self, backend: MPICommunicationBackend, request: Any, op: str, seq: int,
+                 peer: int, tag: int, buffer: torch.Tensor, target: torch.Tensor | None = None) -> None:
+        self._backend, self._request, self._op, self._seq = backend, request, op, seq
+        self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
+        self._status = backend._MPI.Status()
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        if not self._done:
+            limit = self._backend.timeout if timeout is None else timeout
+            try:
+                wait_request(self._request, time.monotonic() + limit,
+                             lambda: self._timed_out(limit), self._status)
+            except self._backend._MPI.Exception as exc:
+                if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
+                    raise self._mismatch("more than") from None
+                raise
+            self._finish()
+        return self._target
+
+    def is_completed(self) -> bool:
+        if not self._done and self._request.Test(self._status):
+            self._finish()
+        return self._done
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._op == "recv":
+            received = self._status.Get_count(self._backend._MPI.BYTE)
+            if received != self._buffer.nbytes:
+                raise self._mismatch(str(received))
+            if self._target is not None:
+                write_back(self._target, self._buffer)
+
+    def _mismatch(self, received: str) -> CollectiveMismatchError:
+        t = self._buffer
+        return CollectiveMismatchError(
+            "recv", self._seq, f"rank {self._peer} sent {received} bytes with tag {self._tag}, rank "
+            f"{self._backend.rank} expects shape {tuple(t.shape)} {t.dtype} ({t.nbytes} bytes)")
+
+    def _timed_out(self, limit: float) -> CollectiveTimeoutError:
+        self._backend._abandoned.append((self._request, self._buffer))
+        what = "send a matching message" if self._op == "recv" else "receive the message"
+        return CollectiveTimeoutError(self._op, self._seq, [self._peer], limit,
+                                      f"rank {self._peer} did not {what} with tag {self._tag}")
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a float16/bfloat16 tensor (MPI cannot reduce those), else the tensor."""
+    dtype = reduction_dtype(tensor.dtype)
+    return tensor if dtype == tensor.dtype else tensor.to(dtype)
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out

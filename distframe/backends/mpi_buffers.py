@@ -1,0 +1,99 @@
+"""How the MPI engine hands torch tensors to mpi4py: zero-copy views, dtype mapping, host staging.
+
+A contiguous CPU tensor is passed as a NumPy view of its own storage (``tensor.numpy()``), so MPI
+reads and writes the tensor's memory directly: no per-call copy for float64, float32 or the
+integer dtypes. NumPy has no bfloat16, so bfloat16 bytes travel as int16 (and bool as uint8) in
+operations that only move data. MPI cannot reduce float16 or bfloat16 (and reducing their bit
+patterns as integers gives garbage), so reductions of those dtypes run on a float32 copy and round
+once at the end: the same numerics as the in-memory engine. bool reductions run on the uint8 view
+with MAX (any) and MIN (all), which the base class has already substituted for SUM and PRODUCT.
+
+GPU tensors go to mpi4py directly when the MPI library is CUDA-aware; otherwise they are staged
+through host memory with :func:`stage_in` / :func:`stage_back`, which take the decision as an
+argument so the copy semantics can be tested with CPU tensors.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from distframe.backends.types import ReduceOp
+from distframe.errors import BackendUnavailableError
+
+INSTALL_HINT = ("install it with `pip install 'distframe[mpi]'` (or `pip install mpi4py mpich`), "
+                "or use another backend")
+
+# Reduction dtypes MPI has no type for: reduced in float32 and rounded once.
+_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+# Dtypes NumPy lacks or that MPI should see as another type of the same width.
+_WIRE_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
+def import_mpi() -> Any:
+    """The ``mpi4py.MPI`` module (importing it initialises MPI), or BackendUnavailableError."""
+    try:
+        return importlib.import_module("mpi4py.MPI")
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the MPI backend needs mpi4py and an MPI library ({exc}); "
+                                      f"{INSTALL_HINT}") from exc
+
+
+def mpi_op(MPI: Any, op: ReduceOp) -> Any:
+    """The MPI reduction for an already translated op (SUM, PRODUCT, MIN or MAX)."""
+    ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+           ReduceOp.MAX: MPI.MAX}
+    if op not in ops:
+        raise ValueError(f"the MPI engine applies SUM, PRODUCT, MIN or MAX, not {op}")
+    return ops[op]
+
+
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` runs in: float32 for float16/bfloat16, else itself."""
+    return _UPCAST.get(dtype, dtype)
+
+
+def wire(tensor: torch.Tensor) -> Any:
+    """A buffer mpi4py accepts that aliases ``tensor``'s memory (contiguous tensors only).
+
+    CPU: a NumPy view. Other devices (CUDA-aware MPI only): the tensor itself, whose
+    ``__cuda_array_interface__`` / DLPack export mpi4py understands.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError("the MPI engine works on contiguous tensors; call .contiguous() first")
+    view_dtype = _WIRE_VIEW.get(tensor.dtype)
+    if view_dtype is not None:
+        tensor = tensor.view(view_dtype)
+    tensor = tensor.detach()
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor
+
+
+def device_aware(MPI: Any) -> bool:
+    """Whether the MPI library reads and writes GPU memory itself (mpi4py's query, MPI >= 4.1
+    extension); False when the library cannot say."""
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 - an MPI without the extension raises MPI.Exception
+        return False
+
+
+def needs_staging(tensor: torch.Tensor, aware: bool) -> bool:
+    return tensor.device.type != "cpu" and not aware
+
+
+def stage_in(tensor: torch.Tensor, stage: bool) -> torch.Tensor:
+    """The tensor MPI should see: a host copy when ``stage``, else ``tensor`` itself."""
+    return tensor.to("cpu", copy=True) if stage else tensor
+
+
+def stage_back(result: torch.Tensor, like: torch.Tensor, stage: bool) -> torch.Tensor:
+    """Moves a result computed on a staged host copy to ``like``'s device."""
+    return result.to(like.device) if stage else result
+
+
+def write_back(tensor: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copies an in-place result from its staging buffer into ``tensor`` (no-op if not staged)."""
+    if staged is not tensor:
+        tensor.copy_(staged)
