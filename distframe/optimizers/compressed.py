@@ -1,0 +1,236 @@
+"""GradientCompressionOptimizer: DDP whose per-bucket gradient all_reduce becomes
+compress -> exchange -> decompress, with error feedback.
+
+The compressors (the math) live in ``compression.py``; this file moves their payloads. The
+optimizer plugs into ``DDPModel.register_comm_hook``, so compression runs per gradient bucket as
+DDP's all_reduce would, started from the gradient hooks during backward and completed in
+``synchronize_gradients()``.
+
+[Note: error feedback] For a lossy compressor each rank keeps, per parameter, the residual e:
+it compresses g + e instead of g, and keeps e' = (g + e) - sent, where ``sent`` is what its
+payload decompresses to (its own contribution to the sum). So after T steps
+sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp, Work
+from distframe.errors import ConfigError
+from distframe.models.ddp import DDPModel
+from distframe.models.gradient_buckets import GradBucket
+from distframe.models.sharded_state import RangeReader
+from distframe.optimizers.base import ShardedOptimizerBase
+from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
+
+_RESIDUAL = "compression.residual.rank{rank}"
+_WARM_Q = "compression.powersgd_q"
+_ITERATION = "compression.iteration"
+
+
+class _Then(Work):
+    """``wait()`` waits for ``works`` and returns ``finish(results)`` (computed once)."""
+
+    def __init__(self, works: list[Work], finish: Callable[[list[Any]], Any]) -> None:
+        self._works, self._finish = works, finish
+        self._done, self._result = False, None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._result = self._finish([w.wait(timeout) for w in self._works])
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _split(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    return list(flat.split(numels)) if numels else []
+
+
+class GradientCompressionOptimizer(ShardedOptimizerBase):
+    """Data-parallel training of a ``DDPModel`` with compressed gradient exchange.
+
+    ``compressor``: a ``distframe.optimizers.compression.Compressor``. ``error_feedback``
+    (default True) keeps a per-parameter residual for lossy compressors (ignored for lossless ones).
+
+    Collectives per gradient bucket (each rank ends with the same averaged gradient):
+    identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
+    fp16/bf16: one ``all_reduce(SUM)`` of the cast bucket; int8/top-k: one ``all_gather`` per
+    payload part (int8 values and scales; top-k values and indices), then every rank decompresses
+    every rank's payload and sums them in rank order; PowerSGD: one ``all_reduce(SUM)`` of the
+    uncompressible parameters and of the P factors (asynchronous, during backward), then one
+    ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
+
+    ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
+    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors and the step count.
+    """
+
+    model_class = DDPModel
+
+    def __init__(self, model: DDPModel, optimizer: Any, *, compressor: Compressor,
+                 error_feedback: bool = True, **optimizer_kwargs: Any) -> None:
+        if not isinstance(compressor, Compressor):
+            raise ConfigError(f"GradientCompressionOptimizer.compressor must be a Compressor from "
+                              f"distframe.optimizers.compression (e.g. FP16Compressor()), got {compressor!r:.60}")
+        if not isinstance(error_feedback, bool):
+            raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
+        super().__init__(model, optimizer, **optimizer_kwargs)
+        self.compressor = compressor
+        self.error_feedback = error_feedback and compressor.lossy
+        self.iteration = 0
+        self.residuals: dict[str, torch.Tensor] = {}
+        model.register_comm_hook(self._communicate)
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        self.iteration += 1
+        return loss
+
+    # ---- the comm hook -----------------------------------------------------------------------
+    def _communicate(self, backend: ICommunicationBackend, bucket: GradBucket) -> Work:
+        compressor = self.compressor
+        plain = compressor.exchange == "powersgd" and not compressor.is_active(self.iteration)
+        if not compressor.lossy or plain:
+            return backend.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+        names = [e.name for e in bucket.space.entries]
+        views = bucket.space.views(bucket.buffer)
+        if self.error_feedback:
+            for name, view in zip(names, views):
+                if name in self.residuals:
+                    view.add_(self.residuals[name])
+        if compressor.exchange == "all_reduce":
+            return self._exchange_summable(backend, names, views)
+        if compressor.exchange == "all_gather":
+            return self._exchange_gathered(backend, names, views)
+        if compressor.exchange == "powersgd":
+            return self._exchange_powersgd(backend, names, views)
+        raise ConfigError(f"{compressor!r} has exchange={compressor.exchange!r}; a compressor's "
+                          "exchange is 'all_reduce', 'all_gather' or 'powersgd'")
+
+    def _keep_residual(self, name: str, given: torch.Tensor, sent: torch.Tensor) -> None:
+        if self.error_feedback:
+            self.residuals[name] = given - sent
+
+    def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
+                           views: list[torch.Tensor]) -> Work:
+        """Payloads that add up: one all_reduce(SUM) of their concatenation."""
+        compressed = [self.compressor.compress(v, key=n) for n, v in zip(names, views)]
+        for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
+            self._keep_residual(name, view, self.compressor.decompress(payload, ctx))
+        wire = torch.cat([payload[0].reshape(-1) for payload, _ in compressed])
+        numels = [v.numel() for v in views]
+        world = backend.world_size
+
+        def finish(results: list[Any]) -> None:
+            for view, part, (_, ctx) in zip(views, _split(wire, numels), compressed):
+                view.copy_(self.compressor.decompress((part.view(view.shape),), ctx).div_(world))
+        return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True)], finish)
+
+    def _exchange_gathered(self, backend: ICommunicationBackend, names: list[str],
+                           views: list[torch.Tensor]) -> Work:
+        """Payloads that do not add up: all_gather each part, decompress every rank's, sum."""
+        compressed = [self.compressor.compress(v, key=n) for n, v in zip(names, views)]
+        for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
+            self._keep_residual(name, view, self.compressor.decompress(payload, ctx))
+        parts = len(compressed[0][0])
+        sizes = [[payload[j].numel() for payload, _ in compressed] for j in range(parts)]
+        wires = [torch.cat([payload[j].reshape(-1) for payload, _ in compressed]) for j in range(parts)]
+        world = backend.world_size
+
+        def finish(gathered: list[torch.Tensor]) -> None:
+            per_rank = [g.view(world, -1) for g in gathered]  # part j: (world, its length)
+            totals = [torch.zeros_like(v) for v in views]
+            for r in range(world):
+                pieces = [_split(per_rank[j][r], sizes[j]) for j in range(parts)]
+                for k, (_, ctx) in enumerate(compressed):
+                    payload: Payload = tuple(pieces[j][k] for j in range(parts))
+                    totals[k].add_(self.compressor.decompress(payload, ctx))
+            for view, total in zip(views, totals):
+                view.copy_(total.div_(world))
+        return _Then([backend.all_gather(w, async_op=True) for w in wires], finish)
+
+    def _exchange_powersgd(self, backend: ICommunicationBackend, names: list[str],
+                           views: list[torch.Tensor]) -> Work:
+        """Uncompressible tensors and P = M Q go out now; Q = M^T P goes out when waited for."""
+        psgd: PowerSGDCompressor = self.compressor  # type: ignore[assignment]
+        low = [k for k, v in enumerate(views) if psgd.compressible(v.shape)]
+        full = [k for k, v in enumerate(views) if not psgd.compressible(v.shape)]
+        works = []
+        if full:
+            flat_full = torch.cat([views[k].reshape(-1) for k in full])
+            works.append(backend.all_reduce(flat_full, ReduceOp.AVG, async_op=True))
+            for k in full:
+                self._keep_residual(names[k], views[k], views[k])
+        matrices = {k: psgd.as_matrix(views[k]).clone() for k in low}
+        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, views[k].dtype))
+              for k in low}
+        if low:
+            flat_p = torch.cat([ps[k].reshape(-1) for k in low])
+            works.append(backend.all_reduce(flat_p, ReduceOp.SUM, async_op=True))
+        world = backend.world_size
+
+        def finish(results: list[Any]) -> None:
+            if full:
+                for k, part in zip(full, _split(flat_full, [views[k].numel() for k in full])):
+                    views[k].copy_(part.view(views[k].shape))
+            if not low:
+                return
+            summed_p = _split(flat_p, [ps[k].numel() for k in low])
+            p = {k: psgd.orthogonalize(part.view(ps[k].shape).clone()) for k, part in zip(low, summed_p)}
+            q_local = {k: psgd.back_project(matrices[k], p[k]) for k in low}
+            flat_q = torch.cat([q_local[k].reshape(-1) for k in low])
+            backend.all_reduce(flat_q, ReduceOp.SUM)
+            for k, part in zip(low, _split(flat_q, [q_local[k].numel() for k in low])):
+                q_sum = part.view(q_local[k].shape)
+                sent = psgd.approximate(p[k], q_local[k], views[k].shape)
+                self._keep_residual(names[k], matrices[k].view(views[k].shape), sent)
+                psgd.remember(names[k], q_sum / world)
+                views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
+        return _Then(works, finish)
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's pieces plus this rank's residuals, PowerSGD's warm-start
+        factors (the same on every rank) and the step count, all as ``tensors`` pieces."""
+        state = super().state_dict()
+        tensors = dict(state["tensors"])
+        rank = self.model.backend.rank
+        for name, residual in self.residuals.items():
+            tensors[f"{_RESIDUAL.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
+        for key, q in self.compressor.state_dict().items():
+            tensors[f"{_WARM_Q}/{key.split('/', 1)[1]}@0"] = q.reshape(-1).clone()
+        tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
+        return {**state, "tensors": tensors}
+
+    def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        """Loads the optimizer pieces, then this rank's residuals (none saved for this rank,
+        e.g. after growing the world: it starts from zero), the warm-start factors and the step."""
+        reader = reader or RangeReader.from_tensors(state["tensors"])
+        super().load_state_dict(state, reader)
+        kinds = reader.kinds()
+        if _ITERATION in kinds:
+            self.iteration = int(reader.read(_ITERATION, "step", 0, 1)[0])
+        mine = _RESIDUAL.format(rank=self.model.backend.rank)
+        self.residuals = {}
+        params = dict(self.model.wrapped_model.named_parameters())
+        for name, param in params.items():
+            if mine in kinds and _has(reader, mine, name):
+                self.residuals[name] = reader.read(mine, name, 0, param.numel()).view(param.shape).clone()
+        if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
+            warm = {}
+            for name, param in params.items():
+                if _has(reader, _WARM_Q, name):
+                    _, m = self.compressor.matrix_shape(param.shape)
+                    r = self.compressor.effective_rank(param.shape)
+                    warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
+            self.compressor.load_state_dict(warm)
+
+
+def _has(reader: RangeReader, kind: str, name: str) -> bool:
+    return any(key.startswith(f"{kind}/{name}@") for key in reader.keys)
