@@ -1,0 +1,306 @@
+"""Ranks as processes for the torch.distributed engines: ``spawn_processes`` (one call, fresh
+processes) and ``ProcessPool`` (persistent workers that keep their backends between calls).
+
+The parent hosts the rendezvous: a TCPStore server on a free port (port 0, so no race for a
+port), whose address the children receive. Functions travel by reference, pickled: a function
+must be importable in the child (module-level, in a module on ``sys.path``). Each child gets the
+parent's ``sys.path`` and environment, so what the parent can import, the child can too.
+
+[Note: start method] A process in which torch has run must never be forked, so children are
+never forked from the caller. By default they come from a "forkserver": a fresh process that
+imports torch once, computes nothing, and forks a child per rank, so a pool starts in well under
+a second instead of paying torch's import (seconds) in every rank. ``start_method="spawn"``
+starts every rank as a fresh interpreter instead.
+
+[Note: failures] When a rank raises, the others get a short grace period to finish (they often
+fail in the same way, and their own errors are then reported too); ranks still running after it
+are terminated. The first original error (lowest rank, peers' RankFailedError aside) is re-raised
+with a note naming its rank and its remote traceback. A pool whose run timed out, lost a process
+or was terminated starts fresh workers, with fresh backends, on its next run.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
+from distframe.launch import raise_first_failure
+
+_GRACE_S = 1.0
+_STOP_S = 10.0
+
+
+def spawn_processes(fn: Callable[..., Any], world_size: int, backend: str, *,
+                    timeout: float = DEFAULT_TIMEOUT, **backend_kwargs: Any) -> list:
+    """Runs ``fn(backend)`` in ``world_size`` fresh processes; returns the results in rank order.
+    Every process has ended when this returns or raises."""
+    with ProcessPool(world_size, backend, timeout=timeout, **backend_kwargs) as pool:
+        return pool.run(fn)
+
+
+class ProcessPool:
+    """``world_size`` persistent worker processes, each holding rank r's backend of one group.
+
+    ``run(fn, *args, **kwargs)`` calls ``fn(backend, *args, **kwargs)`` on every rank and returns
+    the results in rank order; the same backend objects serve every run (their ``stats`` and
+    sequence numbers carry over). Starting a process costs seconds, so tests share a pool.
+    ``close()`` (or leaving the ``with`` block) stops the workers.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", *, timeout: float = DEFAULT_TIMEOUT,
+                 start_method: str = "forkserver", **backend_kwargs: Any) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"ProcessPool runs 'gloo' or 'nccl' ranks, not {backend!r}")
+        import torch.distributed as dist
+        if backend == "nccl":
+            from distframe.backends.torch_dist import require_gpus
+            require_gpus(world_size)
+        if start_method not in ("forkserver", "spawn"):
+            raise ConfigError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}; "
+                              "ranks are never forked from a process that has run torch")
+        self.world_size = world_size
+        self.start_method = start_method
+        self.backend = backend
+        self.timeout = float(timeout)
+        self._backend_kwargs = backend_kwargs
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.timeout))
+        self._generation = 0
+        self._workers: list[_Worker] = []
+        self._needs_restart = False
+        self._closed = False
+        self._start_workers()
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
+        """``fn(backend, *args, **kwargs)`` on every rank; results in rank order. If any rank
+        raises, the first original error is re-raised here with its rank named."""
+        if self._closed:
+            raise ValueError("run() on a closed ProcessPool; create a new one")
+        task = pickle.dumps((fn, args, kwargs))  # fails here, in the caller, for a lambda
+        if self._needs_restart:
+            self._stop_workers(graceful=False)
+            self._start_workers()
+        for worker in self._workers:
+            worker.connection.send_bytes(task)
+        results, errors = self._collect()
+        if errors:
+            raise_first_failure(errors)
+        return results
+
+    def close(self) -> None:
+        """Stops the workers (each shuts its backend down). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_workers(graceful=True)
+        self._store = None
+
+    # ---- workers -----------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        self._generation += 1
+        context = _start_context(self.start_method)
+        host, port = "127.0.0.1", self._store.port
+        prefix = f"distframe/pool{os.getpid()}-{id(self)}/generation{self._generation}"
+        self._workers = []
+        for rank in range(self.world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=_worker_main, name=f"distframe-{self.backend}-rank{rank}", daemon=True,
+                args=(rank, self.world_size, self.backend, host, port, prefix, self.timeout,
+                      self._backend_kwargs, child_end, list(sys.path), dict(os.environ)))
+            process.start()
+            child_end.close()
+            self._workers.append(_Worker(rank, process, parent_end))
+        self._needs_restart = False
+        _, errors = self._collect()  # each worker reports once its backend is built
+        if errors:
+            self._stop_workers(graceful=False)
+            raise_first_failure(errors)
+
+    def _collect(self) -> tuple[list, dict[int, BaseException]]:
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, BaseException] = {}
+        pending = {w.rank: w for w in self._workers}
+        deadline: float | None = None
+        try:
+            while pending:
+                wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+                handles = [h for w in pending.values() for h in (w.connection, w.process.sentinel)]
+                multiprocessing.connection.wait(handles, timeout=wait_s)
+                for rank, worker in list(pending.items()):
+                    outcome = worker.poll()
+                    if outcome is None:
+                        continue
+                    del pending[rank]
+                    ok, value, failed = outcome
+                    self._needs_restart |= failed
+                    if ok:
+                        results[rank] = value
+                    else:
+                        errors[rank] = value
+                if errors and deadline is None:
+                    deadline = time.monotonic() + _GRACE_S
+                if deadline is not None and time.monotonic() >= deadline and pending:
+                    break
+        except BaseException:  # Ctrl-C in the caller: no worker is left running
+            self._stop_workers(graceful=False)
+            self._needs_restart = True
+            raise
+        if pending:
+            first = min(errors)
+            for rank in pending:
+                errors[rank] = RankFailedError(first, f"rank {rank} was stopped because rank "
+                                                      f"{first} failed")
+            self._stop_workers(graceful=False)
+            self._needs_restart = True
+        return results, errors
+
+    def _stop_workers(self, *, graceful: bool) -> None:
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            if graceful and worker.process.is_alive():
+                try:
+                    worker.connection.send_bytes(b"")  # the stop message
+                except OSError:
+                    pass
+            else:
+                worker.process.terminate()
+        deadline = time.monotonic() + (_STOP_S if graceful else 2.0)
+        for worker in workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.connection.close()
+
+
+class _Worker:
+    """The parent's handle on one rank's process."""
+
+    def __init__(self, rank: int, process: multiprocessing.Process,
+                 connection: multiprocessing.connection.Connection) -> None:
+        self.rank, self.process, self.connection = rank, process, connection
+
+    def poll(self) -> tuple[bool, Any, bool] | None:
+        """``(ok, result or exception, backend failed)`` once this rank has answered or died."""
+        try:
+            if self.connection.poll():
+                return _decode_reply(self.connection.recv_bytes(), self.rank)
+        except (EOFError, OSError):
+            pass
+        if self.process.is_alive():
+            return None
+        return False, RankFailedError(self.rank, f"its process exited with code "
+                                                 f"{self.process.exitcode} before answering"), True
+
+
+# ---- the worker side ---------------------------------------------------------------------------
+def _start_context(start_method: str) -> Any:
+    if start_method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        # Takes effect when the server starts (once per process); it imports torch, nothing more.
+        context.set_forkserver_preload(["distframe._process_launch", "torch.distributed"])
+        return context
+    return multiprocessing.get_context("spawn")
+
+
+def _worker_main(rank: int, world_size: int, engine: str, host: str, port: int, prefix: str,
+                 timeout: float, backend_kwargs: dict, connection: Any, sys_path: list[str],
+                 environ: dict[str, str]) -> None:
+    # A forkserver child inherits the server's view, taken when it started: use the caller's.
+    sys.path[:] = sys_path
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        backend = _build_backend(rank, world_size, engine, host, port, prefix, timeout, backend_kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        connection.send_bytes(_encode_error(exc, failed=True))
+        return
+    connection.send_bytes(pickle.dumps((True, None, False)))
+    try:
+        while True:
+            try:
+                task = connection.recv_bytes()
+            except (EOFError, OSError):  # the parent has gone
+                return
+            if not task:
+                return
+            connection.send_bytes(_run_task(backend, task))
+    finally:
+        backend.shutdown()
+
+
+def _build_backend(rank: int, world_size: int, engine: str, host: str, port: int, prefix: str,
+                   timeout: float, backend_kwargs: dict) -> Any:
+    import torch.distributed as dist
+
+    from distframe.backends.torch_dist import GlooCommunicationBackend, NCCLCommunicationBackend
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    kwargs = dict(backend_kwargs)
+    if engine == "nccl":
+        kwargs.setdefault("device", rank)
+        return NCCLCommunicationBackend(rank, world_size, store, timeout=timeout, prefix=prefix, **kwargs)
+    kwargs.setdefault("hostname", "127.0.0.1")  # every rank is on this machine
+    return GlooCommunicationBackend(rank, world_size, store, timeout=timeout, prefix=prefix, **kwargs)
+
+
+def _run_task(backend: Any, task: bytes) -> bytes:
+    try:
+        fn, args, kwargs = pickle.loads(task)
+        result = fn(backend, *args, **kwargs)
+        return pickle.dumps((True, result, _has_failed(backend)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        return _encode_error(exc, failed=_has_failed(backend) or isinstance(
+            exc, (CollectiveTimeoutError, RankFailedError)))
+
+
+def _has_failed(backend: Any) -> bool:
+    return bool(getattr(backend, "has_failed", False))
+
+
+# ---- exceptions across the pipe -------------------------------------------------------------------
+def _encode_error(exc: BaseException, *, failed: bool) -> bytes:
+    """Exceptions whose __init__ takes other arguments than ``args`` (most of distframe.errors)
+    do not survive pickle, so the class, ``args`` and attributes travel separately."""
+    remote = "".join(traceback.format_exception(exc)).rstrip()
+    try:
+        state = pickle.dumps((type(exc), exc.args, dict(vars(exc))))
+    except Exception:  # noqa: BLE001 - an unpicklable argument: keep the text
+        state = pickle.dumps((RuntimeError, (f"{type(exc).__name__}: {exc}",), {}))
+    return pickle.dumps((False, (state, remote), failed))
+
+
+def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
+    try:
+        ok, value, failed = pickle.loads(reply)
+    except Exception as exc:  # noqa: BLE001 - e.g. the result's class is not importable here
+        return False, RuntimeError(f"rank {rank}'s reply could not be unpickled: {exc!r}"), False
+    if ok:
+        return ok, value, failed
+    state, remote = value
+    try:
+        cls, args, attributes = pickle.loads(state)
+        exc = cls.__new__(cls, *args)
+        exc.args = args
+        exc.__dict__.update(attributes)
+    except Exception:  # noqa: BLE001
+        exc = RuntimeError(remote.splitlines()[-1] if remote else "unknown error")
+    exc.add_note(f"Traceback on rank {rank}:\n{remote}")
+    return False, exc, failed
