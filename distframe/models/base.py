@@ -1,0 +1,223 @@
+"""ShardedModelBase: the life cycle every strategy shares (construction, forward, train_step,
+no_sync, sharded state, memory accounting); strategies supply where state lives and when to
+communicate.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp
+from distframe.errors import ConfigError
+from distframe.models.config import ShardingConfig, TrainingState, resolve_config
+from distframe.models.replicas import broadcast_module_state, check_same_structure
+from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
+
+
+class ShardedModelBase(nn.Module, abc.ABC):
+    """Wraps ``module`` (never rewritten: hooks only) for data-parallel training over ``backend``.
+
+    Construction (collective): when ``config.check_structure``, two small all_gathers compare
+    parameter and buffer names, shapes and dtypes across ranks (ConfigError naming the first
+    difference and the ranks); then one broadcast per dtype copies rank 0's parameters and
+    buffers to every rank. Settings come from ``config`` (a ShardingConfig) or keywords.
+
+    ``train_step(batch, loss_fn, optimizer)`` runs forward and backward on this rank's slice,
+    gradient synchronisation, ``optimizer.step()``, ``optimizer.zero_grad()`` and one all_reduce
+    of the loss; it returns the global mean loss, the same float on every rank.
+    """
+
+    #: Whether a plain ``torch.optim`` optimizer over ``parameters()`` trains this strategy.
+    accepts_plain_optimizer = False
+    #: The ShardedOptimizerBase subclass that belongs with this model (set by the optimizers).
+    optimizer_name = "a ShardedOptimizer"
+
+    def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"{type(self).__name__} wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(backend, ICommunicationBackend):
+            raise ConfigError(f"backend must implement ICommunicationBackend (for example the one "
+                              f"spawn() passes to your function), got {type(backend).__name__}")
+        self.wrapped_model = module
+        self.backend = backend
+        self.config = resolve_config(config, settings)
+        self._check_config(self.config)
+        if self.config.check_structure:
+            check_same_structure(module, backend)
+        broadcast_module_state(module, backend)
+        self._synchronize = True
+        self.training_state = TrainingState.IDLE
+        self._optimizer: Any = None
+
+    # ---- what each strategy supplies ---------------------------------------------------------
+    def _check_config(self, config: ShardingConfig) -> None:
+        """Raises ConfigError for settings this strategy cannot honour."""
+
+    @abc.abstractmethod
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        """The tensors this rank's optimizer updates (each a leaf with ``.grad`` after sync)."""
+
+    @abc.abstractmethod
+    def synchronize_gradients(self) -> None:
+        """Completes this step's gradient communication; idempotent; collective."""
+
+    def synchronize_parameters(self) -> None:
+        """Makes parameters current after the optimizer updated the local shards; collective."""
+
+    @abc.abstractmethod
+    def shard_layout(self) -> ShardLayout:
+        """Which parameter ranges ``local_parameter_shard()`` holds."""
+
+    @abc.abstractmethod
+    def _gather_parameters(self) -> dict[str, torch.Tensor]:
+        """Full copies of every parameter of the wrapped model; collective."""
+
+    def _pre_forward(self) -> None:
+        """Runs before the wrapped model's forward."""
+
+    def _after_load(self) -> None:
+        """Runs after shards were overwritten by ``load_state_dict``; collective."""
+
+    def _zero_grad(self) -> None:
+        """Clears gradients this strategy holds beyond the optimizer's shards."""
+
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        """Communication buffers the strategy holds between steps (for memory_footprint)."""
+        return []
+
+    # ---- shared life cycle -------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._pre_forward()
+        return self.wrapped_model(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without communicating; the first
+        backward after it synchronises the accumulated sum (averaged across ranks)."""
+        previous, self._synchronize = self._synchronize, False
+        try:
+            yield
+        finally:
+            self._synchronize = previous
+
+    def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+                   optimizer: Any) -> float:
+        """One optimisation step on this rank's slice; returns the global mean loss."""
+        self.check_optimizer(optimizer)
+        loss = self._forward_backward(batch, loss_fn)
+        self.synchronize_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        return self._global_mean_loss(loss)
+
+    def _forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
+        inputs, targets = batch
+        if isinstance(inputs, dict):
+            output = self(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            output = self(*inputs)
+        else:
+            output = self(inputs)
+        loss = loss_fn(output, targets)
+        loss.backward()
+        return loss
+
+    def _global_mean_loss(self, loss: torch.Tensor) -> float:
+        total = loss.detach().to(torch.float64).reshape(1).clone()
+        self.backend.all_reduce(total, ReduceOp.AVG)
+        return float(total)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """ConfigError unless ``optimizer`` belongs with this model."""
+        owner = getattr(optimizer, "model", None)
+        if hasattr(optimizer, "wrapped_optimizer"):
+            if owner is not self:
+                raise ConfigError(f"{type(optimizer).__name__} was built for a different model; "
+                                  f"build it with {type(optimizer).__name__}(this_model, ...)")
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a ShardedOptimizer, "
+                              f"got {type(optimizer).__name__}")
+        if not self.accepts_plain_optimizer:
+            raise ConfigError(f"{type(self).__name__} shards optimizer state: wrap the optimizer as "
+                              f"{self.optimizer_name}(model, torch.optim.{type(optimizer).__name__}, **kwargs)")
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Called by ShardedOptimizerBase so memory_footprint can count optimizer state."""
+        self._optimizer = optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for shard in self.local_parameter_shard():
+            shard.grad = None
+        self._zero_grad()
+
+    # ---- full and sharded state --------------------------------------------------------------
+    def gather_full_parameters(self) -> dict[str, torch.Tensor]:
+        """The wrapped model's full state dict (parameters gathered, buffers copied), identical
+        on every rank; collective for sharded strategies."""
+        params = self._gather_parameters()
+        out = {}
+        for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():
+            out[name] = params[name] if name in params else tensor.detach().clone()
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
+        """This rank's share of the parameters (``param/<name>@<offset>`` 1-D pieces) and, on rank
+        0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model."""
+        layout = self.shard_layout()
+        state = shard_pieces(layout, self.backend.rank, self.backend.world_size, "param", layout.shards)
+        if self.backend.rank == 0:
+            for name, buf in self.wrapped_model.named_buffers():
+                state[f"buffer/{name}"] = buf.detach().clone()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
+                        assign: bool = False) -> None:  # noqa: ARG002
+        """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
+        checkpoint reader); each rank reads the ranges it holds. Collective."""
+        reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        layout = self.shard_layout()
+        fill_shards(layout, reader, "param", layout.shards)
+        with torch.no_grad():
+            for name, buf in self.wrapped_model.named_buffers():
+                buf.copy_(reader.buffer(name))
+        self._after_load()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of distinct tensor storage this rank holds: parameters, gradients, optimizer
+        state and the strategy's buffers (each storage counted once, in that order)."""
+        seen: set[int] = set()
+        params = list(self.wrapped_model.parameters()) + list(self.local_parameter_shard())
+        grads = [p.grad for p in params if p.grad is not None]
+        optimizer = getattr(self._optimizer, "wrapped_optimizer", None)
+        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+        out = {"parameters": _storage_bytes(params, seen), "gradients": _storage_bytes(grads, seen),
+               "optimizer_state": _storage_bytes(state, seen),
+               "buffers": _storage_bytes(self._strategy_buffers(), seen)}
+        out["total"] = sum(out.values())
+        return out
+
+
+def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total

@@ -1,0 +1,96 @@
+"""DDPModel: replicated parameters, gradients averaged in buckets overlapped with backward."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp, Work
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.config import ShardingConfig
+from distframe.models.flat import FlatSpace, Segment, partition_into_buckets
+from distframe.models.gradient_buckets import GradBucket, GradientBuckets
+from distframe.models.sharded_state import ShardLayout
+
+CommHook = Callable[[ICommunicationBackend, GradBucket], Work]
+
+
+def allreduce_hook(backend: ICommunicationBackend, bucket: GradBucket) -> Work:
+    """The default communication hook: average the bucket's flat gradient across ranks, in place."""
+    return backend.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
+
+
+class DDPModel(ShardedModelBase):
+    """Distributed data parallel.
+
+    Every rank holds the full parameters, full gradients (``.grad`` of each parameter is a view
+    into its bucket's flat buffer) and, with DDPOptimizer or a plain torch.optim optimizer, the
+    full optimizer state. Collectives: per bucket (reverse registration order, ``bucket_cap_mb``,
+    the first ``first_bucket_cap_mb``), one ``all_reduce(AVG)`` started asynchronously from the
+    gradient hooks as soon as the bucket's gradients are accumulated during backward, waited for in
+    ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
+    ``no_sync()`` nothing is communicated.
+
+    ``register_comm_hook(hook)`` replaces the per-bucket all_reduce: ``hook(backend, bucket)``
+    returns a Work whose ``wait()`` gives the averaged flat gradient (or None when the hook wrote
+    ``bucket.buffer`` in place). Gradient compression plugs in here.
+    """
+
+    accepts_plain_optimizer = True
+    optimizer_name = "DDPOptimizer"
+
+    def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
+        super().__init__(module, backend, config=config, **settings)
+        self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        spaces = []
+        for dtype in sorted({p.dtype for _, p in self._named}, key=str):
+            group = [(n, p) for n, p in self._named if p.dtype == dtype]
+            spaces += [FlatSpace(b, 1) for b in partition_into_buckets(
+                group, first_cap_bytes=self.config.first_bucket_cap_bytes,
+                cap_bytes=self.config.bucket_cap_bytes)]
+        self._comm_hook: CommHook = allreduce_hook
+        self.gradient_buckets = GradientBuckets(spaces, grad_dtype=None, launch=self._launch,
+                                                complete=self._complete, keep_buffers=True)
+
+    def _check_config(self, config: ShardingConfig) -> None:
+        if config.mixed_precision is not None:
+            raise ConfigError("ShardingConfig.mixed_precision applies to ZeRO and FSDP (fp32 master "
+                              "weights); for DDP cast the model yourself or use ZeRO1Model")
+
+    def register_comm_hook(self, hook: CommHook) -> None:
+        """Replaces the per-bucket gradient all_reduce (see the class docstring)."""
+        if not callable(hook):
+            raise ConfigError("register_comm_hook needs a callable hook(backend, bucket) -> Work")
+        self._comm_hook = hook
+
+    def _launch(self, bucket: GradBucket) -> Work:
+        return self._comm_hook(self.backend, bucket)
+
+    def _complete(self, bucket: GradBucket, result: torch.Tensor | None) -> None:
+        if result is not None and result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result.reshape(-1))
+
+    # ---- ShardedModelBase ----------------------------------------------------------------------
+    def _pre_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self.gradient_buckets.prepare_for_backward(self._synchronize)
+
+    def synchronize_gradients(self) -> None:
+        self.gradient_buckets.finish()
+
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        return [p for _, p in self._named]
+
+    def shard_layout(self) -> ShardLayout:
+        return ShardLayout([p for _, p in self._named],
+                           [[Segment(0, n, 0, p.numel())] for n, p in self._named], replicated=True)
+
+    def _gather_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.wrapped_model.named_parameters()}
+
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.gradient_buckets.buckets if b.buffer is not None]

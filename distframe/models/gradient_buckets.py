@@ -1,0 +1,159 @@
+"""GradientBuckets: gradient hooks that start one collective per bucket during backward.
+
+Shared by DDP, ZeRO-1 and ZeRO-2 (and usable over any backend or data-parallel subgroup).
+Each parameter's ``.grad`` is a view into its bucket's flat buffer, so accumulation writes
+straight into the buffer that is communicated. When every gradient of a bucket has been
+accumulated, the bucket's collective is started asynchronously (``launch(bucket) -> Work``);
+``finish()`` waits for them in bucket order and hands each result to ``complete(bucket, result)``.
+
+[Note: launch order] Buckets are launched strictly in index order (a ready bucket waits for its
+predecessors), and ``finish()`` launches whatever has not been launched yet, so every rank issues
+the same collectives in the same order even when some parameters get no gradient on some ranks:
+their slots of the buffer hold zeros and are reduced as zeros. No rank can hang on another.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from distframe.backends.types import Work
+from distframe.models.flat import FlatSpace
+
+
+@dataclasses.dataclass
+class GradBucket:
+    """One bucket: its parameters' flat space and (while gradients are held) the flat buffer."""
+
+    index: int
+    space: FlatSpace
+    buffer: torch.Tensor | None = None
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return self.space.params
+
+
+LaunchFn = Callable[[GradBucket], Work]
+CompleteFn = Callable[[GradBucket, Any], None]
+
+
+class GradientBuckets:
+    """Owns the buckets' gradient buffers and hooks; the strategy supplies what to communicate.
+
+    ``grad_dtype``: dtype of the buffers (None: each bucket's parameter dtype).
+    ``keep_buffers``: keep full gradients after synchronisation (DDP, ZeRO-1); False frees each
+    bucket's buffer (and its parameters' ``.grad``) once its collective completes (ZeRO-2).
+    """
+
+    def __init__(self, spaces: list[FlatSpace], *, grad_dtype: torch.dtype | None, launch: LaunchFn,
+                 complete: CompleteFn, keep_buffers: bool) -> None:
+        self.buckets = [GradBucket(i, s) for i, s in enumerate(spaces)]
+        self.grad_dtype = grad_dtype
+        self.launch_fn = launch
+        self.complete_fn = complete
+        self.keep_buffers = keep_buffers
+        self._bucket_of: dict[int, tuple[GradBucket, int]] = {}
+        for bucket in self.buckets:
+            for k, param in enumerate(bucket.parameters):
+                self._bucket_of[id(param)] = (bucket, k)
+        self._armed = False
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._next_launch = 0
+        self._pending: list[tuple[GradBucket, Work]] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient_accumulated)
+                         for bucket in self.buckets for p in bucket.parameters]
+
+    # ---- life cycle --------------------------------------------------------------------------
+    def prepare_for_backward(self, synchronize: bool) -> None:
+        """Called before each forward that may be followed by backward: attaches each
+        parameter's ``.grad`` to its slot of the bucket buffer; ``synchronize`` arms the hooks."""
+        if self._next_launch:
+            self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        for bucket in self.buckets:
+            self._attach(bucket)
+        self._armed = synchronize
+        self._ready = [set() for _ in self.buckets]
+
+    def finish(self) -> None:
+        """Launches the buckets that have not been launched (in order), waits for all of them and
+        completes each; a no-op when nothing was armed. Runs the same collectives on every rank."""
+        if not self._armed and not self._next_launch:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch_next()
+        self._complete_leading(block=True)
+        self._armed = False
+        self._next_launch = 0
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            if bucket.buffer is not None:
+                bucket.buffer.zero_()
+
+    def release(self) -> None:
+        for bucket in self.buckets:
+            self._release(bucket)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _attach(self, bucket: GradBucket) -> None:
+        if bucket.buffer is None:
+            dtype = self.grad_dtype or bucket.parameters[0].dtype
+            bucket.buffer = torch.zeros(bucket.space.padded_numel, dtype=dtype)
+        for param, view in zip(bucket.parameters, bucket.space.views(bucket.buffer)):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view
+
+    def _release(self, bucket: GradBucket) -> None:
+        for param in bucket.parameters:
+            param.grad = None
+        bucket.buffer = None
+
+    def _on_gradient_accumulated(self, param: nn.Parameter) -> None:
+        bucket, k = self._bucket_of[id(param)]
+        if bucket.buffer is None:
+            self._attach(bucket)
+        view = bucket.space.view(bucket.buffer, k)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            # The gradient was replaced (for example zero_grad(set_to_none=True) after forward).
+            view.copy_(param.grad)
+            param.grad = view
+        if not self._armed:
+            return
+        if bucket.index < self._next_launch:
+            raise RuntimeError(
+                f"a gradient arrived for bucket {bucket.index} after it was reduced: run one "
+                "backward per forward, or accumulate inside model.no_sync()")
+        self._ready[bucket.index].add(k)
+        while (self._next_launch < len(self.buckets) and len(self._ready[self._next_launch])
+               == len(self.buckets[self._next_launch].parameters)):
+            self._launch_next()
+
+    def _complete_leading(self, *, block: bool) -> None:
+        """Completes launched buckets in order: all of them (``block``), or those whose
+        collective has already finished, so ZeRO-2 frees full gradients during backward."""
+        while self._pending and (block or self._pending[0][1].is_completed()):
+            bucket, work = self._pending.pop(0)
+            self.complete_fn(bucket, work.wait())
+            if not self.keep_buffers:
+                self._release(bucket)
+
+    def _launch_next(self) -> None:
+        self._complete_leading(block=False)
+        bucket = self.buckets[self._next_launch]
+        if bucket.buffer is None:
+            self._attach(bucket)
+        self._pending.append((bucket, self.launch_fn(bucket)))
+        self._next_launch += 1

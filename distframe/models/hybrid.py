@@ -1,0 +1,263 @@
+"""HybridShardedModel: tensor parallelism inside pipeline stages inside data parallelism.
+
+Construction (collective on the world backend): ShardedModelBase's structure check and broadcast
+of rank 0's dense model; ``ParallelDims.build_groups``; the model is cut into ``pp`` stages
+(balanced by parameter count, or at ``split_points``) and this rank keeps stage ``pp_index``;
+the tensor-parallel plan is applied to that stage only (tensor group ``tp``); parameters tied
+across stages (the LM's embedding and head) get a subgroup of the stages holding them.
+
+Each rank holds this stage's parameters, split ``1/tp`` where the plan splits them, replicated
+over the ``dp`` ranks of its data-parallel group. A step (``train_step``) runs the pipeline
+schedule over ``num_microbatches`` (p2p over the pipeline group; the loss is broadcast from the
+last stage), then ``synchronize_gradients``: one all_reduce(SUM) per tied-weight group across its
+stages, then one all_reduce(AVG) per dtype of the flat gradients over the data-parallel group;
+then the optimizer steps and one all_reduce(AVG) of the loss over the world gives the global
+mean loss. With ``pp == 1`` there is no schedule: one forward and backward of the slice.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp
+from distframe.errors import ConfigError
+from distframe.mesh import ParallelDims
+from distframe.models.base import ShardedModelBase
+from distframe.models.config import ShardingConfig
+from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, gather_full, owns_piece,
+                                           shard_layout)
+from distframe.models.pipeline_comm import decode_header, encode_header
+from distframe.models.pipeline_runtime import PipelineRunner
+from distframe.models.pipeline_schedules import SCHEDULES
+from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, piece_key
+from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
+from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2")
+
+
+class HybridShardedModel(ShardedModelBase):
+    """``dp x tp x pp`` training of one model (see the module docstring for what runs when)."""
+
+    accepts_plain_optimizer = True
+
+    def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
+                 dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
+                 schedule: str = "1f1b", data_parallel: str = "ddp",
+                 split_points: Sequence[int] | None = None, config: ShardingConfig | None = None,
+                 **settings: Any) -> None:
+        if isinstance(model, (list, tuple)):
+            model = nn.Sequential(*model)
+        _check_arguments(dims, backend, num_microbatches, schedule, data_parallel)
+        super().__init__(model, backend, config=config, **settings)
+        self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
+        self.data_parallel = data_parallel
+        self.groups = dims.build_groups(backend)
+        dense_params = list(model.parameters())  # keeps ids stable while mapping names below
+        dense_names = {id(p): n for n, p in model.named_parameters()}
+        dense_buffers = {id(b): n for n, b in model.named_buffers()}
+        ranges = self._stage_ranges(model, split_points)
+        self.catalog = ParameterCatalog(model, self._stage_layers(model, ranges))
+        origins: dict[int, int] = {}
+        if dims.tp_enabled:
+            origins = self._apply_tensor_parallel(model, tp_plan, ranges)
+        stage = self._build_stage(model, ranges)
+        splits = split_dims(stage)
+        self.local_parameters = [
+            LocalParameter(dense_names[origins.get(id(p), id(p))], p, splits.get(id(p)))
+            for p in stage.parameters()]
+        self.local_buffers = {dense_buffers[id(b)]: b for b in stage.buffers()}
+        del dense_params
+        self.wrapped_model = stage
+        self._tied_groups = self._build_tied_groups()
+        self.runner = (PipelineRunner(stage, self.groups.pp, num_microbatches=num_microbatches,
+                                      schedule=schedule) if dims.pp_enabled else None)
+        self._plain_optimizer: torch.optim.Optimizer | None = None
+
+    # ---- construction ------------------------------------------------------------------------
+    def _stage_ranges(self, model: nn.Module, split_points: Sequence[int] | None) -> list[range] | None:
+        if not self.dims.pp_enabled:
+            if split_points is not None:
+                raise ConfigError("split_points needs pipeline parallelism (pp > 1)")
+            return None
+        return partition(layer_parameter_counts(pipeline_layers(model)), self.dims.pp, split_points)
+
+    @staticmethod
+    def _stage_layers(model: nn.Module, ranges: list[range] | None) -> list[list[nn.Module]]:
+        if ranges is None:
+            return [[model]]
+        layers = [m for _, m in pipeline_layers(model)]
+        return [[layers[i] for i in r] for r in ranges]
+
+    def _apply_tensor_parallel(self, model: nn.Module, tp_plan: Mapping[str, str] | None,
+                               ranges: list[range] | None) -> dict[int, int]:
+        plan = default_tp_plan(model) if tp_plan is None else tp_plan
+        mine = self._stage_layers(model, ranges)[self.groups.pp_index]
+        owned = {id(m) for layer in mine for m in layer.modules()}
+        return apply_tensor_parallel(model, self.groups.tp, plan, include=lambda m: id(m) in owned)
+
+    def _build_stage(self, model: nn.Module, ranges: list[range] | None) -> nn.Module:
+        if ranges is None:
+            return model
+        # Layers are looked up again: tensor parallelism replaced some of the modules.
+        layers = self._stage_layers(model, ranges)[self.groups.pp_index]
+        return PipelineStage(layers, self.groups.pp_index, self.dims.pp)
+
+    def _build_tied_groups(self) -> list[tuple[ICommunicationBackend, list[LocalParameter]]]:
+        out = []
+        by_name = {lp.name: lp for lp in self.local_parameters}
+        for stages, names in sorted(self.catalog.shared_across_stages().items()):
+            group = self.groups.pp.new_group(list(stages))
+            if group is not None:
+                out.append((group, [by_name[n] for n in names]))
+        return out
+
+    # ---- forward and the step ------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
+        forward without autograd; the last stage's output is broadcast over the pipeline group."""
+        if self.runner is None:
+            return self.wrapped_model(*args, **kwargs)
+        if len(args) != 1 or kwargs:
+            raise ConfigError("a pipelined model takes one input tensor")
+        output = self.runner.forward_only(args[0])
+        return _broadcast_any(output, self.groups.pp, src=self.dims.pp - 1)
+
+    def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of this rank's slice, gradients left in ``.grad`` unsynchronised;
+        returns the mean loss over the slice (the same on every rank of the pipeline group)."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
+        inputs, targets = batch
+        if self.runner is None:
+            loss = loss_fn(self.wrapped_model(inputs), targets)
+            loss.backward()
+            return loss.detach()
+        loss = self.runner.forward_backward(inputs, targets, loss_fn)
+        if loss is None:
+            loss = torch.zeros((), dtype=torch.float64)
+        loss = loss.detach().to(torch.float64).reshape(1).clone()
+        self.groups.pp.broadcast(loss, self.dims.pp - 1)
+        return loss.reshape(())
+
+    def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any) -> float:
+        self.check_optimizer(optimizer)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._plain_optimizer = optimizer
+        loss = self.forward_backward(batch, loss_fn)
+        self.synchronize_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+        return self._global_mean_loss(loss)
+
+    # ---- ShardedModelBase ----------------------------------------------------------------------
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        return [lp.param for lp in self.local_parameters]
+
+    def synchronize_gradients(self) -> None:
+        """Tied weights: all_reduce(SUM) across their stages; then all_reduce(AVG) over dp."""
+        for group, tied in self._tied_groups:
+            _all_reduce_grads([lp.param for lp in tied], group, ReduceOp.SUM)
+        if self.dims.dp_enabled and self._synchronize:
+            _all_reduce_grads(self.local_parameter_shard(), self.groups.dp, ReduceOp.AVG)
+
+    def shard_layout(self) -> ShardLayout:
+        return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)
+
+    def _gather_parameters(self) -> dict[str, torch.Tensor]:
+        full = self.gather_full_parameters()
+        return {e.name: full[e.name] for e in self.catalog.params}
+
+    def gather_full_parameters(self) -> dict[str, torch.Tensor]:
+        """The dense model's state dict on every rank. Collective: all_gather of each split
+        parameter over the tensor group, one broadcast per stage and dtype over the pipeline group."""
+        return gather_full(self.local_parameters, self.local_buffers, self.catalog, self.groups)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
+        """``param/<name>@<offset>`` pieces of the dense parameters (each range written by one rank
+        of the world: data-parallel index 0, tensor index 0 for replicated parameters, the first
+        stage holding a tied weight) and ``buffer/<name>``. Merge every rank's dict for the model."""
+        layout = self.shard_layout()
+        state: dict[str, torch.Tensor] = {}
+        for lp, segments in zip(self.local_parameters, layout.segments):
+            if not owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups):
+                continue
+            flat = lp.param.detach().reshape(-1)
+            for s in segments:
+                state[piece_key("param", s.name, s.param_offset)] = flat[s.shard_offset:s.shard_offset + s.length].clone()
+        for name, buf in self.local_buffers.items():
+            if owns_piece(None, self.catalog.by_name[name], self.groups):
+                state[f"buffer/{name}"] = buf.detach().clone()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
+                        assign: bool = False) -> None:  # noqa: ARG002
+        """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
+        any strategy, or a checkpoint reader). No communication."""
+        reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        layout = self.shard_layout()
+        fill_shards(layout, reader, "param", layout.shards)
+        with torch.no_grad():
+            for name, buf in self.local_buffers.items():
+                buf.copy_(reader.buffer(name))
+
+    def memory_footprint(self) -> dict[str, int]:
+        if self._optimizer is None and self._plain_optimizer is not None:
+            self._optimizer = _PlainOptimizerView(self._plain_optimizer)
+        return super().memory_footprint()
+
+
+class _PlainOptimizerView:
+    """Lets ShardedModelBase.memory_footprint count a plain torch optimizer's state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.wrapped_optimizer = optimizer
+
+
+def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches: Any, schedule: Any,
+                     data_parallel: Any) -> None:
+    if not isinstance(dims, ParallelDims):
+        raise ConfigError(f"dims must be a distframe.mesh.ParallelDims, got {type(dims).__name__}")
+    dims.validate(backend.world_size)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ConfigError(f"num_microbatches={num_microbatches!r}: use a positive int")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if data_parallel not in DATA_PARALLEL:
+        raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
+    if data_parallel != "ddp":
+        raise ConfigError(f"data_parallel={data_parallel!r} is not available yet; use 'ddp'")
+
+
+def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:
+    """One all_reduce per dtype of the flattened gradients (missing ones count as zeros)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):
+        group_params = by_dtype[dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in group_params])
+        group.all_reduce(flat, op)
+        offset = 0
+        for p in group_params:
+            piece = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += p.numel()
+
+
+def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int) -> torch.Tensor:
+    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first)."""
+    header = encode_header(tensor) if group.rank == src else encode_header(None)
+    group.broadcast(header, src)
+    shape, dtype = decode_header(header)
+    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype)
+    group.broadcast(out, src)
+    return out

@@ -1,0 +1,105 @@
+"""Measuring a pipeline step: per-stage busy time (hence the bubble) and live activation memory.
+
+``StepTimeline`` adds up the wall time of this stage's forward and backward compute; the rest of
+the step (waiting to receive) is idle. ``ActivationMemoryMeter`` counts the storages autograd
+saves for backward, through ``torch.autograd.graph.saved_tensors_hooks``: a storage is live from
+its first save until autograd drops the last saved reference to it (after that micro-batch's
+backward), each storage counted once by its data pointer, parameters excluded. The peak is the
+activation memory the schedule really holds, not a count the scheduler keeps of itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+
+
+@dataclasses.dataclass
+class StepTimeline:
+    """Wall times of one step on one stage (seconds)."""
+
+    busy_s: float = 0.0
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.step_s - self.busy_s)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.idle_s / self.step_s if self.step_s > 0 else 0.0
+
+    @contextlib.contextmanager
+    def busy(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.busy_s += elapsed
+            if kind == "F":
+                self.forward_s += elapsed
+            else:
+                self.backward_s += elapsed
+
+
+class _Saved:
+    """What the pack hook stores in the graph; its death means autograd released the tensor."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ActivationMemoryMeter:
+    """Live and peak bytes of the (non-parameter) storages saved for backward while active."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._lock = threading.Lock()
+        self._refs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.live_bytes
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Context in which autograd's saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self._excluded:
+            return tensor
+        saved = _Saved(tensor)
+        with self._lock:
+            if self._refs.get(key, 0) == 0:
+                self._sizes[key] = storage.nbytes()
+                self.live_bytes += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if self._refs[key] == 0:
+                del self._refs[key]
+                self.live_bytes -= self._sizes.pop(key)
+
+
+def _unpack(packed: object) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Saved) else packed

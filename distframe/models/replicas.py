@@ -1,0 +1,73 @@
+"""Making replicas agree at construction: a structure check and a broadcast from rank 0.
+
+check_same_structure: one all_gather of a fingerprint per parameter and buffer (plus, only when
+they differ, one all_gather of the descriptions) so every rank raises the same ConfigError.
+broadcast_module_state: one broadcast per dtype of all parameters and buffers, flattened.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+
+_DESCRIPTION_BYTES = 200
+
+
+def describe_entries(module: nn.Module) -> list[str]:
+    """'kind name shape dtype' for every parameter then every buffer, in registration order."""
+    entries = [f"parameter {n} {tuple(p.shape)} {p.dtype}" for n, p in module.named_parameters()]
+    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    return entries
+
+
+def _fingerprint(text: str) -> int:
+    # A stable hash: Python's hash() is salted per process, which breaks multi-process engines.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def check_same_structure(module: nn.Module, backend: ICommunicationBackend) -> None:
+    """Raises ConfigError on every rank unless all ranks wrap the same parameter and buffer
+    names, shapes and dtypes; the message names the first differing entry and the ranks."""
+    entries = describe_entries(module)
+    count = torch.tensor([len(entries)], dtype=torch.int64)
+    counts = backend.all_gather(count)
+    longest = int(counts.max())
+    prints = torch.full((longest + 1,), -1, dtype=torch.int64)
+    prints[:len(entries)] = torch.tensor([_fingerprint(e) for e in entries], dtype=torch.int64)
+    table = backend.all_gather(prints).view(backend.world_size, -1)
+    differs = (table != table[0]).any(dim=0)
+    if not bool(differs.any()):
+        return
+    index = int(differs.nonzero()[0])
+    mine = entries[index] if index < len(entries) else "nothing (fewer parameters and buffers)"
+    encoded = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+    raw = mine.encode()[:_DESCRIPTION_BYTES]
+    encoded[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    texts = backend.all_gather(encoded).view(backend.world_size, -1)
+    decoded = [bytes(texts[r].tolist()).rstrip(b"\0").decode(errors="replace")
+               for r in range(backend.world_size)]
+    odd = [r for r in range(backend.world_size) if int(table[r, index]) != int(table[0, index])]
+    raise ConfigError(
+        f"ranks wrap different models: entry #{index} is {decoded[0]} on rank 0 but "
+        f"{decoded[odd[0]]} on rank(s) {odd}; build the same model (same names, shapes and "
+        "dtypes) on every rank before wrapping it")
+
+
+def broadcast_module_state(module: nn.Module, backend: ICommunicationBackend, src: int = 0) -> None:
+    """Copies rank ``src``'s parameters and buffers into every rank's module, in place."""
+    tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in group]) if group else torch.empty(0, dtype=dtype)
+        backend.broadcast(flat, src)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,126 @@
+"""Sharded state: what a rank holds, keyed by parameter ranges so any layout can read it.
+
+A local shard is a 1-D tensor the optimizer updates (a bucket chunk, a unit chunk, or a whole
+replicated parameter); ``ShardLayout`` says which ranges of which parameters it holds. State is
+written as ``{"param/<name>@<offset>": 1-D slice, "optim.<key>/<name>@<offset>": slice,
+"buffer/<name>": tensor}``; ``RangeReader`` answers "elements a:b of parameter p" from any set of
+such pieces, which is what lets a checkpoint saved under one strategy and world size load under
+another. Pure bookkeeping and copies; no communication.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from distframe.models.flat import Segment
+
+
+@dataclasses.dataclass
+class ShardLayout:
+    """``shards[i]`` holds ``segments[i]``; ``replicated``: every rank holds the same shards."""
+
+    shards: list[torch.Tensor]
+    segments: list[list[Segment]]
+    replicated: bool = False
+
+    def owned(self, rank: int, world_size: int) -> list[list[Segment]]:
+        """The segments this rank writes: all it holds, or for replicated state an even
+        1/world_size slice of each segment, so writing is shared and nothing is written twice."""
+        if not self.replicated:
+            return self.segments
+        out = []
+        for segs in self.segments:
+            mine = []
+            for s in segs:
+                per = -(-s.length // world_size)
+                lo, hi = min(s.length, rank * per), min(s.length, (rank + 1) * per)
+                if lo < hi:
+                    mine.append(Segment(s.shard_offset + lo, s.name, s.param_offset + lo, hi - lo))
+            out.append(mine)
+        return out
+
+
+def piece_key(kind: str, name: str, offset: int) -> str:
+    return f"{kind}/{name}@{offset}"
+
+
+def parse_piece_key(key: str) -> tuple[str, str, int]:
+    kind, rest = key.split("/", 1)
+    name, offset = rest.rsplit("@", 1)
+    return kind, name, int(offset)
+
+
+def shard_pieces(layout: ShardLayout, rank: int, world_size: int, kind: str,
+                 tensors: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Slices of ``tensors`` (one per shard, same layout as the shards) for the owned segments."""
+    out = {}
+    for tensor, segs in zip(tensors, layout.owned(rank, world_size)):
+        if tensor is None:
+            continue
+        flat = tensor.detach().reshape(-1)
+        for s in segs:
+            out[piece_key(kind, s.name, s.param_offset)] = flat[s.shard_offset:s.shard_offset + s.length].clone()
+    return out
+
+
+class RangeReader:
+    """Reads ranges of flattened parameters (and whole buffers) from pieces named by
+    ``piece_key``; ``fetch(key, lo, hi)`` returns elements lo:hi of one stored piece (the whole
+    tensor, shaped, when ``hi`` is None)."""
+
+    def __init__(self, pieces: Iterable[tuple[str, int]], fetch: Callable[[str, int, int | None], torch.Tensor]) -> None:
+        self._fetch = fetch
+        self._index: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+        self.keys: set[str] = set()
+        for key, numel in pieces:
+            self.keys.add(key)
+            if key.startswith("buffer/"):
+                continue
+            kind, name, offset = parse_piece_key(key)
+            self._index.setdefault((kind, name), []).append((offset, numel, key))
+        for runs in self._index.values():
+            runs.sort()
+
+    @classmethod
+    def from_tensors(cls, state: dict[str, torch.Tensor]) -> RangeReader:
+        return cls(((k, v.numel()) for k, v in state.items()),
+                   lambda key, lo, hi: state[key] if hi is None else state[key].reshape(-1)[lo:hi])
+
+    def kinds(self) -> set[str]:
+        return {kind for kind, _ in self._index}
+
+    def read(self, kind: str, name: str, start: int, length: int) -> torch.Tensor:
+        runs = self._index.get((kind, name))
+        if not runs:
+            raise KeyError(f"no stored {kind} data for parameter {name!r}")
+        parts, pos, end = [], start, start + length
+        i = max(0, bisect.bisect_right(runs, (start, float("inf"), "")) - 1)
+        while pos < end:
+            if i >= len(runs) or runs[i][0] > pos or runs[i][0] + runs[i][1] <= pos:
+                raise KeyError(f"stored {kind} data for {name!r} does not cover element {pos}")
+            offset, numel, key = runs[i]
+            hi = min(end, offset + numel)
+            parts.append(self._fetch(key, pos - offset, hi - offset))
+            pos = hi
+            i += 1
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def buffer(self, name: str) -> torch.Tensor:
+        key = f"buffer/{name}"
+        if key not in self.keys:
+            raise KeyError(f"no stored buffer {name!r}")
+        return self._fetch(key, 0, None)
+
+
+def fill_shards(layout: ShardLayout, reader: RangeReader, kind: str,
+                tensors: list[torch.Tensor]) -> None:
+    """Copies every held segment of every shard from ``reader`` into ``tensors`` (in place)."""
+    with torch.no_grad():
+        for tensor, segs in zip(tensors, layout.segments):
+            flat = tensor.view(-1)
+            for s in segs:
+                piece = reader.read(kind, s.name, s.param_offset, s.length)
+                flat[s.shard_offset:s.shard_offset + s.length].copy_(piece)

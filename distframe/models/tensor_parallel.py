@@ -1,0 +1,183 @@
+"""Megatron tensor-parallel layers: the math of a split linear, embedding and layer norm.
+
+Each layer is built from a dense module (``from_dense``), keeps this rank's slice of its weights
+and reaches the other ranks of the tensor-parallel group only through the conjugate operators of
+``distframe.backends.functional``:
+
+* ``f`` = ``copy_to_parallel_region``: identity forward, all-reduce of the gradient backward;
+* ``g`` = ``reduce_from_parallel_region``: all-reduce forward, identity backward.
+
+A column-parallel linear followed by a row-parallel one (``f -> A_r -> nonlinearity -> B_r -> g``)
+therefore costs one all-reduce of the activation forward and one backward. Activations outside
+the parallel region are identical on every rank, and so are the gradients of the replicated
+parameters (layer norms, the row layer's bias): they need no extra synchronisation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distframe.backends.functional import (all_reduce, copy_to_parallel_region,
+                                           gather_from_parallel_region,
+                                           reduce_from_parallel_region,
+                                           scatter_to_parallel_region)
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+
+
+def shard_range(size: int, backend: ICommunicationBackend, what: str) -> tuple[int, int]:
+    """``[lo, hi)`` of this rank's equal share of ``size``; ConfigError unless it divides."""
+    if size % backend.world_size:
+        raise ConfigError(f"{what} ({size}) is not divisible by the tensor-parallel degree "
+                          f"{backend.world_size}; choose tp dividing it")
+    per = size // backend.world_size
+    return backend.rank * per, (backend.rank + 1) * per
+
+
+def _slice_param(param: torch.Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
+    piece = param.detach().narrow(dim, lo, hi - lo).clone()
+    return nn.Parameter(piece, requires_grad=param.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with the output features split: rank r holds rows ``r*out/t..`` of A.
+
+    Forward: ``f`` on the input (unless ``copy_input=False``: the caller already applied it, as a
+    fused q/k/v does), the local matmul, and with ``gather_output`` an all-gather of the last dim
+    (backward: keep the slice). Holds ``weight (out/t, in)`` and ``bias (out/t)``.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, backend: ICommunicationBackend,
+                 *, gather_output: bool = False, copy_input: bool = True) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight, self.bias = weight, bias
+        self.gather_output, self.copy_input = gather_output, copy_input
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, backend: ICommunicationBackend, *, gather_output: bool = False,
+                   copy_input: bool = True, shared: dict | None = None) -> ColumnParallelLinear:
+        lo, hi = shard_range(dense.out_features, backend, "out_features")
+        weight = _shared_slice(dense.weight, 0, lo, hi, shared)
+        bias = None if dense.bias is None else _slice_param(dense.bias, 0, lo, hi)
+        return cls(weight, bias, backend, gather_output=gather_output, copy_input=copy_input)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_parallel_region(x, self.backend)
+        y = F.linear(x, self.weight, self.bias)  # (..., out/t)
+        return gather_from_parallel_region(y, self.backend) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with the input features split: rank r holds columns ``r*in/t..`` of A.
+
+    Forward: with ``input_is_parallel=False`` the input is first cut to this rank's slice of the
+    last dim; the local matmul gives a partial sum, ``g`` all-reduces it, then the (replicated)
+    bias is added once. Holds ``weight (out, in/t)`` and the full ``bias (out)``.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, backend: ICommunicationBackend,
+                 *, input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight, self.bias = weight, bias
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, backend: ICommunicationBackend, *,
+                   input_is_parallel: bool = True, shared: dict | None = None) -> RowParallelLinear:
+        lo, hi = shard_range(dense.in_features, backend, "in_features")
+        weight = _shared_slice(dense.weight, 1, lo, hi, shared)
+        bias = None if dense.bias is None else dense.bias
+        return cls(weight, bias, backend, input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_parallel_region(x, self.backend)
+        y = reduce_from_parallel_region(F.linear(x, self.weight), self.backend)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split: rank r holds rows ``[r*V/t, (r+1)*V/t)``.
+
+    Forward: tokens outside this rank's range look up row 0 and are zeroed, then ``g``
+    all-reduces the partial embeddings (every token is found on exactly one rank). Backward is
+    local: each rank's rows get the gradient of its own tokens.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, backend: ICommunicationBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight = weight
+        self.vocab_start = vocab_start
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, backend: ICommunicationBackend, *,
+                   shared: dict | None = None) -> VocabParallelEmbedding:
+        if dense.padding_idx is not None or dense.max_norm is not None:
+            raise ConfigError("VocabParallelEmbedding supports plain embeddings (no padding_idx, "
+                              "no max_norm); drop those options or leave the embedding replicated")
+        lo, hi = shard_range(dense.num_embeddings, backend, "num_embeddings")
+        return cls(_shared_slice(dense.weight, 0, lo, hi, shared), lo, backend)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., E)
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_parallel_region(embedded, self.backend)
+
+
+class ShardedLayerNorm(nn.Module):
+    """LayerNorm over a feature dim split across the group (each rank holds ``E/t`` features).
+
+    Mean and variance need every rank's features: two differentiable all-reduces of a
+    ``(..., 1)`` statistic forward (and two backward). The result equals ``nn.LayerNorm`` applied
+    to the concatenated features, sliced to this rank.
+    """
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, full_size: int,
+                 eps: float, backend: ICommunicationBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.weight, self.bias = weight, bias
+        self.full_size, self.eps = full_size, eps
+
+    @classmethod
+    def from_dense(cls, dense: nn.LayerNorm, backend: ICommunicationBackend) -> ShardedLayerNorm:
+        if len(dense.normalized_shape) != 1:
+            raise ConfigError("ShardedLayerNorm splits a LayerNorm over one (the last) dim")
+        full = dense.normalized_shape[0]
+        lo, hi = shard_range(full, backend, "LayerNorm features")
+        weight = None if dense.weight is None else _slice_param(dense.weight, 0, lo, hi)
+        bias = None if dense.bias is None else _slice_param(dense.bias, 0, lo, hi)
+        return cls(weight, bias, full, dense.eps, backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = all_reduce(x.sum(-1, keepdim=True), self.backend) / self.full_size
+        centered = x - mean
+        var = all_reduce(centered.square().sum(-1, keepdim=True), self.backend) / self.full_size
+        y = centered * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+def _shared_slice(param: nn.Parameter, dim: int, lo: int, hi: int, shared: dict | None) -> nn.Parameter:
+    """The slice of ``param``; a parameter tied between layers (an embedding and the LM head) is
+    sliced once so the layers keep sharing one Parameter, split the same way."""
+    if shared is None:
+        return _slice_param(param, dim, lo, hi)
+    key = id(param)
+    if key in shared:
+        piece, piece_dim = shared[key]
+        if piece_dim != dim:
+            raise ConfigError("a tied weight is split along different dims by the plan; split both "
+                              "tied layers along the same dim (vocab embedding with column head)")
+        return piece
+    piece = _slice_param(param, dim, lo, hi)
+    shared[key] = (piece, dim)
+    return piece

@@ -1,0 +1,141 @@
+"""Applying a tensor-parallel plan (module name -> ``"column"``, ``"row"`` or ``"vocab"``) to a model.
+
+Parallelism is applied from outside, as torchtitan does: the planned ``nn.Linear`` and
+``nn.Embedding`` submodules are replaced, in place, by the layers of ``tensor_parallel``; the
+parameter names stay the dense model's. Rules:
+
+* ``"vocab"`` on an ``nn.Embedding``: VocabParallelEmbedding.
+* ``"column"`` on an ``nn.Linear``: ColumnParallelLinear. Its output stays split when a sibling
+  (same parent module) is planned ``"row"`` (the MLP's ``fc_in -> fc_out``); otherwise it is
+  gathered, so the module computes what the dense one did (the LM head).
+* ``"row"``: RowParallelLinear; its input is split first unless a sibling is ``"column"``.
+* ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
+  ``MultiheadDilatedAttention``: the whole attention is replaced by
+  TensorParallelDilatedAttention (split by heads, one ``f`` for q/k/v).
+
+A weight tied between planned layers (the LM's embedding and head) stays one Parameter.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from attention.multihead import MultiheadDilatedAttention
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                              ShardedLayerNorm, VocabParallelEmbedding)
+from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
+
+STYLES = ("column", "row", "vocab")
+_ATTENTION_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row"}
+
+
+def default_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The Megatron plan of a DilatedTransformerLM: vocab-parallel embedding and (gathered) head,
+    attention split by heads, MLP split column-then-row; norms and positions replicated."""
+    if not all(hasattr(model, a) for a in ("tok_embedding", "blocks", "head")):
+        raise ConfigError(f"no default tensor-parallel plan for {type(model).__name__}; pass "
+                          "plan={'module.name': 'column' | 'row' | 'vocab', ...}")
+    plan = {"tok_embedding": "vocab", "head": "column"}
+    for i, block in enumerate(model.blocks):
+        for proj, style in _ATTENTION_PLAN.items():
+            plan[f"blocks.{i}.attn.{proj}"] = style
+        plan[f"blocks.{i}.mlp.fc_in"] = "column"
+        plan[f"blocks.{i}.mlp.fc_out"] = "row"
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan: Mapping[str, str],
+                          *, include: Callable[[nn.Module], bool] | None = None) -> dict[int, int]:
+    """Replaces the planned submodules of ``model`` in place (see the module docstring).
+
+    ``include(module)`` limits the plan to some modules (a pipeline stage's); ``None``: all.
+    Returns ``{id(new parameter): id(the dense parameter it was cut from)}``.
+    """
+    plan = _checked(model, plan)
+    shared: dict = {}
+    origins: dict[int, int] = {}
+    by_parent: dict[str, dict[str, str]] = {}
+    for name, style in plan.items():
+        parent, _, child = name.rpartition(".")
+        by_parent.setdefault(parent, {})[child] = style
+    for parent_name, children in by_parent.items():
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if include is not None and not all(include(parent.get_submodule(c)) for c in children):
+            continue
+        if isinstance(parent, MultiheadDilatedAttention):
+            _record(origins, parent, _replace_attention(model, parent_name, parent, children, backend, shared))
+            continue
+        styles = set(children.values())
+        for child, style in children.items():
+            dense = parent.get_submodule(child)
+            layer = _parallel_layer(dense, style, styles, backend, shared, f"{parent_name}.{child}")
+            setattr(parent, child, layer)
+            _record(origins, dense, layer)
+    return origins
+
+
+def _record(origins: dict[int, int], dense: nn.Module, parallel: nn.Module) -> None:
+    # The parallel layers keep the dense modules' parameter names (weight, q_proj.weight, ...).
+    dense_params = dict(dense.named_parameters())
+    for name, param in parallel.named_parameters():
+        origins[id(param)] = id(dense_params[name])
+
+
+def split_dims(model: nn.Module) -> dict[int, int]:
+    """``id(parameter) -> dim`` along which each tensor-parallel parameter of ``model`` is split."""
+    out: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding, ShardedLayerNorm)):
+            for p in (module.weight, getattr(module, "bias", None)):
+                if p is not None:
+                    out[id(p)] = 0
+        elif isinstance(module, RowParallelLinear):
+            out[id(module.weight)] = 1
+    return out
+
+
+def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(plan, Mapping) or not plan:
+        raise ConfigError("plan must be a non-empty dict {'module.name': 'column' | 'row' | 'vocab'}")
+    names = dict(model.named_modules())
+    for name, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
+        if name not in names:
+            raise ConfigError(f"plan names {name!r}, which is not a submodule of {type(model).__name__}")
+        wanted = nn.Embedding if style == "vocab" else nn.Linear
+        if not isinstance(names[name], wanted):
+            raise ConfigError(f"plan[{name!r}]={style!r} needs an nn.{wanted.__name__}, "
+                              f"got {type(names[name]).__name__}")
+    return dict(plan)
+
+
+def _parallel_layer(dense: nn.Module, style: str, sibling_styles: set[str], backend: ICommunicationBackend,
+                    shared: dict, name: str) -> nn.Module:
+    if style == "vocab":
+        return VocabParallelEmbedding.from_dense(dense, backend, shared=shared)
+    if style == "column":
+        return ColumnParallelLinear.from_dense(dense, backend, gather_output="row" not in sibling_styles,
+                                               shared=shared)
+    if style == "row":
+        return RowParallelLinear.from_dense(dense, backend, input_is_parallel="column" in sibling_styles,
+                                            shared=shared)
+    raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
+
+
+def _replace_attention(model: nn.Module, name: str, attention: MultiheadDilatedAttention,
+                       children: dict[str, str], backend: ICommunicationBackend, shared: dict
+                       ) -> TensorParallelDilatedAttention:
+    if children != _ATTENTION_PLAN:
+        raise ConfigError(f"attention {name!r}: plan q_proj, k_proj, v_proj as 'column' and out_proj "
+                          f"as 'row' (it is split by heads), got {children}")
+    if not name:
+        raise ConfigError("plan the attention's projections inside a model, not a bare attention module")
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    parallel = TensorParallelDilatedAttention(attention, backend, shared)
+    setattr(owner, attr, parallel)
+    return parallel

@@ -1,0 +1,141 @@
+"""UnitLifecycle: the hooks that gather, free and reduce ShardedUnits around forward and backward.
+
+Per unit (FSDP2's vocabulary):
+  pre_forward    module forward pre-hook: unshard (all_gather), prefetch the next unit in the
+                 previous step's forward order (asynchronous all_gather)
+  post_forward   module forward hook: register pre_backward on the outputs' gradients; reshard
+                 when ``reshard_after_forward``
+  pre_backward   first gradient of an output: unshard again, prefetch the unit that runs next
+                 in backward (the previous one in forward order)
+  post_backward  every parameter's gradient accumulated: start the reduce_scatter of the
+                 gradients (unless inside no_sync), reshard
+``finish()`` (the model's synchronize_gradients) starts the reductions of units whose
+post_backward did not run (parameters without gradients: reduced as zeros, in unit order) and
+waits for all of them, accumulating each rank's averaged chunk into its master's ``.grad``.
+
+[Note: ordering] Prefetch and gathers follow the order modules actually run, which must be the
+same on every rank (as for any FSDP); reductions of units that saw no gradient are issued last
+and in unit order, so parameters unused on every rank never cause a hang.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from distframe.backends.types import Work
+from distframe.models.config import TrainingState
+from distframe.models.sharded_unit import ShardedUnit
+
+
+class UnitLifecycle:
+    def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool) -> None:
+        self.units = units
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.synchronize = True
+        self._armed = False
+        self._order: list[int] = []          # forward order of this step
+        self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
+        self._pending: list[tuple[ShardedUnit, Work]] = []
+        self._handles = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: self.pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(
+                lambda module, args, output, unit=unit: self.post_forward(unit, output)))
+            for param in unit.params:
+                if param.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit: self._on_gradient_accumulated(unit, p)))
+
+    def begin_forward(self, synchronize: bool) -> None:
+        """Called by the model before the wrapped forward."""
+        if self._armed and any(u.reduce_launched for u in self.units):
+            self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        if self._order:
+            self._last_order = self._order
+        self._order = []
+        self.synchronize = synchronize
+        self._armed = torch.is_grad_enabled() and synchronize
+
+    # ---- forward -----------------------------------------------------------------------------
+    def pre_forward(self, unit: ShardedUnit) -> None:
+        if unit.index not in self._order:
+            self._order.append(unit.index)
+        unit.state = TrainingState.FORWARD
+        unit.unshard()
+        if self.prefetch:
+            self._prefetch_after(unit.index, self._last_order)
+
+    def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            unit.reshard()
+        unit.state = TrainingState.IDLE
+
+    # ---- backward ----------------------------------------------------------------------------
+    def pre_backward(self, unit: ShardedUnit) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return
+        unit.state = TrainingState.PRE_BACKWARD
+        unit.unshard()
+        if self.prefetch:
+            self._prefetch_after(unit.index, self._order[::-1])
+
+    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+        unit.ready.add(id(param))
+        if len(unit.ready) == sum(p.requires_grad for p in unit.params):
+            self.post_backward(unit)
+
+    def post_backward(self, unit: ShardedUnit) -> None:
+        unit.ready.clear()
+        unit.state = TrainingState.POST_BACKWARD
+        if self.synchronize and self._armed and not unit.reduce_launched:
+            self._complete_finished()
+            self._pending.append((unit, unit.reduce_gradients()))
+        unit.reshard()
+
+    def finish(self) -> None:
+        """Completes this step's gradient reductions (see the module docstring); collective."""
+        if self._armed:
+            for unit in self.units:
+                if not unit.reduce_launched:
+                    self._pending.append((unit, unit.reduce_gradients()))
+        while self._pending:
+            unit, work = self._pending.pop(0)
+            unit.accumulate(work.wait())
+        for unit in self.units:
+            unit.reduce_launched = False
+            unit.ready.clear()
+            unit.state = TrainingState.IDLE
+            unit.reshard()
+        self._armed = False
+
+    def mark_stale(self) -> None:
+        """Masters changed (optimizer step, load): gathered copies must be refreshed."""
+        for unit in self.units:
+            unit.drop_prefetch()
+            unit.stale = True
+
+    def _complete_finished(self) -> None:
+        while self._pending and self._pending[0][1].is_completed():
+            unit, work = self._pending.pop(0)
+            unit.accumulate(work.wait())
+
+    def _prefetch_after(self, index: int, order: list[int]) -> None:
+        if index in order:
+            position = order.index(index)
+            if position + 1 < len(order):
+                upcoming = self.units[order[position + 1]]
+                if upcoming.state is not TrainingState.POST_BACKWARD:
+                    upcoming.unshard(async_op=True)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

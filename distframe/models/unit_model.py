@@ -1,0 +1,93 @@
+"""UnitShardedModelBase: what ZeRO-3 and FSDP share once their units are chosen."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.config import ShardingConfig
+from distframe.models.sharded_state import ShardLayout
+from distframe.models.sharded_unit import ShardedUnit
+from distframe.models.unit_lifecycle import UnitLifecycle
+from distframe.models.zero import single_dtype
+from distframe.precision import MixedPrecisionPolicy
+
+UnitSpec = tuple[nn.Module, list[tuple[str, nn.Parameter]]]
+
+
+class UnitShardedModelBase(ShardedModelBase):
+    """Parameters, gradients and optimizer state all sharded, per unit (see ShardedUnit and
+    UnitLifecycle for the collectives). Each rank holds its master chunk of every unit, the
+    gradient of that chunk after synchronisation, and optimizer state for it; full parameters
+    of a unit exist only between its gather and its reshard."""
+
+    def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
+        super().__init__(module, backend, config=config, **settings)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        single_dtype(named, type(self).__name__)
+        policy = self.config.mixed_precision or MixedPrecisionPolicy()
+        self.units = [
+            ShardedUnit(i, owner, params, backend, policy,
+                        persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
+            for i, (owner, params) in enumerate(self._choose_units(module))]
+        self.lifecycle = UnitLifecycle(self.units, reshard_after_forward=self.config.reshard_after_forward,
+                                       prefetch=self.config.prefetch)
+
+    def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
+        """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""
+        raise NotImplementedError
+
+    # ---- ShardedModelBase ----------------------------------------------------------------------
+    def _pre_forward(self) -> None:
+        self.lifecycle.begin_forward(self._synchronize)
+
+    def synchronize_gradients(self) -> None:
+        self.lifecycle.finish()
+
+    def synchronize_parameters(self) -> None:
+        """No communication: the next forward gathers the updated chunks."""
+        self.lifecycle.mark_stale()
+
+    def _after_load(self) -> None:
+        self.lifecycle.mark_stale()
+
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        return [u.master for u in self.units]
+
+    def shard_layout(self) -> ShardLayout:
+        return ShardLayout([u.master for u in self.units],
+                           [u.space.segments(self.backend.rank) for u in self.units])
+
+    def _gather_parameters(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            out.update(unit.gather_full())
+        frozen = {n: p.detach().clone() for n, p in self.wrapped_model.named_parameters()
+                  if not p.requires_grad}
+        return {**out, **frozen}
+
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        return [u.full for u in self.units]
+
+    def largest_unit_bytes(self) -> int:
+        """Bytes of the largest gathered unit (the transient peak above the shards)."""
+        return max((u.full_bytes for u in self.units), default=0)
+
+
+def check_units_cover(units: list[UnitSpec], module: nn.Module, strategy: str) -> None:
+    """ConfigError unless every trainable parameter is in exactly one unit."""
+    seen: dict[int, str] = {}
+    for _, params in units:
+        for name, p in params:
+            if id(p) in seen:
+                raise ConfigError(f"{strategy}: parameter {name!r} is in two units (also as "
+                                  f"{seen[id(p)]!r}); put modules sharing it in one unit")
+            seen[id(p)] = name
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            raise ConfigError(f"{strategy}: parameter {name!r} is in no unit")

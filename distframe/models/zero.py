@@ -1,0 +1,153 @@
+"""ZeRO1Model and ZeRO2Model: replicated parameters, optimizer state (and for ZeRO-2 gradients)
+sharded over flat bucket spaces."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp, Work
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.config import ShardingConfig
+from distframe.models.flat import FlatSpace, partition_into_buckets
+from distframe.models.gradient_buckets import GradBucket, GradientBuckets
+from distframe.models.sharded_state import ShardLayout
+from distframe.precision import MixedPrecisionPolicy
+
+
+def single_dtype(named: list[tuple[str, nn.Parameter]], strategy: str) -> torch.dtype:
+    """The one dtype of ``named``; ConfigError naming the first parameter that differs."""
+    if not named:
+        raise ConfigError(f"{strategy} needs a model with at least one trainable parameter")
+    first_name, first = named[0]
+    for name, p in named:
+        if p.dtype != first.dtype:
+            raise ConfigError(f"{strategy} flattens parameters into one space: {name!r} is {p.dtype} "
+                              f"but {first_name!r} is {first.dtype}; convert the model to one dtype "
+                              "(mixed_precision=MixedPrecisionPolicy(...) handles lower precision)")
+    return first.dtype
+
+
+class _ReplicatedParametersShardedState(ShardedModelBase):
+    """ZeRO-1/2 machinery. Parameters (compute dtype) are views into one flat buffer per
+    gradient bucket; rank r's master shard of a bucket is chunk r of that space (a view of the
+    flat buffer itself when no mixed precision is set, else a float32 copy).
+
+    Collectives per step: one ``reduce_scatter(AVG)`` per bucket started from the gradient hooks
+    during backward (each rank receives its chunk's averaged gradient), then after the optimizer
+    step one ``all_gather`` per bucket of the updated chunks: 2(N-1)/N x parameters on the wire.
+    """
+
+    free_gradients = False
+
+    def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
+        super().__init__(module, backend, config=config, **settings)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        dtype = single_dtype(named, type(self).__name__)
+        policy = self.config.mixed_precision or MixedPrecisionPolicy()
+        self.compute_dtype = policy.compute_dtype(dtype)
+        self.reduce_dtype = policy.communication_dtype(dtype)
+        master_dtype = policy.master(dtype)
+        element = torch.empty(0, dtype=self.compute_dtype).element_size()
+        groups = partition_into_buckets(named, first_cap_bytes=self.config.first_bucket_cap_bytes,
+                                        cap_bytes=self.config.bucket_cap_bytes, element_size=element)
+        self.spaces = [FlatSpace(g, backend.world_size) for g in groups]
+        self.flat_parameters: list[torch.Tensor] = []
+        self.masters: list[nn.Parameter] = []
+        for space in self.spaces:
+            flat = space.flatten([p.data for p in space.params], self.compute_dtype)
+            for param, view in zip(space.params, space.views(flat)):
+                param.data = view
+            chunk = space.shard_of(flat, backend.rank)
+            master = chunk if master_dtype == self.compute_dtype else chunk.to(master_dtype)
+            self.flat_parameters.append(flat)
+            self.masters.append(nn.Parameter(master))
+        self.gradient_buckets = GradientBuckets(
+            self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
+            complete=self._complete, keep_buffers=not self.free_gradients)
+
+    @property
+    def _masters_alias_parameters(self) -> bool:
+        return self.masters[0].dtype == self.compute_dtype
+
+    def _launch(self, bucket: GradBucket) -> Work:
+        grad = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
+        return self.backend.reduce_scatter(grad, ReduceOp.AVG, async_op=True)
+
+    def _complete(self, bucket: GradBucket, shard_grad: torch.Tensor) -> None:
+        master = self.masters[bucket.index]
+        if not self.free_gradients and shard_grad.dtype == master.dtype == bucket.buffer.dtype:
+            # ZeRO-1 keeps full gradients anyway: reuse its chunk rather than hold a second copy.
+            chunk = bucket.space.shard_of(bucket.buffer, self.backend.rank)
+            chunk.copy_(shard_grad)
+            shard_grad = chunk
+        shard_grad = shard_grad.to(master.dtype)
+        if master.grad is None:
+            master.grad = shard_grad
+        else:
+            master.grad.add_(shard_grad)
+
+    # ---- ShardedModelBase ----------------------------------------------------------------------
+    def _pre_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self.gradient_buckets.prepare_for_backward(self._synchronize)
+
+    def synchronize_gradients(self) -> None:
+        self.gradient_buckets.finish()
+
+    def synchronize_parameters(self) -> None:
+        """All-gathers every bucket's updated chunk into the full flat parameters."""
+        works = []
+        for space, flat, master in zip(self.spaces, self.flat_parameters, self.masters):
+            chunk = space.shard_of(flat, self.backend.rank)
+            if not self._masters_alias_parameters:
+                chunk.copy_(master.detach())
+            works.append(self.backend.all_gather(chunk, async_op=True))
+        for flat, work in zip(self.flat_parameters, works):
+            flat.copy_(work.wait())
+
+    def _after_load(self) -> None:
+        self.synchronize_parameters()
+
+    def _zero_grad(self) -> None:
+        self.gradient_buckets.zero_grad()
+
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        return list(self.masters)
+
+    def shard_layout(self) -> ShardLayout:
+        return ShardLayout(list(self.masters), [s.segments(self.backend.rank) for s in self.spaces])
+
+    def _gather_parameters(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for space, master in zip(self.spaces, self.masters):
+            full = self.backend.all_gather(master.detach())
+            for entry, view in zip(space.entries, space.views(full)):
+                out[entry.name] = view.clone()
+        return out
+
+    def _strategy_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.gradient_buckets.buckets if b.buffer is not None]
+
+
+class ZeRO1Model(_ReplicatedParametersShardedState):
+    """ZeRO stage 1: parameters and full gradients replicated, optimizer state for 1/N of the
+    flat parameter space per rank (use ZeRO1Optimizer). Gradients are reduce-scattered per bucket
+    during backward (the averaged chunk lands in this rank's slice of the kept full gradient
+    buffer); after the local update the parameters are all-gathered. Holds 8 + 8/N bytes per
+    parameter for float32 Adam."""
+
+    optimizer_name = "ZeRO1Optimizer"
+
+
+class ZeRO2Model(_ReplicatedParametersShardedState):
+    """ZeRO stage 2: as ZeRO-1, but each bucket's full gradient buffer is freed once its
+    reduce-scatter completes, so a rank keeps only its gradient shard (use ZeRO2Optimizer).
+    Holds 4 + 12/N bytes per parameter for float32 Adam."""
+
+    optimizer_name = "ZeRO2Optimizer"
+    free_gradients = True

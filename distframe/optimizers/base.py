@@ -1,0 +1,104 @@
+"""ShardedOptimizerBase: a torch.optim optimizer over a sharded model's local shards, with the
+model's synchronisation points around each step."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distframe.backends.types import ReduceOp
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.sharded_state import RangeReader
+from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
+
+
+def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str, Any],
+                    owner: str) -> torch.optim.Optimizer:
+    """``optimizer`` is a torch.optim.Optimizer subclass (built with ``kwargs``) or an instance
+    (re-built over ``params`` with its hyperparameters; it must not have taken a step yet)."""
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer(params, **kwargs)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if kwargs:
+            raise ConfigError(f"{owner}: pass either an optimizer instance or a class with keyword "
+                              f"settings, not both (got {sorted(kwargs)})")
+        if optimizer.state:
+            raise ConfigError(f"{owner}: the optimizer instance has already taken steps; pass a "
+                              "fresh one (or its class) so its state can be sharded from the start")
+        settings = {k: v for k, v in optimizer.param_groups[0].items()
+                    if k in optimizer.defaults}
+        return type(optimizer)(params, **settings)
+    raise ConfigError(f"{owner}: optimizer must be a torch.optim.Optimizer class or instance, e.g. "
+                      f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
+
+
+class ShardedOptimizerBase:
+    """Wraps a torch.optim optimizer built over ``model.local_parameter_shard()``.
+
+    ``step()`` runs ``model.synchronize_gradients()`` (waits for this step's gradient
+    collectives), the local update, then ``model.synchronize_parameters()`` (the strategy's
+    parameter all_gather, if any). ``should_early_stop`` is one all_reduce(MAX).
+    """
+
+    #: The model class this optimizer belongs with.
+    model_class: type[ShardedModelBase] = ShardedModelBase
+
+    def __init__(self, model: ShardedModelBase, optimizer: Any, **optimizer_kwargs: Any) -> None:
+        name = type(self).__name__
+        # A model names the optimizer it needs (a hybrid model over a ZeRO-1 data-parallel group
+        # names ZeRO1Optimizer without being a ZeRO1Model).
+        if not isinstance(model, self.model_class) and getattr(model, "optimizer_name", None) != name:
+            fix = getattr(model, "optimizer_name", "the optimizer its strategy documents")
+            raise ConfigError(f"{name} belongs with {self.model_class.__name__}, got "
+                              f"{type(model).__name__}; use {fix}(model, ...) for it")
+        self.model = model
+        self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
+                                                 optimizer_kwargs, name)
+        model.attach_optimizer(self)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.wrapped_optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.wrapped_optimizer.state
+
+    def step(self, closure: Any = None) -> Any:
+        self.model.synchronize_gradients()
+        loss = self.wrapped_optimizer.step(closure)
+        self.model.synchronize_parameters()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wrapped_optimizer.zero_grad(set_to_none=set_to_none)
+        self.model.zero_grad()
+
+    def synchronize_optimizer_state(self) -> None:
+        """Makes replicated optimizer state identical (rank 0's); sharded state needs nothing."""
+
+    def synchronize_parameters(self) -> None:
+        self.model.synchronize_parameters()
+
+    def should_early_stop(self, local_flag: bool) -> bool:
+        """True on every rank when any rank passes True (one all_reduce of a flag)."""
+        flag = torch.tensor([1.0 if local_flag else 0.0])
+        self.model.backend.all_reduce(flag, ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's share: ``tensors`` (pieces keyed by parameter range), ``scalars`` (per
+        parameter) and ``param_groups`` (hyperparameters)."""
+        backend = self.model.backend
+        tensors, scalars = optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer,
+                                            backend.rank, backend.world_size)
+        return {"tensors": tensors, "scalars": scalars,
+                "param_groups": hyperparameters(self.wrapped_optimizer)}
+
+    def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``)."""
+        reader = reader or RangeReader.from_tensors(state["tensors"])
+        load_optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, reader,
+                              state.get("scalars", {}), state.get("param_groups", []))
+

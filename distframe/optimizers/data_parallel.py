@@ -1,0 +1,56 @@
+"""The optimizers of the data-parallel family, one per model strategy.
+
+Each is a ShardedOptimizerBase whose wrapped torch.optim optimizer sees only this rank's shards:
+the full parameters for DDP, the master chunks of the flat spaces for ZeRO and FSDP.
+"""
+from __future__ import annotations
+
+import torch
+
+from distframe.models.ddp import DDPModel
+from distframe.models.fsdp import FSDPModel
+from distframe.models.zero import ZeRO1Model, ZeRO2Model
+from distframe.models.zero3 import ZeRO3Model
+from distframe.optimizers.base import ShardedOptimizerBase
+
+
+class DDPOptimizer(ShardedOptimizerBase):
+    """Optimizer for DDPModel: full, replicated optimizer state. ``step()`` waits for the
+    gradient all_reduces, then updates locally; no parameter communication."""
+
+    model_class = DDPModel
+
+    def synchronize_optimizer_state(self) -> None:
+        """Broadcasts rank 0's optimizer state tensors to every rank (one broadcast each)."""
+        backend = self.model.backend
+        for shard in self.model.local_parameter_shard():
+            for value in self.wrapped_optimizer.state.get(shard, {}).values():
+                if isinstance(value, torch.Tensor):
+                    backend.broadcast(value, 0)
+
+
+class ZeRO1Optimizer(ShardedOptimizerBase):
+    """Optimizer for ZeRO1Model: state for 1/N of each bucket's flat space; ``step()`` waits for
+    the gradient reduce-scatters, updates the chunk, all-gathers the parameters."""
+
+    model_class = ZeRO1Model
+
+
+class ZeRO2Optimizer(ShardedOptimizerBase):
+    """Optimizer for ZeRO2Model (as ZeRO1Optimizer; the model keeps only gradient shards)."""
+
+    model_class = ZeRO2Model
+
+
+class ZeRO3Optimizer(ShardedOptimizerBase):
+    """Optimizer for ZeRO3Model: updates this rank's master chunk of every module; parameters
+    are gathered again at the next forward, so ``step()`` itself does not communicate."""
+
+    model_class = ZeRO3Model
+
+
+class FSDPOptimizer(ShardedOptimizerBase):
+    """Optimizer for FSDPModel: updates this rank's master chunk of every unit; no
+    communication in ``step()`` (units are gathered at the next forward)."""
+
+    model_class = FSDPModel

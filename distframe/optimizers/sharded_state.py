@@ -1,0 +1,94 @@
+"""Optimizer state as parameter-range pieces, so it re-shards like the parameters.
+
+State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD's momentum)
+become ``optim.<key>/<name>@<offset>`` pieces over the same segments as the parameters;
+per-parameter scalars (Adam's step) are kept per parameter name; hyperparameters per group.
+Pure copies; no communication.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from distframe.errors import ConfigError
+from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
+
+_JSON_TYPES = (bool, int, float, str, type(None))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        items = [_jsonable(v) for v in value]
+        return None if any(i is _SKIP for i in items) else items
+    return value if isinstance(value, _JSON_TYPES) else _SKIP
+
+
+_SKIP = object()
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's JSON-serialisable settings (lr, betas, weight_decay, ...)."""
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+        groups.append({k: v for k, v in settings.items() if v is not _SKIP})
+    return groups
+
+
+def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank: int,
+                     world_size: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list]]]:
+    """(tensor pieces, scalars) for the segments this rank owns."""
+    per_key: dict[str, list[torch.Tensor | None]] = {}
+    scalars: dict[str, dict[str, list]] = {}
+    owned = layout.owned(rank, world_size)
+    for i, shard in enumerate(layout.shards):
+        for key, value in optimizer.state.get(shard, {}).items():
+            if isinstance(value, torch.Tensor) and value.numel() == shard.numel() and value.numel() > 1:
+                per_key.setdefault(key, [None] * len(layout.shards))[i] = value
+            elif isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Number):
+                is_tensor = isinstance(value, torch.Tensor)
+                entry = [float(value), str(value.dtype).removeprefix("torch.") if is_tensor else None]
+                for seg in owned[i]:
+                    scalars.setdefault(seg.name, {})[key] = entry
+            else:
+                raise ConfigError(
+                    f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))} is "
+                    "neither per-element nor a scalar, so it cannot be sharded; use an optimizer "
+                    "with element-wise state (SGD, Adam, AdamW, RMSprop, Adagrad)")
+    pieces: dict[str, torch.Tensor] = {}
+    for key, tensors in per_key.items():
+        pieces.update(shard_pieces(layout, rank, world_size, f"optim.{key}", tensors))
+    return pieces, scalars
+
+
+def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, reader: RangeReader,
+                          scalars: dict[str, dict[str, list]], groups: list[dict[str, Any]]) -> None:
+    """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout."""
+    kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
+    fallback = next(iter(scalars.values()), {})
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for shard, segs in zip(layout.shards, layout.segments):
+        if id(shard) not in index:
+            raise ConfigError("the optimizer does not optimise this model's local shards; build it "
+                              "from model.local_parameter_shard() (or use the strategy's optimizer)")
+        entry: dict[str, Any] = {}
+        for kind in kinds:
+            tensor = torch.zeros(shard.numel(), dtype=shard.dtype)
+            fill_shards(ShardLayout([tensor], [segs]), reader, kind, [tensor])
+            entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
+        named = scalars.get(segs[0].name, fallback) if segs else fallback
+        for key, (value, dtype) in named.items():
+            entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
+        if entry:
+            state[index[id(shard)]] = entry
+    param_groups = []
+    for k, group in enumerate(optimizer.param_groups):
+        saved = groups[min(k, len(groups) - 1)] if groups else {}
+        settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
+        param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
