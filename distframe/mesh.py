@@ -1,0 +1,129 @@
+"""ParallelDims: how ``dp x tp x pp`` degrees lay ranks out, and the named subgroups it builds.
+
+The layout is Megatron's and torchtitan's, tensor parallelism varying fastest and pipeline
+slowest: ``rank = (pp_index * dp + dp_index) * tp + tp_index``. Ranks of one tensor-parallel
+group are neighbours (they talk every layer); ranks of one pipeline group are ``dp * tp`` apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+
+AXES = ("dp", "tp", "pp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelGroups:
+    """This rank's subgroups (each a backend whose ranks are the axis index) and coordinates."""
+
+    dims: ParallelDims
+    world: ICommunicationBackend
+    dp: ICommunicationBackend
+    tp: ICommunicationBackend
+    pp: ICommunicationBackend
+
+    @property
+    def dp_index(self) -> int:
+        return self.dp.rank
+
+    @property
+    def tp_index(self) -> int:
+        return self.tp.rank
+
+    @property
+    def pp_index(self) -> int:
+        return self.pp.rank
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of data (``dp``), tensor (``tp``) and pipeline (``pp``) parallelism.
+
+    ``ParallelDims(dp, tp, pp)`` validates that each degree is a positive int;
+    ``validate(world_size)`` that their product is the world size. ``build_groups(backend)``
+    is collective on ``backend`` (every rank calls ``new_group`` once per group of every axis,
+    in the same order) and returns this rank's :class:`ParallelGroups`.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ParallelDims.{axis}={value!r}: use a positive int (1 turns "
+                                  f"{axis} parallelism off)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def validate(self, world_size: int) -> None:
+        """ConfigError unless ``dp * tp * pp == world_size``."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"ParallelDims(dp={self.dp}, tp={self.tp}, pp={self.pp}) needs "
+                f"dp*tp*pp = {self.world_size} ranks but the backend has {world_size}; change "
+                f"the degrees so that their product is {world_size}")
+
+    def rank_of(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
+        """The global rank at these coordinates."""
+        for axis, index in (("dp", dp), ("tp", tp), ("pp", pp)):
+            if not 0 <= index < getattr(self, axis):
+                raise ConfigError(f"{axis} index {index} is outside 0..{getattr(self, axis) - 1}")
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``{"dp": ..., "tp": ..., "pp": ...}`` of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        tp, rest = rank % self.tp, rank // self.tp
+        return {"dp": rest % self.dp, "tp": tp, "pp": rest // self.dp}
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` as a list of global ranks ordered by that axis' index."""
+        if axis not in AXES:
+            raise ConfigError(f"unknown axis {axis!r}; choose one of {AXES}")
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for i in range(getattr(self, others[0])):
+            for j in range(getattr(self, others[1])):
+                fixed = {others[0]: i, others[1]: j}
+                groups.append([self.rank_of(**fixed, **{axis: k}) for k in range(getattr(self, axis))])
+        return sorted(groups)
+
+    def build_groups(self, backend: ICommunicationBackend) -> ParallelGroups:
+        """This rank's dp, tp and pp subgroups; collective on ``backend`` (the whole world)."""
+        self.validate(backend.world_size)
+        mine = {}
+        for axis in AXES:
+            for ranks in self.group_ranks(axis):
+                group = _subgroup(backend, ranks)
+                if group is not None:
+                    mine[axis] = group
+        return ParallelGroups(dims=self, world=backend, **mine)
+
+
+def _subgroup(backend: ICommunicationBackend, ranks: Sequence[int]) -> ICommunicationBackend | None:
+    # A group of the whole world in order is the world itself; a one-rank group needs no peers
+    # but is still created so every rank makes the same sequence of new_group calls.
+    if list(ranks) == list(range(backend.world_size)):
+        return backend
+    return backend.new_group(list(ranks))
