@@ -1,0 +1,79 @@
+"""ParallelDims: validation, the Megatron/torchtitan rank layout, and the subgroups it builds."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.mesh import ParallelDims
+
+
+@pytest.mark.parametrize("field", ["dp", "tp", "pp"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_degrees_must_be_positive_ints(field, value):
+    with pytest.raises(ConfigError, match=f"ParallelDims.{field}"):
+        ParallelDims(**{field: value})
+
+
+def test_world_size_must_match():
+    dims = ParallelDims(dp=2, tp=2, pp=1)
+    dims.validate(4)
+    with pytest.raises(ConfigError, match="product is 8"):
+        dims.validate(8)
+
+
+def test_enabled_properties():
+    dims = ParallelDims(dp=1, tp=2, pp=3)
+    assert (dims.dp_enabled, dims.tp_enabled, dims.pp_enabled) == (False, True, True)
+    assert dims.world_size == 6
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (3, 1, 2), (1, 4, 1), (2, 3, 1)])
+def test_layout_tp_fastest_pp_slowest(dp, tp, pp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    seen = set()
+    for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
+        rank = dims.rank_of(dp=d, tp=t, pp=p)
+        assert rank == (p * dp + d) * tp + t
+        assert dims.coordinates(rank) == {"dp": d, "tp": t, "pp": p}
+        seen.add(rank)
+    assert seen == set(range(dims.world_size))
+    for axis in ("dp", "tp", "pp"):
+        groups = dims.group_ranks(axis)
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+        for g in groups:
+            assert [dims.coordinates(r)[axis] for r in g] == list(range(getattr(dims, axis)))
+
+
+def test_out_of_range_coordinates():
+    dims = ParallelDims(dp=2, tp=2)
+    with pytest.raises(ConfigError):
+        dims.coordinates(4)
+    with pytest.raises(ConfigError):
+        dims.rank_of(tp=2)
+
+
+def _groups_report(backend, dims):
+    groups = dims.build_groups(backend)
+    out = {}
+    for axis in ("dp", "tp", "pp"):
+        group = getattr(groups, axis)
+        # Each member contributes its global rank; the gather shows the group's members in order.
+        members = group.all_gather(torch.tensor([backend.rank]))
+        out[axis] = (group.rank, members.tolist())
+    return out
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (1, 2, 2), (4, 1, 1)])
+def test_build_groups_members_and_order(dp, tp, pp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    reports = spawn(lambda b: _groups_report(b, dims), dims.world_size)
+    for rank, report in enumerate(reports):
+        coords = dims.coordinates(rank)
+        for axis in ("dp", "tp", "pp"):
+            index, members = report[axis]
+            assert index == coords[axis]
+            assert members in dims.group_ranks(axis) and members[index] == rank
