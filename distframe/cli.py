@@ -1,0 +1,73 @@
+"""The ``distframe`` command: ``distframe train`` and ``distframe generate``.
+
+Exit status: 0 done; 2 bad input (a ConfigError, an engine that cannot run here, a bad flag),
+reported as one line that says what to change; 1 another distframe error (one line); 130
+interrupted (Ctrl-C: the last complete checkpoint stays loadable). ``--debug`` shows tracebacks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+from distframe.errors import BackendUnavailableError, ConfigError, DistFrameError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (exit status 2) instead of the usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from distframe.train_cli import add_generate_arguments, add_train_arguments
+    parser = _Parser(prog="distframe", description="Distributed training with distframe.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+    train = commands.add_parser(
+        "train", help="train the dilated-attention language model",
+        description="Train DilatedTransformerLM with a data-parallel strategy. With no flags: "
+                    "the small preset on 2 in-memory ranks over the Python standard library's "
+                    "sources, a few minutes on a laptop CPU. Outputs go to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_train_arguments(train)
+    generate = commands.add_parser(
+        "generate", help="sample text from a trained checkpoint",
+        description="Sample text from a checkpoint that distframe train wrote.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_generate_arguments(generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command in ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("\ndistframe: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ConfigError, BackendUnavailableError, FileNotFoundError) as exc:
+        return _report(exc, debug, EXIT_BAD_INPUT)
+    except DistFrameError as exc:
+        return _report(exc, debug, 1)
+
+
+def _report(exc: BaseException, debug: bool, status: int) -> int:
+    if debug:
+        traceback.print_exception(exc)
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = " (--debug shows the traceback)" if status == 1 and not debug else ""
+    print(f"distframe: error: {message}{hint}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

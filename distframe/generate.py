@@ -1,0 +1,76 @@
+"""``distframe generate``: sample text from a checkpoint that ``distframe train`` wrote.
+
+The checkpoint is consolidated into a plain state dict (any strategy, any world size) and loaded
+into a single-process DilatedTransformerLM whose shape comes from the checkpoint's saved run
+configuration. Tokens are bytes; the output is decoded as UTF-8 (invalid bytes replaced).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from attention.model import DilatedTransformerConfig, DilatedTransformerLM
+from distframe import train_checkpoint
+from distframe.errors import ConfigError
+
+
+def load_model(path: str) -> DilatedTransformerLM:
+    """The trained model of checkpoint ``path`` (or of the latest checkpoint of a run's OUT)."""
+    from distframe import checkpoint
+    path = resolve_checkpoint(path)
+    shape = train_checkpoint.run_info(path)["model"]
+    model = DilatedTransformerLM(DilatedTransformerConfig(**shape))
+    state = checkpoint.consolidate(path)
+    if model.config.tie_embeddings:  # a tied head is one parameter, saved once
+        state.setdefault("head.weight", state["tok_embedding.weight"])
+    model.to(state["tok_embedding.weight"].dtype)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def resolve_checkpoint(path: str) -> str:
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    found = train_checkpoint.latest_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"--checkpoint {path}: not a checkpoint (no metadata.json) nor a run "
+                          "directory with checkpoints/step-N; pass OUT/checkpoints/step-N of a "
+                          "distframe train run")
+    return found[0]
+
+
+@torch.no_grad()
+def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
+           temperature: float, top_k: int, seed: int) -> bytes:
+    """Continues ``prompt`` by ``max_new_tokens`` tokens (the last ``seq_len`` as context)."""
+    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
+        raise ConfigError("--tokens, --temperature and --top-k must not be negative")
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt) or [ord("\n")]
+    vocab = model.config.vocab_size
+    for _ in range(max_new_tokens):
+        context = torch.tensor([tokens[-model.config.seq_len:]], dtype=torch.int64)
+        logits = model(context)[0, -1].double()  # (vocab,)
+        if temperature == 0:
+            tokens.append(int(logits.argmax()))
+            continue
+        logits = logits / temperature
+        if 0 < top_k < vocab:
+            threshold = torch.topk(logits, top_k).values[-1]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return bytes(t % 256 for t in tokens)
+
+
+def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int = 40, seed: int = 0) -> str:
+    """The prompt and its continuation sampled from the checkpoint at ``path``."""
+    model = load_model(path)
+    if model.config.vocab_size != 256:
+        raise ConfigError("this checkpoint was trained on a uint16 token file; generate samples "
+                          "byte-level models (trained on text) only")
+    out = sample(model, prompt.encode("utf-8"), max_new_tokens=max_new_tokens,
+                 temperature=temperature, top_k=top_k, seed=seed)
+    return out.decode("utf-8", errors="replace")

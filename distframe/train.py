@@ -1,0 +1,87 @@
+"""``distframe train``: how the ranks of a training run come to exist.
+
+``run(config)`` either spawns ``config.world_size`` ranks itself (in-memory threads, Gloo or NCCL
+processes, or an mpiexec job) or, in a process that mpiexec/mpirun or torchrun started, joins the
+launcher's world; every rank then runs ``distframe.train_loop.train_on_rank``. Problems a user
+can fix (an engine that cannot run here, unusable data) are raised as ConfigError or
+BackendUnavailableError before any rank starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+from distframe.data import load_corpus
+from distframe.errors import BackendUnavailableError, ConfigError
+from distframe.launch import detect_launcher, init_backend, spawn
+from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
+from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
+
+__all__ = ["TrainConfig", "TrainResult", "run"]
+
+
+def run(config: TrainConfig) -> TrainResult:
+    """Trains as ``config`` says and returns rank 0's result."""
+    launcher = detect_launcher()
+    if launcher is not None:
+        return _run_launched(config, launcher)
+    config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
+    name = "inmemory" if config.backend == "auto" else config.backend
+    check_backend_available(name, config.world_size)
+    corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    if name == "inmemory":
+        fn = functools.partial(train_on_rank, config=config, backend_name=name, corpus=corpus,
+                               initial_state=initial_model_state(config, corpus.vocab_size))
+        with _threads_per_rank(config.world_size):
+            return spawn(fn, config.world_size, name)[0]
+    fn = functools.partial(train_on_rank, config=config, backend_name=name)
+    return spawn(fn, config.world_size, name)[0]
+
+
+def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
+    name = config.backend
+    if name == "auto":
+        name = "mpi" if launcher == "mpi" else ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = init_backend(name)
+    try:
+        if config.world_size is not None and config.world_size != backend.world_size:
+            raise ConfigError(f"--world-size {config.world_size}, but {launcher} started "
+                              f"{backend.world_size} ranks; leave --world-size out when a "
+                              "launcher starts the ranks")
+        config = dataclasses.replace(config, world_size=backend.world_size)
+        return train_on_rank(backend, config, backend_name=name)
+    finally:
+        backend.shutdown()
+
+
+def check_backend_available(name: str, world_size: int) -> None:
+    """BackendUnavailableError, naming what to install or choose, if ``name`` cannot run here."""
+    if name == "mpi":
+        from distframe._mpi_launch import find_mpiexec
+        find_mpiexec()
+    elif name == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise BackendUnavailableError(
+                f"--backend nccl needs a CUDA GPU per rank ({world_size} ranks, {gpus} GPUs "
+                "found); use --backend gloo or inmemory on CPU, or a smaller --world-size")
+    elif name == "gloo" and not torch.distributed.is_available():
+        raise BackendUnavailableError("--backend gloo needs a torch build with torch.distributed; "
+                                      "use --backend inmemory or mpi")
+
+
+@contextlib.contextmanager
+def _threads_per_rank(world_size: int) -> Iterator[None]:
+    """In-memory ranks are threads of one process: share the cores among them instead of
+    letting every rank's kernels start a full set of threads (as torchrun's OMP_NUM_THREADS)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

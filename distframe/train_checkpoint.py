@@ -1,0 +1,73 @@
+"""Where ``distframe train`` keeps its checkpoints (``OUT/checkpoints/step-N``, the sharded
+format of ``distframe.checkpoint``) and how it finds the one to resume from.
+
+Only complete checkpoints count: ``distframe.checkpoint.save`` writes into a temporary
+directory and renames it into place, so an interrupted save leaves no ``step-N``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+from distframe.errors import ConfigError
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(out_dir: str) -> str:
+    return os.path.join(out_dir, "checkpoints")
+
+
+def step_path(out_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir(out_dir), f"step-{step}")
+
+
+def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
+    """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None."""
+    root = checkpoint_dir(out_dir)
+    if not os.path.isdir(root):
+        return None
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_DIR.match(name)
+        if match and os.path.exists(os.path.join(root, name, "metadata.json")):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
+
+
+def remove_checkpoints(out_dir: str) -> None:
+    """Deletes ``OUT/checkpoints`` (a fresh run replaces an earlier run's checkpoints)."""
+    shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)
+
+
+def save(out_dir: str, step: int, model: Any, optimizer: Any) -> str:
+    """Collective: every rank writes its shard of ``OUT/checkpoints/step-N``."""
+    from distframe import checkpoint
+    path = step_path(out_dir, step)
+    checkpoint.save(path, model, optimizer, step=step)
+    return path
+
+
+def load(path: str, model: Any, optimizer: Any) -> int:
+    """Collective: loads ``path`` into ``model`` and ``optimizer`` (re-sharding as needed);
+    returns the step it was saved at."""
+    from distframe import checkpoint
+    metadata = checkpoint.load(path, model, optimizer)
+    return int(metadata["step"])
+
+
+def run_info(path: str) -> dict[str, Any]:
+    """The resolved configuration (with the model shape) of the run that wrote checkpoint
+    ``path``: ``OUT/config.json`` beside ``OUT/checkpoints``."""
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
+    if not os.path.exists(config):
+        raise ConfigError(f"{config} is missing: a checkpoint is read with the config.json of the "
+                          "run that wrote it; keep OUT/config.json beside OUT/checkpoints")
+    with open(config, encoding="utf-8") as f:
+        return json.load(f)

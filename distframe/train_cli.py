@@ -1,0 +1,125 @@
+"""The flags of ``distframe train`` and ``distframe generate`` and what each command prints.
+
+Train flags mirror TrainConfig's fields (``--d-model`` is ``d_model``); only flags given on the
+command line reach ``resolve_config``, so they override ``--config`` and a resumed run's settings.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from distframe.train_config import (BACKENDS, DEFAULT_WORLD_SIZE, DTYPES, PRESETS, TOKEN_DTYPES,
+                                    TrainConfig, resolve_config)
+from distframe.train_strategies import OPTIMIZERS, STRATEGIES
+
+EXIT_INTERRUPTED = 130
+
+
+def _default(name: str) -> str:
+    return f" (default: {getattr(TrainConfig, name)})"
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(handler=train_command)
+    add = _adder(parser)
+    add("--config", metavar="FILE.toml", help="settings whose keys mirror these flags "
+        "(d-model = 256, segment-lengths = [64, 128]); flags given here override it")
+    run = parser.add_argument_group("strategy and ranks")
+    add("--strategy", group=run, metavar="{" + ",".join(STRATEGIES) + "}",
+        help="how the model is distributed: " + "; ".join(f"{k}: {s.help}"
+                                                          for k, s in STRATEGIES.items()) + _default("strategy"))
+    add("--backend", group=run, metavar="{" + ",".join(BACKENDS) + "}",
+        help="communication engine; auto: mpi under mpiexec, gloo (nccl with GPUs) under "
+             "torchrun, else in-memory threads" + _default("backend"))
+    add("--world-size", group=run, type=int, metavar="N",
+        help=f"ranks to start: in-memory threads or spawned processes (default: {DEFAULT_WORLD_SIZE}); "
+             "under mpiexec or torchrun the launcher decides")
+    model = parser.add_argument_group("model (a preset, then overrides)")
+    add("--preset", group=model, metavar="{" + ",".join(PRESETS) + "}", help="model shape" + _default("preset"))
+    add("--layers", group=model, type=int, help="transformer blocks")
+    add("--d-model", group=model, type=int, help="embedding width")
+    add("--heads", group=model, type=int, help="attention heads")
+    add("--seq-len", group=model, type=int, help="tokens per sequence")
+    add("--segment-lengths", group=model, metavar="W1,W2,...",
+        help="dilated attention segment lengths, each at most --seq-len")
+    add("--dilation-rates", group=model, metavar="R1,R2,...",
+        help="one dilation rate per segment length")
+    add("--dtype", group=model, metavar="{" + ",".join(DTYPES) + "}", help="parameter dtype" + _default("dtype"))
+    opt = parser.add_argument_group("optimisation")
+    add("--steps", group=opt, type=int, help="optimizer steps" + _default("steps"))
+    add("--batch-size", group=opt, type=int, help="global batch in sequences, split across the "
+        "data-parallel ranks" + _default("batch_size"))
+    add("--lr", group=opt, type=float, help="peak learning rate (linear warm-up, cosine to a "
+        "tenth)" + _default("lr"))
+    add("--warmup-steps", group=opt, type=int, help="warm-up steps" + _default("warmup_steps"))
+    add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
+    add("--optimizer", group=opt, metavar="{" + ",".join(OPTIMIZERS) + "}", help="torch optimizer"
+        + _default("optimizer"))
+    add("--seed", group=opt, type=int, help="seed of the initial model and the batches" + _default("seed"))
+    data = parser.add_argument_group("data and outputs")
+    add("--data", group=data, metavar="PATH", help="a text file, a directory of text files or a "
+        "flat .bin token file (default: the Python standard library's sources)")
+    add("--token-dtype", group=data, metavar="{" + ",".join(TOKEN_DTYPES) + "}",
+        help="dtype of a .bin token file" + _default("token_dtype"))
+    add("--out", group=data, metavar="DIR", help="metrics.jsonl, config.json, loss.png and "
+        "checkpoints/step-N; a fresh run replaces an earlier run's there" + _default("out"))
+    add("--resume", group=data, action="store_true", help="continue from the latest checkpoint in "
+        "--out (at any world size or strategy); its saved settings apply unless given here")
+    add("--checkpoint-every", group=data, type=int, metavar="STEPS", help="checkpoint interval; "
+        "0: only at the end" + _default("checkpoint_every"))
+    add("--eval-every", group=data, type=int, metavar="STEPS", help="validation interval; 0: only "
+        "at the end" + _default("eval_every"))
+    add("--eval-batches", group=data, type=int, help="global batches per validation" + _default("eval_batches"))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _adder(parser: argparse.ArgumentParser):
+    def add(name: str, *, group: Any = None, **kwargs: Any) -> None:
+        (group or parser).add_argument(name, default=argparse.SUPPRESS, **kwargs)
+    return add
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(handler=generate_command)
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a checkpoint directory (OUT/checkpoints/step-N) or a run's OUT "
+                             "(its latest checkpoint)")
+    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from distframe import train, train_checkpoint
+    from distframe.train_metrics import format_bytes, format_duration
+    flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
+    config = resolve_config(flags, getattr(args, "config", None))
+    try:
+        result = train.run(config)
+    except KeyboardInterrupt:
+        found = train_checkpoint.latest_checkpoint(config.out)
+        where = (f"{found[0]} is the last complete checkpoint; continue with --resume"
+                 if found else "no checkpoint was written yet")
+        print(f"\ndistframe train: interrupted; {where}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    for note in result.notes:
+        print(note, file=sys.stderr)
+    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    train_loss = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
+    print(f"distframe train: step {result.step}/{config.steps}, train loss {train_loss}, "
+          f"validation loss {val}, {result.tokens_per_s:,.0f} tokens/s, peak memory "
+          f"{format_bytes(result.peak_memory_bytes)}, {format_duration(result.wall_s)}; "
+          f"outputs in {result.out}" + (f" (checkpoint {result.checkpoint})" if result.checkpoint else ""))
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from distframe.generate import generate_text
+    text = generate_text(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
+                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(text)
+    return 0

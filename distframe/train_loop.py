@@ -1,0 +1,230 @@
+"""The training loop one rank runs: build the model and its strategy, resume, train, evaluate,
+log and checkpoint. Every rank runs the same calls (the collectives inside ``train_step``,
+validation and checkpointing need all of them); only rank 0 writes the logs and the plot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attention.model import DilatedTransformerLM
+from distframe import train_checkpoint
+from distframe.backends.types import ReduceOp
+from distframe.data import BatchSampler, TokenCorpus, load_corpus, validation_offsets
+from distframe.errors import ConfigError, DistFrameError
+from distframe.train_config import TrainConfig
+from distframe.train_metrics import MetricsLog, ProgressBar, peak_memory_bytes, plot_losses
+from distframe.train_strategies import OPTIMIZERS, STRATEGIES
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a run reached (the same on every rank)."""
+
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    peak_memory_bytes: int
+    wall_s: float
+    out: str
+    checkpoint: str | None
+    notes: tuple[str, ...] = ()
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: ``(B, T, V)`` logits, ``(B, T)`` targets."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine down to ``lr / 10`` at
+    ``steps``; a function of the step alone, so a resumed run follows the same schedule."""
+    if step <= config.warmup_steps:
+        return config.lr * step / max(1, config.warmup_steps)
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def initial_model_state(config: TrainConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The model's initial parameters, a function of ``config.seed`` alone. Built once per
+    process: in-memory ranks share one (torch's global generator is shared by threads)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = DilatedTransformerLM(config.model_config(vocab_size=vocab_size))
+    return model.state_dict()
+
+
+def run_info(config: TrainConfig, corpus: TokenCorpus, world_size: int, backend: str) -> dict:
+    """The resolved configuration written to ``OUT/config.json`` and into every checkpoint."""
+    model = dataclasses.asdict(config.model_config(vocab_size=corpus.vocab_size))
+    return {"train": {**config.to_json(), "world_size": world_size, "backend": backend},
+            "model": {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()},
+            "data": corpus.description}
+
+
+def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
+                  corpus: TokenCorpus | None = None,
+                  initial_state: dict[str, torch.Tensor] | None = None) -> TrainResult:
+    """Runs the whole job on this rank of ``backend`` and returns what it reached."""
+    corpus = corpus or load_corpus(config.data, token_dtype=config.token_dtype)
+    initial_state = initial_state or initial_model_state(config, corpus.vocab_size)
+    device = _device(backend_name, backend)
+    module = DilatedTransformerLM(config.model_config(vocab_size=corpus.vocab_size))
+    module.load_state_dict(initial_state)
+    module.to(device=device, dtype=DTYPES[config.dtype])
+    strategy = STRATEGIES[config.strategy]
+    optimizer_cls, settings = OPTIMIZERS[config.optimizer]
+    model, optimizer = strategy.build(module, backend, optimizer_cls,
+                                      settings(config.lr, config.weight_decay))
+    dp_size, dp_rank = strategy.data_parallel(model, backend)
+    if config.batch_size % dp_size:
+        raise ConfigError(f"--batch-size {config.batch_size} is not divisible by the {dp_size} "
+                          "data-parallel ranks; use a multiple of them")
+    job = _Job(backend, config, model, optimizer, corpus, device, dp_size, dp_rank,
+               run_info(config, corpus, backend.world_size, backend_name))
+    return job.run()
+
+
+def _device(backend_name: str, backend: Any) -> torch.device:
+    if backend_name != "nccl":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", backend.rank))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+class _Job:
+    """One rank's run; methods are the phases of ``run``."""
+
+    def __init__(self, backend: Any, config: TrainConfig, model: Any, optimizer: Any,
+                 corpus: TokenCorpus, device: torch.device, dp_size: int, dp_rank: int,
+                 info: dict) -> None:
+        self.backend, self.config, self.model, self.optimizer = backend, config, model, optimizer
+        self.device, self.dp_size, self.dp_rank, self.info = device, dp_size, dp_rank, info
+        self.strategy = STRATEGIES[config.strategy]
+        seq_len = info["model"]["seq_len"]
+        self.train_data = BatchSampler(corpus.train, batch_size=config.batch_size, seq_len=seq_len,
+                                       seed=config.seed)
+        self.val_data = BatchSampler(corpus.validation, batch_size=config.batch_size,
+                                     seq_len=seq_len, seed=config.seed)
+        self.val_offsets = validation_offsets(len(corpus.validation), batches=config.eval_batches,
+                                              batch_size=config.batch_size, seq_len=seq_len)
+        self.tokens_per_step = config.batch_size * seq_len
+        self.is_writer = backend.rank == 0
+        self.log = MetricsLog(config.out)
+        self.notes: list[str] = []
+
+    def run(self) -> TrainResult:
+        start_step, history = self._start()
+        wall_before = history[-1]["wall_s"] if history else 0.0
+        last = history[-1] if history else None
+        last_val = next((r["val_loss"] for r in reversed(history) if r["val_loss"] is not None), None)
+        bar = ProgressBar(total=self.config.steps, initial=start_step, enabled=self.is_writer)
+        t0 = time.perf_counter()
+        step_tokens, step_seconds, checkpoint = 0, 0.0, None
+        try:
+            for step in range(start_step + 1, self.config.steps + 1):
+                loss, seconds = self._train_step(step)
+                step_tokens, step_seconds = step_tokens + self.tokens_per_step, step_seconds + seconds
+                val_loss = self._validate() if self._due(step, self.config.eval_every) else None
+                last_val = val_loss if val_loss is not None else last_val
+                last = {"step": step, "train_loss": loss, "val_loss": val_loss,
+                        "tokens_per_s": self.tokens_per_step / seconds,
+                        "peak_memory_bytes": peak_memory_bytes(self.device),
+                        "wall_s": wall_before + time.perf_counter() - t0}
+                if self.is_writer:
+                    self.log.append(last)
+                bar.update(last)
+                if self._due(step, self.config.checkpoint_every):
+                    checkpoint = train_checkpoint.save(self.config.out, step, self.model,
+                                                       self.optimizer)
+        finally:
+            bar.close()
+        self._finish()
+        return self._result(last, last_val, step_tokens, step_seconds, checkpoint)
+
+    def _due(self, step: int, every: int) -> bool:
+        return step == self.config.steps or (every > 0 and step % every == 0)
+
+    def _start(self) -> tuple[int, list[dict]]:
+        """Resumes from the latest checkpoint, or clears an earlier run out of OUT; writes
+        ``OUT/config.json``. Returns the step to continue after and the metrics so far."""
+        out = self.config.out
+        start_step, history = 0, []
+        if self.config.resume:
+            found = train_checkpoint.latest_checkpoint(out)
+            if found is None:
+                raise ConfigError(f"--resume: no checkpoint under {out}/checkpoints; run without "
+                                  "--resume to start fresh, or pass the --out of the run to continue")
+            start_step = train_checkpoint.load(found[0], self.model, self.optimizer)
+            history = self.log.keep_until(start_step) if self.is_writer else self.log.records()
+        self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT
+        if self.is_writer:
+            os.makedirs(out, exist_ok=True)
+            if not self.config.resume:
+                train_checkpoint.remove_checkpoints(out)
+                self.log.clear()
+            with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(self.info, f, indent=2)
+        self.backend.barrier()
+        return start_step, [r for r in history if r["step"] <= start_step]
+
+    def _set_learning_rate(self, step: int) -> None:
+        lr = learning_rate(self.config, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _train_step(self, step: int) -> tuple[float, float]:
+        self._set_learning_rate(step)
+        inputs, targets = self.train_data.slice(step, self.dp_rank, self.dp_size)
+        batch = (inputs.to(self.device), targets.to(self.device))
+        started = time.perf_counter()
+        loss = self.model.train_step(batch, next_token_loss, self.optimizer)
+        seconds = time.perf_counter() - started
+        if not math.isfinite(loss):
+            raise DistFrameError(f"the training loss became {loss} at step {step}; lower --lr "
+                                 f"(now {self.config.lr:g}) or use --dtype float32")
+        return loss, seconds
+
+    def _validate(self) -> float:
+        """Mean loss over the fixed validation batches (each rank its slice); collective."""
+        self.model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for offsets in self.val_offsets:
+                inputs, targets = self.val_data.windows(offsets, self.dp_rank, self.dp_size)
+                loss = self.strategy.validation_loss(self.model, inputs.to(self.device),
+                                                     targets.to(self.device), next_token_loss)
+                total += float(loss)
+        self.model.train()
+        mean = torch.tensor([total / len(self.val_offsets)], dtype=torch.float64)
+        self.backend.all_reduce(mean, ReduceOp.AVG)
+        return float(mean)
+
+    def _finish(self) -> None:
+        if self.is_writer:
+            note = plot_losses(self.log.records(), os.path.join(self.config.out, "loss.png"))
+            if note:
+                self.notes.append(note)
+
+    def _result(self, last: dict | None, last_val: float | None, tokens: int, seconds: float,
+                checkpoint: str | None) -> TrainResult:
+        latest = train_checkpoint.latest_checkpoint(self.config.out)
+        return TrainResult(
+            step=last["step"] if last else 0, train_loss=last["train_loss"] if last else None,
+            val_loss=last_val, tokens_per_s=tokens / seconds if seconds else 0.0,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            wall_s=last["wall_s"] if last else 0.0, out=self.config.out,
+            checkpoint=checkpoint or (latest[0] if latest else None), notes=tuple(self.notes))
+
