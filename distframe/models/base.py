@@ -177,9 +177,14 @@ class ShardedModelBase(nn.Module, abc.ABC):
         layout = self.shard_layout()
         state = shard_pieces(layout, self.backend.rank, self.backend.world_size, "param", layout.shards)
         if self.backend.rank == 0:
-            for name, buf in self.wrapped_model.named_buffers():
-                state[f"buffer/{name}"] = buf.detach().clone()
+            for name, tensor in self.replicated_tensors():
+                state[f"buffer/{name}"] = tensor.detach().clone()
         return state
+
+    def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Buffers and frozen parameters: identical on every rank, saved once by rank 0."""
+        frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
+        return frozen + list(self.wrapped_model.named_buffers())
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002
@@ -189,8 +194,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
         layout = self.shard_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
-            for name, buf in self.wrapped_model.named_buffers():
-                buf.copy_(reader.buffer(name))
+            for name, tensor in self.replicated_tensors():
+                tensor.copy_(reader.buffer(name))
         self._after_load()
 
     # ---- memory ------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""The on-disk format of a sharded checkpoint: names, metadata, checksums, and a reader.
+
+A checkpoint is a directory holding ``metadata.json`` and one safetensors file per saving rank
+(``shard-<rank>-of-<world>.safetensors``). Tensors are 1-D pieces keyed
+``<kind>/<parameter>@<offset>`` (kind ``param`` or ``optim.<state key>``, see
+distframe.models.sharded_state) plus whole ``buffer/<name>`` tensors, so any strategy at any world
+size can read the ranges it needs. Metadata records the format version, strategy, world size,
+step, every parameter's shape and dtype, each file's pieces, size and sha256, and the optimizer's
+hyperparameters and per-parameter scalars.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from distframe.errors import DistFrameError
+from distframe.models.sharded_state import RangeReader
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+
+
+class CheckpointError(DistFrameError, RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's metadata; CheckpointError naming the file if it is absent or unreadable."""
+    meta_path = path / METADATA
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: the checkpoint is incomplete (a save that did "
+                              "not finish leaves only a temporary directory); load an earlier one")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format_version {meta.get('format_version')!r} is not "
+                              f"{FORMAT_VERSION}; this distframe cannot read it")
+    return meta
+
+
+def verify_files(path: Path, meta: dict[str, Any]) -> None:
+    """Every listed file exists with the recorded size and sha256, else CheckpointError naming it."""
+    for entry in meta["files"]:
+        file = path / entry["file"]
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the checkpoint")
+        if file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the metadata says "
+                                  f"{entry['bytes']}: the file is truncated or was replaced")
+        if sha256_of(file) != entry["sha256"]:
+            raise CheckpointError(f"{file} does not match its sha256 checksum: the file is corrupt")
+
+
+def open_reader(path: Path, meta: dict[str, Any]) -> RangeReader:
+    """A RangeReader over every file's pieces (files are opened lazily, read by slice)."""
+    where: dict[str, str] = {}
+    pieces: list[tuple[str, int]] = []
+    for entry in meta["files"]:
+        for key, numel in entry["tensors"].items():
+            where[key] = entry["file"]
+            pieces.append((key, numel))
+    handles: dict[str, Any] = {}
+
+    def fetch(key: str, lo: int, hi: int | None) -> torch.Tensor:
+        name = where[key]
+        if name not in handles:
+            handles[name] = safe_open(str(path / name), framework="pt")
+        if hi is None:
+            return handles[name].get_tensor(key)
+        return handles[name].get_slice(key)[lo:hi]
+    return RangeReader(pieces, fetch)

@@ -1,0 +1,189 @@
+"""save / load / consolidate of sharded checkpoints.
+
+save (collective): rank 0 picks a temporary directory name and broadcasts it; every rank writes
+its safetensors file there and hashes it; one all_gather of each rank's file table (as JSON bytes)
+brings them to rank 0, which writes metadata.json last and renames the directory into place
+(an existing checkpoint at the same path is moved aside first and deleted after), then a barrier.
+A save that dies midway leaves only the temporary directory: the previous checkpoint is intact.
+
+load (local reads, plus whatever the strategy's ``_after_load`` communicates): every rank checks
+every file's size and checksum before touching the model, then reads the parameter ranges its
+new layout holds.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
+                                         open_reader, read_metadata, sha256_of, shard_file_name,
+                                         verify_files)
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_pieces,
+                                                optimizer_pieces)
+
+
+def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None) -> Path:
+    """Writes ``model`` (and ``optimizer``'s) sharded state to directory ``path``; collective."""
+    _check_model(model)
+    backend, path = model.backend, Path(path)
+    tensors = dict(model.state_dict())
+    opt_state = _optimizer_state(model, optimizer)
+    tensors.update(opt_state.pop("tensors", {}))
+    tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
+    if backend.rank == 0:
+        tmp.mkdir(parents=True)
+    backend.barrier()
+    file = tmp / shard_file_name(backend.rank, backend.world_size)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
+    fsync_path(file)
+    table = {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_of(file),
+             "tensors": {k: v.numel() for k, v in tensors.items()},
+             "scalars": opt_state.pop("scalars", {})}
+    tables = _all_gather_json(backend, table)
+    if backend.rank == 0:
+        meta = _metadata(model, optimizer, opt_state, tables, step)
+        (tmp / METADATA).write_text(json.dumps(meta, indent=1))
+        fsync_path(tmp / METADATA)
+        _rename_into_place(tmp, path)
+    backend.barrier()
+    return path
+
+
+def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> dict[str, Any]:
+    """Loads a checkpoint saved under any data-parallel strategy and world size into ``model``
+    (and ``optimizer``); returns its metadata (``meta["step"]``). Collective."""
+    _check_model(model)
+    path = _existing(Path(path))
+    meta = read_metadata(path)
+    verify_files(path, meta)
+    _check_parameters(meta, model)
+    reader = open_reader(path, meta)
+    model.load_state_dict(reader)
+    if optimizer is not None:
+        if meta.get("optimizer") is None:
+            raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
+        state = {"tensors": {}, "scalars": meta["optimizer"]["scalars"],
+                 "param_groups": meta["optimizer"]["param_groups"]}
+        if hasattr(optimizer, "wrapped_optimizer"):
+            model.check_optimizer(optimizer)
+            optimizer.load_state_dict(state, reader)
+        else:
+            load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
+                                  state["param_groups"])
+    return meta
+
+
+def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full state dict (parameters, frozen parameters, buffers) of the checkpoint at ``path``,
+    for single-process use. Reads every file; no communication."""
+    path = _existing(Path(path))
+    meta = read_metadata(path)
+    verify_files(path, meta)
+    reader = open_reader(path, meta)
+    out: dict[str, torch.Tensor] = {}
+    for name, info in meta["parameters"].items():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        out[name] = reader.read("param", name, 0, numel).reshape(info["shape"]).clone()
+    for name in meta["replicated"]:
+        out[name] = reader.buffer(name).clone()
+    return out
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _check_model(model: Any) -> None:
+    if not isinstance(model, ShardedModelBase):
+        raise ConfigError(f"checkpoints hold sharded models: pass the wrapped model (DDPModel, "
+                          f"ZeRO3Model, ...), got {type(model).__name__}")
+
+
+def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
+    if optimizer is None:
+        return {}
+    if hasattr(optimizer, "wrapped_optimizer"):
+        model.check_optimizer(optimizer)
+        return dict(optimizer.state_dict())
+    model.check_optimizer(optimizer)
+    b = model.backend
+    tensors, scalars = optimizer_pieces(model.shard_layout(), optimizer, b.rank, b.world_size)
+    return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer)}
+
+
+def _agree_token(backend: ICommunicationBackend) -> str:
+    token = torch.tensor([random.getrandbits(48) if backend.rank == 0 else 0], dtype=torch.int64)
+    backend.broadcast(token, 0)
+    return f"{int(token):012x}"
+
+
+def _all_gather_json(backend: ICommunicationBackend, obj: Any) -> list[Any]:
+    raw = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = backend.all_gather(torch.tensor([raw.numel()], dtype=torch.int64))
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    rows = backend.all_gather(padded).view(backend.world_size, -1)
+    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(backend.world_size)]
+
+
+def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any],
+              tables: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
+    dtypes = {seg.name: str(shard.dtype).removeprefix("torch.")
+              for shard, segs in zip(model.shard_layout().shards, model.shard_layout().segments)
+              for seg in segs}
+    fallback = str(model.local_parameter_shard()[0].dtype).removeprefix("torch.")
+    trainable = [(n, p) for n, p in model.wrapped_model.named_parameters() if p.requires_grad]
+    scalars: dict[str, Any] = {}
+    for table in tables:
+        scalars.update(table.pop("scalars"))
+    return {
+        "format_version": FORMAT_VERSION, "strategy": type(model).__name__,
+        "world_size": model.backend.world_size, "step": step,
+        "parameters": {n: {"shape": list(p.shape), "dtype": dtypes.get(n, fallback)} for n, p in trainable},
+        "replicated": [n for n, _ in model.replicated_tensors()],
+        "files": tables,
+        "optimizer": None if optimizer is None else {
+            "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
+            "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
+    }
+
+
+def _rename_into_place(tmp: Path, path: Path) -> None:
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+        path.rename(old)
+    tmp.rename(path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _existing(path: Path) -> Path:
+    """``path``, or the complete checkpoint a save over ``path`` moved aside before it died."""
+    if path.exists():
+        return path
+    aside = sorted(path.parent.glob(f".{path.name}.old-*"))
+    return aside[-1] if aside else path
+
+
+def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
+    saved = meta["parameters"]
+    for name, p in model.wrapped_model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name not in saved:
+            raise CheckpointError(f"parameter {name!r} is not in the checkpoint; it holds "
+                                  f"{sorted(saved)[:5]}...")
+        if list(p.shape) != saved[name]["shape"]:
+            raise CheckpointError(f"parameter {name!r} has shape {list(p.shape)} here but "
+                                  f"{saved[name]['shape']} in the checkpoint")
