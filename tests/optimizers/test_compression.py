@@ -1,0 +1,182 @@
+"""Compressors on their own: round trips, error bounds, PowerSGD's orthogonalisation and shape
+rule, payload bytes, settings errors. Pure math, no communication."""
+import math
+
+import pytest
+import torch
+
+from distframe.errors import ConfigError
+from distframe.optimizers.compression import (
+    BF16Compressor,
+    FP16Compressor,
+    IdentityCompressor,
+    Int8Compressor,
+    PowerSGDCompressor,
+    TopKCompressor,
+    make_compressor,
+)
+
+
+def _tensor(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _payload_bytes(payload):
+    return sum(t.nbytes for t in payload)
+
+
+def test_identity_is_exact_and_lossless():
+    t = _tensor(5, 7)
+    payload, ctx = IdentityCompressor().compress(t)
+    assert torch.equal(IdentityCompressor().decompress(payload, ctx), t)
+    assert not IdentityCompressor.lossy and _payload_bytes(payload) == t.nbytes
+
+
+@pytest.mark.parametrize("compressor, wire", [(FP16Compressor(), torch.float16),
+                                              (BF16Compressor(), torch.bfloat16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cast_round_trip_equals_the_cast(compressor, wire, dtype):
+    t = _tensor(33, 9, dtype=dtype)
+    payload, ctx = compressor.compress(t)
+    assert payload[0].dtype == wire and _payload_bytes(payload) == t.numel() * 2
+    out = compressor.decompress(payload, ctx)
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out, t.to(wire).to(dtype))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 1024])
+@pytest.mark.parametrize("shape", [(1,), (100,), (13, 11)])
+def test_int8_nearest_error_is_at_most_half_a_step(chunk_size, shape):
+    t = _tensor(*shape, seed=chunk_size)
+    comp = Int8Compressor(chunk_size=chunk_size, stochastic=False)
+    (q, scales), ctx = comp.compress(t)
+    assert q.dtype == torch.int8 and q.numel() == t.numel()
+    assert scales.numel() == math.ceil(t.numel() / chunk_size)
+    out = comp.decompress((q, scales), ctx)
+    flat = t.reshape(-1)
+    step = scales.to(torch.float64).repeat_interleave(chunk_size)[:flat.numel()]
+    assert ((out.reshape(-1) - flat).abs() <= step / 2 + 1e-12).all()
+    assert int(q.abs().max()) <= 127
+    # the element of largest magnitude in each chunk is (nearly) exact
+    assert torch.allclose(out.reshape(-1).abs().max(), flat.abs().max(), rtol=1e-6)
+
+
+def test_int8_stochastic_rounding_is_unbiased_and_within_one_step():
+    t = _tensor(64, seed=3)
+    comp = Int8Compressor(chunk_size=16, stochastic=True, seed=5)
+    draws = []
+    for _ in range(4000):
+        payload, ctx = comp.compress(t)
+        draws.append(comp.decompress(payload, ctx))
+    draws = torch.stack(draws)
+    step = payload[1].to(torch.float64).repeat_interleave(16)
+    assert ((draws - t).abs() <= step + 1e-12).all()
+    # the mean of 4000 draws is within ~5 standard errors (step / 2 / sqrt(4000)) of the truth
+    assert ((draws.mean(0) - t).abs() <= 5 * step / 2 / math.sqrt(4000)).all()
+    nearest = Int8Compressor(chunk_size=16, stochastic=False)
+    biased = nearest.decompress(*nearest.compress(t))
+    assert not torch.equal(draws[0], biased)  # it does round randomly
+
+
+def test_int8_zero_tensor_round_trips_to_zero():
+    comp = Int8Compressor(chunk_size=4)
+    out = comp.decompress(*comp.compress(torch.zeros(10)))
+    assert torch.equal(out, torch.zeros(10))
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5, 1.0])
+def test_topk_keeps_the_largest_magnitudes(ratio):
+    t = _tensor(20, 10, seed=1)
+    comp = TopKCompressor(ratio)
+    (values, indices), ctx = comp.compress(t)
+    k = max(1, math.ceil(ratio * t.numel()))
+    assert values.numel() == k and indices.dtype == torch.int32
+    assert _payload_bytes((values, indices)) == k * (8 + 4)
+    out = comp.decompress((values, indices), ctx)
+    kept = out != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(out[kept], t[kept])
+    if k < t.numel():
+        assert t[kept].abs().min() >= t[~kept].abs().max()
+
+
+def test_powersgd_shape_rule():
+    comp = PowerSGDCompressor(rank=4, start_iter=0)
+    assert not comp.compressible((100,))               # vectors are never compressed
+    assert comp.compressible((32, 32))                  # (32+32)*4*2 = 512 <= 1024
+    assert comp.compressible((16, 16))                  # 256 <= 256: exactly half
+    assert not comp.compressible((12, 12))              # 192 > 144
+    assert not comp.compressible((8, 4, 4))             # viewed as 8 x 16: 192 > 128
+    assert comp.compressible((64, 2, 3, 3))             # 64 x 18: (82)*4*2 = 656 <= 1152
+    assert PowerSGDCompressor(rank=1, start_iter=0).compressible((4, 4))  # 16 <= 16
+    assert not PowerSGDCompressor(rank=1, start_iter=0).compressible((3, 4))  # 14 > 12
+
+
+def test_powersgd_orthogonalize_gives_orthonormal_columns():
+    p = _tensor(50, 4, seed=2)
+    q = PowerSGDCompressor.orthogonalize(p.clone())
+    assert torch.allclose(q.t() @ q, torch.eye(4, dtype=torch.float64), atol=1e-12)
+    # the same column space: the projection of p onto q reproduces p
+    assert torch.allclose(q @ (q.t() @ p), p, atol=1e-12)
+
+
+def test_powersgd_orthogonalize_zeroes_dependent_columns():
+    base = _tensor(10, 1, seed=4)
+    p = torch.cat([base, 2 * base, _tensor(10, 1, seed=5)], dim=1)
+    q = PowerSGDCompressor.orthogonalize(p)
+    assert torch.equal(q[:, 1], torch.zeros(10, dtype=torch.float64))
+    assert torch.allclose(q[:, [0, 2]].t() @ q[:, [0, 2]], torch.eye(2, dtype=torch.float64), atol=1e-12)
+
+
+def test_powersgd_reconstructs_a_low_rank_matrix_and_warm_starts():
+    a, b = _tensor(40, 2, seed=6), _tensor(2, 30, seed=7)
+    m = a @ b  # rank 2
+    comp = PowerSGDCompressor(rank=2, start_iter=0)
+    (p, q), ctx = comp.compress(m, key="w")
+    assert p.shape == (40, 2) and q.shape == (30, 2)
+    assert _payload_bytes((p, q)) == (40 + 30) * 2 * 8 < m.nbytes / 2
+    assert torch.allclose(comp.decompress((p, q), ctx), m, atol=1e-10)
+    saved = comp.state_dict()
+    assert set(saved) == {"powersgd_q/w"} and torch.equal(saved["powersgd_q/w"], q)
+    fresh = PowerSGDCompressor(rank=2, start_iter=0)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.warm_start("w", m.shape, torch.float64), q)
+
+
+def test_powersgd_power_iteration_converges_with_warm_start():
+    m = _tensor(60, 40, seed=8)
+    comp = PowerSGDCompressor(rank=1, start_iter=0)
+    errors = [(comp.decompress(*comp.compress(m, key="w")) - m).norm() for _ in range(30)]
+    best = torch.linalg.svdvals(m)[1:].square().sum().sqrt()  # the optimal rank-1 error
+    assert errors[-1] < errors[0]
+    assert errors[-1] == pytest.approx(float(best), rel=1e-3)
+
+
+def test_powersgd_passes_uncompressible_tensors_unchanged_and_seeds_alike():
+    comp = PowerSGDCompressor(rank=2, start_iter=3)
+    v = _tensor(7)
+    payload, ctx = comp.compress(v)
+    assert torch.equal(comp.decompress(payload, ctx), v)
+    assert not comp.is_active(2) and comp.is_active(3)
+    other = PowerSGDCompressor(rank=2, start_iter=3)
+    shape = torch.Size([20, 20])
+    assert torch.equal(comp.warm_start("x", shape, torch.float64), other.warm_start("x", shape, torch.float64))
+    assert not torch.equal(comp.warm_start("x", shape, torch.float64), comp.warm_start("y", shape, torch.float64))
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: TopKCompressor(0), "ratio"), (lambda: TopKCompressor(1.5), "ratio"),
+    (lambda: Int8Compressor(chunk_size=0), "chunk_size"),
+    (lambda: PowerSGDCompressor(rank=0), "rank"), (lambda: PowerSGDCompressor(1, start_iter=-1), "start_iter"),
+    (lambda: make_compressor("gzip"), "compressor"), (lambda: make_compressor("topk", rank=2), "topk"),
+])
+def test_bad_settings_name_the_field(make, field):
+    with pytest.raises(ConfigError, match=field):
+        make()
+
+
+def test_make_compressor_by_name():
+    assert isinstance(make_compressor("none"), IdentityCompressor)
+    assert make_compressor("topk", ratio=0.2).ratio == 0.2
+    psgd = make_compressor("powersgd", rank=3, start_iter=7)
+    assert (psgd.rank, psgd.start_iter) == (3, 7)
