@@ -86,6 +86,9 @@ class MPIPool:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         if self._closed:
             raise ValueError("MPIPool.run called after close(); create a new pool")
+        if getattr(fn, "__module__", None) == "__main__":
+            raise ConfigError(f"MPIPool.run: {fn!r} is defined in the __main__ script, which the ranks "
+                              "cannot import; move it to a module and import it from there")
         payload = pickle.dumps((fn, args, kwargs, self.timeout, self.backend_kwargs))
         if self._job is None or not self._job.usable:
             if self._job is not None:
@@ -264,7 +267,11 @@ def _serve(host: str, port: int) -> None:
         except (EOFError, OSError):
             os._exit(1)  # the parent is gone: do not wait in MPI_Finalize for anyone
         if not payload:
-            return
+            # Finalize, then skip the interpreter's teardown (torch's takes seconds).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            MPI.Finalize()
+            os._exit(0)
         try:
             fn, args, kwargs, timeout, backend_kwargs = pickle.loads(payload)
             with MPICommunicationBackend(timeout=timeout, **backend_kwargs) as backend:

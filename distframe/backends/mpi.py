@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
-from distframe.backends.mpi_buffers import (device_aware, import_mpi, mpi_op, needs_staging,
+from distframe.backends.mpi_buffers import (device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
 from distframe.backends.signature import DTYPES
@@ -62,6 +62,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._MPI = MPI
         self._comm = comm
         self._device_aware = device_aware(MPI)
+        self._ops = mpi_ops(MPI)
         self._board = ProgressBoard(comm, MPI)
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
         # Requests that timed out, with the buffers MPI may still write: never freed.
@@ -102,7 +103,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         work = _upcast(host)
         buf = wire(work)
         self._complete(call, lambda: self._comm.Iallreduce(
-            self._MPI.IN_PLACE, buf, mpi_op(self._MPI, op)), buf)
+            self._MPI.IN_PLACE, buf, self._ops[op]), buf)
         write_back(host, work)
         write_back(tensor, host)
 
@@ -120,7 +121,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
         send, recv = wire(work), wire(out)
         self._complete(call, lambda: self._comm.Ireduce_scatter_block(
-            send, recv, mpi_op(self._MPI, op)), (send, recv))
+            send, recv, self._ops[op]), (send, recv))
         return stage_back(out.to(tensor.dtype), tensor, stage)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
@@ -138,7 +139,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         root = self._rank == dst
         send = self._MPI.IN_PLACE if root else buf
         self._complete(call, lambda: self._comm.Ireduce(
-            send, buf if root else None, mpi_op(self._MPI, op), root=dst), buf)
+            send, buf if root else None, self._ops[op], root=dst), buf)
         if root:
             write_back(host, work)
             write_back(tensor, host)

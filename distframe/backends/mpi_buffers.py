@@ -40,13 +40,10 @@ def import_mpi() -> Any:
                                       f"{INSTALL_HINT}") from exc
 
 
-def mpi_op(MPI: Any, op: ReduceOp) -> Any:
-    """The MPI reduction for an already translated op (SUM, PRODUCT, MIN or MAX)."""
-    ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-           ReduceOp.MAX: MPI.MAX}
-    if op not in ops:
-        raise ValueError(f"the MPI engine applies SUM, PRODUCT, MIN or MAX, not {op}")
-    return ops[op]
+def mpi_ops(MPI: Any) -> dict[ReduceOp, Any]:
+    """The MPI reduction for each already translated op (SUM, PRODUCT, MIN, MAX)."""
+    return {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX}
 
 
 def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,8 +62,9 @@ def wire(tensor: torch.Tensor) -> Any:
     view_dtype = _WIRE_VIEW.get(tensor.dtype)
     if view_dtype is not None:
         tensor = tensor.view(view_dtype)
-    tensor = tensor.detach()
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.numpy() if tensor.is_cpu else tensor
 
 
 def device_aware(MPI: Any) -> bool:
@@ -80,7 +78,7 @@ def device_aware(MPI: Any) -> bool:
 
 
 def needs_staging(tensor: torch.Tensor, aware: bool) -> bool:
-    return tensor.device.type != "cpu" and not aware
+    return not (aware or tensor.is_cpu)
 
 
 def stage_in(tensor: torch.Tensor, stage: bool) -> torch.Tensor:

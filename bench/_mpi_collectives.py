@@ -1,0 +1,83 @@
+"""MPI engine vs the raw mpi4py call it wraps, measured in one mpiexec job (used by collectives.py).
+
+For each op and size the two are timed alternately in the same loop (engine first on even
+repeats, raw first on odd ones), each call after a barrier; a repeat's time is the slowest rank's,
+and the figure is the median over repeats. Buffers are float32. The raw calls are the blocking
+in-place forms on preallocated NumPy buffers (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
+out)``, ``Reduce_scatter_block(buf, out)``); the engine call also allocates its output tensor where
+the op returns a new one (all_gather, reduce_scatter), as its users see it.
+
+    python bench/_mpi_collectives.py 2    # a quick table for 2 ranks
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
+            repeats: int = 20) -> list[dict]:
+    """One dict per (op, size): engine="mpi", op, size_bytes, world_size, median_s (engine call),
+    raw_median_s (the raw mpi4py call)."""
+    from distframe._mpi_launch import MPIPool
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    with MPIPool(world_size) as pool:
+        return pool.run(_measure_on_rank, list(sizes_bytes), list(ops), repeats)[0]
+
+
+def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: int) -> list[dict]:
+    from mpi4py import MPI
+    raw = MPI.COMM_WORLD.Dup()
+    n = backend.world_size
+    rows = []
+    for size in sizes_bytes:
+        elements = max(n, size // 4 // n * n)  # divisible by the world size for reduce_scatter
+        for op in ops:
+            engine_call, raw_call = _calls(op, backend, raw, MPI, elements)
+            for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
+                call()
+            times = np.zeros((repeats, 2))
+            for i in range(repeats):
+                order = (0, 1) if i % 2 == 0 else (1, 0)
+                for which in order:
+                    call = engine_call if which == 0 else raw_call
+                    raw.Barrier()
+                    start = time.perf_counter()
+                    call()
+                    times[i, which] = time.perf_counter() - start
+            raw.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a call lasts until its slowest rank ends
+            rows.append({"engine": "mpi", "op": op, "size_bytes": elements * 4, "world_size": n,
+                         "median_s": statistics.median(times[:, 0].tolist()),
+                         "raw_median_s": statistics.median(times[:, 1].tolist())})
+    raw.Free()
+    return rows
+
+
+def _calls(op: str, backend, raw, MPI, elements: int):
+    tensor = torch.ones(elements)
+    buf = np.ones(elements, dtype=np.float32)
+    if op == "all_reduce":
+        return (lambda: backend.all_reduce(tensor)), (lambda: raw.Allreduce(MPI.IN_PLACE, buf))
+    if op == "all_gather":
+        out = np.empty(elements * backend.world_size, dtype=np.float32)
+        return (lambda: backend.all_gather(tensor)), (lambda: raw.Allgather(buf, out))
+    out = np.empty(elements // backend.world_size, dtype=np.float32)
+    return (lambda: backend.reduce_scatter(tensor)), (lambda: raw.Reduce_scatter_block(buf, out))
+
+
+if __name__ == "__main__":
+    import _mpi_collectives  # the ranks import the per-rank function by this name, not __main__
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    print(f"{'op':<15}{'bytes':>10}{'engine us':>12}{'raw us':>10}{'ratio':>8}")
+    for row in _mpi_collectives.measure(world, [2**12, 2**16, 2**20, 2**22, 2**24]):
+        print(f"{row['op']:<15}{row['size_bytes']:>10}{row['median_s'] * 1e6:>12.1f}"
+              f"{row['raw_median_s'] * 1e6:>10.1f}{row['median_s'] / row['raw_median_s']:>8.3f}")

@@ -1,0 +1,195 @@
+"""The MPI engine when things go wrong: timeouts that name the missing ranks, mismatches caught in
+debug mode on every rank, failures re-raised by the launcher with the rank named, use after
+shutdown, a missing mpi4py; plus init_backend under mpiexec and the host-staging helpers."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
+
+from distframe._mpi_launch import MPIPool, spawn_mpi  # noqa: E402
+from distframe.backends.mpi import MPICommunicationBackend  # noqa: E402
+from distframe.backends.mpi_buffers import stage_back, stage_in, write_back  # noqa: E402
+from distframe.errors import (BackendUnavailableError, CollectiveMismatchError,  # noqa: E402
+                              CollectiveTimeoutError)
+from distframe.launch import init_backend, spawn  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+
+def _outcome(fn):
+    """Runs ``fn()`` on a rank and reports what it raised, so every rank's error comes back."""
+    try:
+        fn()
+    except (CollectiveTimeoutError, CollectiveMismatchError) as exc:
+        return type(exc).__name__, getattr(exc, "missing_ranks", None), exc.seq, str(exc)
+    return None
+
+
+# ---- functions the ranks run ---------------------------------------------------------------------
+def run_timeout(b, absent):
+    """Every rank but ``absent`` calls all_reduce as the group's second collective."""
+    with MPICommunicationBackend(b.comm, timeout=1.0) as fast:
+        fast.barrier()
+        if fast.rank == absent:
+            return "skipped"
+        start = time.monotonic()
+        outcome = _outcome(lambda: fast.all_reduce(torch.ones(4)))
+        return outcome, time.monotonic() - start
+
+
+def run_recv_timeout(b):
+    with MPICommunicationBackend(b.comm, timeout=0.5) as fast:
+        if fast.rank == 0:
+            return _outcome(lambda: fast.recv(torch.empty(3), 1, tag=5))
+    return None
+
+
+def run_mismatch(b, kind):
+    with MPICommunicationBackend(b.comm, timeout=20, debug=True) as checked:
+        odd = checked.rank == checked.world_size - 1
+        checked.all_reduce(torch.ones(2))  # agreeing calls pass
+        if kind == "shape":
+            call = lambda: checked.all_reduce(torch.ones(3 if odd else 2))  # noqa: E731
+        elif kind == "dtype":
+            call = lambda: checked.all_reduce(torch.ones(2, dtype=torch.float64 if odd else torch.float32))  # noqa: E731
+        else:
+            call = (lambda: checked.all_gather(torch.ones(2))) if odd else (lambda: checked.all_reduce(torch.ones(2)))
+        outcome = _outcome(call)
+        checked.barrier()  # the group is still consistent after the check
+        return outcome
+
+
+def run_p2p_mismatch(b, received):
+    """Rank 0 sends 4 float32; rank 1 receives ``received`` of them."""
+    if b.rank == 0:
+        b.send(torch.arange(4.0), 1, tag=3)
+        return None
+    if b.rank == 1:
+        return _outcome(lambda: b.recv(torch.empty(received), 0, tag=3))
+    return None
+
+
+def run_use_after_shutdown(b):
+    other = MPICommunicationBackend(b.comm)
+    other.shutdown()
+    other.shutdown()  # idempotent
+    for call in (lambda: other.all_reduce(torch.ones(1)), lambda: other.send(torch.ones(1), 0),
+                 lambda: other.barrier()):
+        with pytest.raises(ValueError, match="after shutdown"):
+            call()
+    return other.is_shut_down
+
+
+def run_init_backend(b):
+    from mpi4py import MPI
+    with init_backend("auto", timeout=30) as auto:
+        t = torch.tensor([1.0])
+        auto.all_reduce(t)
+        return type(auto).__name__, auto.rank == MPI.COMM_WORLD.Get_rank(), auto.world_size, t.item()
+
+
+def raise_on_rank_one(b):
+    b.barrier()
+    if b.rank == 1:
+        raise KeyError("rank one gives up")
+    return b.rank
+
+
+def ranks_times_two(b):
+    return 2 * b.rank
+
+
+# ---- tests ---------------------------------------------------------------------------------------
+def test_timeout_names_the_missing_rank_and_sequence_number(pool3):
+    start = time.monotonic()
+    results = pool3.run(run_timeout, 2)
+    assert time.monotonic() - start < 20
+    assert results[2] == "skipped"
+    for (name, missing, seq, message), elapsed in results[:2]:
+        assert name == "CollectiveTimeoutError"
+        assert missing == [2] and seq == 2, message
+        assert "all_reduce (sequence number 2)" in message and "[2]" in message
+        assert 0.9 < elapsed < 10
+    assert pool3.run(ranks_times_two) == [0, 2, 4]  # the job itself is still usable
+
+
+def test_recv_timeout_names_the_sender(pool2):
+    name, missing, seq, message = pool2.run(run_recv_timeout)[0]
+    assert name == "CollectiveTimeoutError" and missing == [1] and seq == 1
+    assert "tag 5" in message
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op"])
+def test_debug_mismatch_raises_on_every_rank(pool3, kind):
+    for name, _, seq, message in pool3.run(run_mismatch, kind):
+        assert name == "CollectiveMismatchError" and seq == 2, message
+        assert "rank 2 called" in message
+
+
+@pytest.mark.parametrize("received", [5, 3])
+def test_recv_of_another_size_is_a_mismatch(pool2, received):
+    name, _, _, message = pool2.run(run_p2p_mismatch, received)[1]
+    assert name == "CollectiveMismatchError"
+    assert "rank 0 sent" in message and f"({received * 4} bytes)" in message
+
+
+def test_use_after_shutdown_raises_value_error(pool2):
+    assert pool2.run(run_use_after_shutdown) == [True, True]
+
+
+def test_init_backend_auto_under_mpiexec(pool2):
+    assert pool2.run(run_init_backend) == [("MPICommunicationBackend", True, 2, 2.0)] * 2
+
+
+def test_raising_rank_is_reraised_with_its_rank_named(pool2):
+    with pytest.raises(KeyError, match="rank one gives up") as info:
+        pool2.run(raise_on_rank_one)
+    assert any("raised on rank 1" in note for note in info.value.__notes__)
+    assert pool2.run(ranks_times_two) == [0, 2]
+
+
+def test_spawn_mpi_returns_results_and_reraises():
+    with pytest.raises(KeyError) as info:
+        spawn(raise_on_rank_one, 2, backend="mpi", timeout=30)
+    assert any("raised on rank 1" in note for note in info.value.__notes__)
+
+
+def test_spawn_mpi_results_in_rank_order():
+    assert spawn_mpi(ranks_times_two, 3, timeout=30) == [0, 2, 4]
+
+
+def test_missing_mpi4py_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", None)
+    for build in (lambda: spawn(ranks_times_two, 2, backend="mpi"), lambda: MPIPool(2),
+                  lambda: MPICommunicationBackend()):
+        with pytest.raises(BackendUnavailableError, match=r"pip install 'distframe\[mpi\]'"):
+            build()
+
+
+def test_host_staging_copies_in_and_back():
+    device_tensor = torch.arange(6.0)
+    host = stage_in(device_tensor, True)
+    assert host.data_ptr() != device_tensor.data_ptr() and torch.equal(host, device_tensor)
+    host.mul_(2)
+    write_back(device_tensor, host)
+    assert device_tensor.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert stage_in(device_tensor, False) is device_tensor
+    assert stage_back(host, device_tensor, True).device == device_tensor.device
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with MPIPool(2, timeout=60) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with MPIPool(3, timeout=60) as p:
+        yield p
