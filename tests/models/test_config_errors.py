@@ -1,0 +1,77 @@
+"""Bad pairings, bad settings and mismatched replicas are ConfigErrors that say the fix."""
+import pytest
+import torch
+from torch import nn
+
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.models import DDPModel, MixedPrecisionPolicy, ShardingConfig, ZeRO2Model, ZeRO3Model
+from distframe.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
+from tests.models.common import build_model, global_batches, loss_fn
+
+
+def _one_rank(fn):
+    return spawn(fn, 1)[0]
+
+
+def test_optimizer_of_another_strategy_is_refused():
+    def run(backend):
+        model = DDPModel(build_model(), backend)
+        with pytest.raises(ConfigError, match="ZeRO2Optimizer belongs with ZeRO2Model.*DDPOptimizer"):
+            ZeRO2Optimizer(model, torch.optim.Adam)
+        zero2 = ZeRO2Model(build_model(), backend)
+        with pytest.raises(ConfigError, match="ZeRO1Optimizer belongs with ZeRO1Model"):
+            ZeRO1Optimizer(zero2, torch.optim.Adam)
+        plain = torch.optim.Adam(zero2.parameters())
+        with pytest.raises(ConfigError, match=r"ZeRO2Optimizer\(model, torch.optim.Adam"):
+            zero2.train_step(global_batches(1, 2)[0], loss_fn, plain)
+        other = DDPOptimizer(DDPModel(build_model(), backend), torch.optim.SGD, lr=0.1)
+        with pytest.raises(ConfigError, match="different model"):
+            model.train_step(global_batches(1, 2)[0], loss_fn, other)
+        with pytest.raises(ConfigError, match="either an optimizer instance or a class"):
+            DDPOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), lr=0.2)
+    _one_rank(run)
+
+
+def test_plain_torch_optimizer_trains_ddp():
+    def run(backend):
+        model = DDPModel(build_model(), backend)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model.train_step(global_batches(1, 4)[0], loss_fn, opt)
+    assert isinstance(_one_rank(run), float)
+
+
+@pytest.mark.parametrize("settings, field", [
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+    ({"first_bucket_cap_mb": -1}, "first_bucket_cap_mb"),
+    ({"auto_wrap_min_params": -5}, "auto_wrap_min_params"),
+    ({"mixed_precision": torch.bfloat16}, "mixed_precision"),
+    ({"reshard_after_forward": "yes"}, "reshard_after_forward"),
+])
+def test_bad_settings_name_the_field(settings, field):
+    with pytest.raises(ConfigError, match=field):
+        ShardingConfig(**settings)
+
+
+def test_bad_settings_for_a_strategy():
+    def run(backend):
+        with pytest.raises(ConfigError, match="unknown setting"):
+            DDPModel(build_model(), backend, bucket_size=3)
+        with pytest.raises(ConfigError, match="mixed_precision applies to ZeRO and FSDP"):
+            DDPModel(build_model(), backend, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        with pytest.raises(ConfigError, match="auto_wrap_policy applies to FSDPModel"):
+            ZeRO3Model(build_model(), backend, auto_wrap_policy=lambda m, n: True)
+        with pytest.raises(ConfigError, match="not a floating dtype"):
+            MixedPrecisionPolicy(param_dtype=torch.int8)
+        mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+        with pytest.raises(ConfigError, match="'1.weight' is torch.float64"):
+            ZeRO2Model(mixed, backend)
+    _one_rank(run)
+
+
+def test_different_models_on_different_ranks_name_the_parameter_and_ranks():
+    def run(backend):
+        width = 5 if backend.rank == 2 else 4
+        DDPModel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, width)), backend)
+    with pytest.raises(ConfigError, match=r"1.weight \(4, 4\).*1.weight \(5, 4\).*rank\(s\) \[2\]"):
+        spawn(run, 3)

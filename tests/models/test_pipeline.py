@@ -1,0 +1,261 @@
+"""Pipeline parallelism: schedules, splitting, and parity with the unsplit model (loss, output
+and every stage's gradients; float64 1e-10, float32 1e-5) over a grid of (stages, micro-batches)
+including m < p and m not divisible by p; measured activation memory and bubble."""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.model import DilatedTransformerConfig, DilatedTransformerLM
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.models.pipeline import PipelineParallelModel
+from distframe.models.pipeline_schedules import gpipe, max_in_flight, one_f_one_b
+from distframe.models.stages import partition, split_into_stages
+
+_SEED = threading.Lock()
+TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+def sequential(dtype=torch.float64, blocks=4, width=8):
+    with _SEED:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, width), *[Block(width) for _ in range(blocks)],
+                             nn.Linear(width, 3)).to(dtype)
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def data(batch, dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(batch, 5, generator=g, dtype=dtype), torch.randn(batch, 3, generator=g, dtype=dtype)
+
+
+# ---- schedules and splitting ---------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (3, 2), (4, 4), (4, 7), (3, 9)])
+def test_schedules_cover_every_microbatch_once(p, m):
+    for stage in range(p):
+        for actions in (gpipe(p, stage, m), one_f_one_b(p, stage, m)):
+            forward = [a.microbatch for a in actions if a.kind == "F"]
+            backward = [a.microbatch for a in actions if a.kind == "B"]
+            assert forward == list(range(m)) and backward == list(range(m))
+            assert all(actions.index(type(a)("F", a.microbatch)) < i
+                       for i, a in enumerate(actions) if a.kind == "B")
+        assert max_in_flight(gpipe(p, stage, m)) == m
+        assert max_in_flight(one_f_one_b(p, stage, m)) == min(p - stage, m)
+
+
+def test_partition_balances_and_honours_split_points():
+    assert partition([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert partition([30, 5, 5, 5, 5, 10], 3) == [range(0, 1), range(1, 4), range(4, 6)]
+    assert partition([1, 1, 1, 1, 1], 2, split_points=[4]) == [range(0, 4), range(4, 5)]
+    with pytest.raises(ConfigError, match="split_points"):
+        partition([1, 1, 1], 2, split_points=[3])
+    with pytest.raises(ConfigError, match="at most 3 stages"):
+        partition([1, 1, 1], 4)
+
+
+def test_split_lm_into_embedding_blocks_head():
+    lm = tiny_lm(num_layers=4)
+    stages = split_into_stages(lm, 3)
+    assert sum(len(s.layers) for s in stages) == 6
+    tokens = torch.randint(0, 256, (2, 16))
+    x = tokens
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, lm(tokens), rtol=0, atol=0)
+
+
+# ---- parity -------------------------------------------------------------------------------------
+def _reference(model, x, y):
+    dense = copy.deepcopy(model)
+    out = dense(x)
+    loss = mse(out, y)
+    loss.backward()
+    return float(loss), out.detach(), {n: p.grad for n, p in dense.named_parameters()}
+
+
+def _pipeline_run(b, model, x, y, m, schedule, split_points=None, loss_fn=mse):
+    pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule,
+                                 split_points=split_points)
+    with torch.no_grad():
+        out = pipe(x)
+    loss = float(pipe.forward_backward((x, y), loss_fn))
+    pipe.synchronize_gradients()
+    grads = {lp.name: lp.param.grad.clone() for lp in pipe.local_parameters}
+    return loss, out, grads
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (3, 4), (4, 3), (4, 6)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sequential_equals_unsplit(schedule, p, m, dtype):
+    model = sequential(dtype)
+    x, y = data(12, dtype)
+    loss, out, grads = _reference(model, x, y)
+    results = spawn(lambda b: _pipeline_run(b, model, x, y, m, schedule), p)
+    tol = TOLERANCE[dtype]
+    seen = set()
+    for rank_loss, rank_out, rank_grads in results:
+        assert rank_loss == pytest.approx(loss, rel=tol["rtol"])
+        torch.testing.assert_close(rank_out, out, **tol)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], **tol, msg=name)
+        seen |= set(rank_grads)
+    assert seen == set(grads)  # every parameter lives on some stage
+    assert all(len(r[2]) < len(grads) for r in results)  # and no stage holds them all
+
+
+@pytest.mark.parametrize("p,m,split_points", [(2, 2, None), (3, 4, None), (3, 2, [1, 3])])
+def test_lm_with_tied_embedding_equals_unsplit(p, m, split_points):
+    lm = tiny_lm(num_layers=3)
+    x = torch.randint(0, 256, (4, 16))
+    y = torch.randint(0, 256, (4, 16))
+    dense = copy.deepcopy(lm)
+    dense_out = dense(x)
+    loss = lm_loss(dense_out, y)
+    loss.backward()
+    grads = {n: p_.grad for n, p_ in dense.named_parameters()}
+    results = spawn(lambda b: _pipeline_run(b, lm, x, y, m, "1f1b", split_points, lm_loss), p)
+    for rank_loss, rank_out, rank_grads in results:
+        assert rank_loss == pytest.approx(float(loss), rel=1e-12)
+        torch.testing.assert_close(rank_out, dense_out.detach(), rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+    # The tied embedding/head weight is on the first and the last stage, with the summed gradient.
+    assert "tok_embedding.weight" in results[0][2] and "tok_embedding.weight" in results[-1][2]
+
+
+def test_train_step_returns_global_mean_on_every_stage():
+    model = sequential()
+    x, y = data(8)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = []
+    for _ in range(3):
+        loss = mse(reference(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4)
+        o = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        losses = [pipe.train_step((x, y), mse, o) for _ in range(3)]
+        return losses, pipe.gather_full_parameters()
+
+    for losses, full in spawn(run, 3):
+        assert losses == pytest.approx(expected, rel=1e-12)
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(full[name], tensor, rtol=1e-10, atol=1e-10)
+
+
+def test_indivisible_batch_is_a_config_error():
+    model = sequential()
+    x, y = data(6)
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4)
+        pipe.forward_backward((x, y), mse)
+
+    with pytest.raises(ConfigError, match="not divisible by num_microbatches=4"):
+        spawn(run, 2, timeout=10)
+
+
+# ---- measured memory and bubble -------------------------------------------------------------------
+def _peak_activation_bytes(b, model, x, y, m, schedule):
+    pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+    pipe.forward_backward((x, y), mse)
+    return pipe.activation_memory.peak_bytes, pipe.activation_memory.live_bytes
+
+
+def test_1f1b_holds_at_most_p_microbatches_of_activations():
+    p, m = 4, 8
+    model = sequential(blocks=6, width=32)
+    x, y = data(64)
+    gpipe_peaks = spawn(lambda b: _peak_activation_bytes(b, model, x, y, m, "gpipe"), p)
+    ofob_peaks = spawn(lambda b: _peak_activation_bytes(b, model, x, y, m, "1f1b"), p)
+    for stage in range(p):
+        g_peak, g_live = gpipe_peaks[stage]
+        o_peak, o_live = ofob_peaks[stage]
+        assert g_live == 0 and o_live == 0  # everything saved was released by the backwards
+        # Each micro-batch saves the same bytes: GPipe holds m of them, 1F1B min(p - s, m).
+        per_microbatch = g_peak / m
+        assert o_peak == pytest.approx(per_microbatch * min(p - stage, m), rel=0.05)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepStage(nn.Module):
+    """A stage whose compute is a fixed wall time (forward t, backward 2t), so the measured bubble
+    depends on the schedule only, not on how many cores the threads share."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.scale, self.seconds)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_bubble_matches_formula(schedule):
+    p, m = 4, 4
+    model = nn.Sequential(*[SleepStage(0.01) for _ in range(p)])
+    x, y = torch.ones(m, 2), torch.zeros(m, 2)
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m,
+                                     schedule=schedule)
+        pipe.forward_backward((x, y), mse)
+        return pipe.last_timeline
+
+    timelines = spawn(run, p)
+    bubble = sum(t.bubble_fraction for t in timelines) / p
+    assert bubble == pytest.approx((p - 1) / (m + p - 1), abs=0.08)
+    assert all(t.busy_s <= t.step_s for t in timelines)
+
+
+# ---- helpers shared with the LM tests -----------------------------------------------------------
+def tiny_lm(num_layers=2):
+    config = DilatedTransformerConfig.preset(
+        "tiny", seq_len=16, embed_dim=16, num_heads=4, num_layers=num_layers,
+        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
+    with _SEED:
+        torch.manual_seed(0)
+        return DilatedTransformerLM(config).double()
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,124 @@
+"""Accumulation, float32 and mixed precision, unused parameters, early stop and replica checks."""
+import pytest
+import torch
+from torch import nn
+
+from distframe.launch import spawn
+from distframe.models import DDPModel, MixedPrecisionPolicy
+from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
+                                 rank_slice, reference_run)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_no_sync_accumulation_equals_one_step_on_the_k_times_batch(strategy):
+    k, world, micro = 3, 2, 4
+    big = global_batches(1, k * micro * world)[0]
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        # Micro-batch j of rank r holds rows so that the union over ranks and micro-steps is `big`.
+        for j in range(k):
+            x, y = rank_slice(big, j * world + backend.rank, k * world)
+            context = model.no_sync() if j < k - 1 else torch.enable_grad()
+            with context:
+                (loss_fn(model(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad()
+        return model.gather_full_parameters()
+    expected = reference_run([big])[0]
+    for params in spawn(run, world):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_float32_parity(strategy):
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(torch.float32), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(5, 12, torch.float32):
+            model.train_step(rank_slice(batch, backend.rank, 3), loss_fn, opt)
+        return model.gather_full_parameters()
+    expected = reference_run(global_batches(5, 12, torch.float32), torch.float32)[-1]
+    for params in spawn(run, 3):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+def test_mixed_precision_keeps_float32_masters_and_tracks_full_precision(strategy):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(torch.float32), backend, mixed_precision=policy, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.SGD, lr=1.0)
+        x, y = global_batches(1, 12, torch.float32)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.train_step(rank_slice((x.bfloat16(), y), backend.rank, 2),
+                             lambda out, t: loss_fn(out.float(), t), opt)
+        assert all(s.dtype == torch.float32 for s in model.local_parameter_shard())
+        return model.gather_full_parameters()
+    initial = build_model(torch.float32).state_dict()
+    reference = build_model(torch.float32)
+    x, y = global_batches(1, 12, torch.float32)[0]
+    loss_fn(reference(x), y).backward()
+    for params in spawn(run, 2):
+        for name, p in reference.named_parameters():
+            assert params[name].dtype == torch.float32
+            # SGD with lr 1 moves each parameter by its gradient: bf16 compute gets it to ~1%.
+            torch.testing.assert_close(initial[name] - params[name], p.grad, rtol=0.05, atol=2e-3)
+
+
+class TwoHeads(nn.Module):
+    """Head `b` is used only when asked: parameters that get no gradient in some steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x, use_b=False):
+        h = torch.relu(self.trunk(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_parameters_without_gradients_never_hang(strategy):
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        torch.manual_seed(0)
+        model = model_cls(TwoHeads().double(), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.SGD, lr=0.1)
+        x, y = global_batches(1, 4)[0]
+        for step in range(3):
+            out = model(x, use_b=(step == 1))
+            loss_fn(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.gather_full_parameters()
+    results = spawn(run, 2, timeout=20)
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)
+
+
+def test_should_early_stop_reaches_consensus():
+    def run(backend):
+        model = DDPModel(build_model(), backend)
+        opt = STRATEGIES["ddp"][1](model, torch.optim.SGD, lr=0.1)
+        return opt.should_early_stop(backend.rank == 2), opt.should_early_stop(False)
+    assert spawn(run, 4) == [(True, False)] * 4
+
+
+def test_construction_broadcasts_rank_0_weights():
+    def run(backend):
+        model = DDPModel(build_model(seed=backend.rank), backend)
+        return model.gather_full_parameters()
+    results = spawn(run, 3)
+    for name, value in build_model(seed=0).state_dict().items():
+        for params in results:
+            torch.testing.assert_close(params[name], value, rtol=0, atol=0)
