@@ -1,0 +1,195 @@
+"""The serving rank's loop of asynchronous SGD: apply pushed gradients, hand out parameters,
+bound staleness, and survive workers that die.
+
+[Note: the staleness gate] A gradient's staleness is the number of updates the server applied
+between the worker's pull and the application of its gradient. The server guarantees it never
+exceeds ``max_staleness`` (s) without ever dropping a gradient, by deciding when a worker may
+start a step (receive parameters): with P the workers computing on parameters they pulled
+(pending), a worker may start at version V only if
+
+    (V - oldest pulled version in P and the starter) + |P| <= s.
+
+Every application before a pending gradient's own adds one to its age and removes one from the
+number of gradients that can still land before it, so age + others stays <= s; it is the
+worker that would push the oldest gradient further than s that waits ("a worker further ahead
+waits"). s = 0 is sequential SGD; s >= number of workers - 1 never throttles round-robin workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import CollectiveTimeoutError
+from distframe.optimizers.async_protocol import (
+    BODY_TAG,
+    FlatParameters,
+    Kind,
+    post_header,
+    recv_text,
+    send_header,
+)
+
+
+@dataclasses.dataclass
+class AsyncReport:
+    """What ``serve()`` returns: updates applied (in total and per worker), the staleness of
+    the applied gradients, workers that failed or went silent (rank -> reason), and whether the
+    server told the others to stop."""
+
+    updates: int = 0
+    updates_per_worker: dict[int, int] = dataclasses.field(default_factory=dict)
+    max_staleness_seen: int = 0
+    staleness_sum: int = 0
+    failed_workers: dict[int, str] = dataclasses.field(default_factory=dict)
+    stopped: bool = False
+    wall_s: float = 0.0
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.staleness_sum / self.updates if self.updates else 0.0
+
+
+class ParameterServer:
+    """Runs on the serving rank; ``flat`` are the server's parameters, ``optimizer`` updates them.
+
+    ``deterministic``: serve pushes in a fixed round-robin order of the computing workers
+    (blocking receives), so a run equals a sequential replay; otherwise the first header to
+    arrive is served (polling). ``on_worker_failure``: "continue" (drop the worker) or "stop"
+    (tell every other worker to stop). ``worker_timeout``: seconds without a message from a
+    computing worker before it is declared dead.
+    """
+
+    def __init__(self, backend: ICommunicationBackend, flat: FlatParameters,
+                 optimizer: torch.optim.Optimizer, workers: list[int], *, max_staleness: int,
+                 staleness_lr: bool, deterministic: bool, on_worker_failure: str,
+                 worker_timeout: float, poll_interval: float = 2e-4) -> None:
+        self.backend, self.flat, self.optimizer = backend, flat, optimizer
+        self.max_staleness = max_staleness
+        self.staleness_lr = staleness_lr
+        self.deterministic = deterministic
+        self.on_worker_failure = on_worker_failure
+        self.worker_timeout = worker_timeout
+        self.poll_interval = poll_interval
+        self.version = 0
+        self.pulled: dict[int, int] = {}           # pending worker -> version it computes on
+        self.started_at: dict[int, float] = {}     # pending worker -> when it was released
+        self.waiting: list[int] = list(workers)    # workers waiting for parameters, in order
+        self.clock = {w: 0 for w in workers}
+        self.stopping = False
+        self.report = AsyncReport(updates_per_worker={w: 0 for w in workers})
+        self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self._headers: dict[int, tuple[torch.Tensor, object]] = {}
+        self._rotation = list(workers)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def serve(self) -> AsyncReport:
+        start = time.perf_counter()
+        self._release_waiting()
+        while self.pulled or self.waiting:
+            message = self._next_message()
+            if message is not None:
+                self._handle(*message)
+            self._release_waiting()
+        self.report.wall_s = time.perf_counter() - start
+        return self.report
+
+    def _next_message(self) -> tuple[int, torch.Tensor] | None:
+        """(worker, header) of the next message to serve; None when a worker was dropped."""
+        for w in list(self.pulled):
+            if w not in self._headers:
+                self._headers[w] = post_header(self.backend, w)
+        if self.deterministic:
+            w = next(r for r in self._rotation if r in self.pulled)
+            self._rotation.remove(w)
+            self._rotation.append(w)
+            header, work = self._headers[w]
+            try:
+                work.wait(timeout=self.worker_timeout)
+            except CollectiveTimeoutError:
+                self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
+                return None
+            del self._headers[w]
+            return w, header
+        while True:
+            for w in sorted(self.pulled):
+                header, work = self._headers[w]
+                if work.is_completed():
+                    work.wait()
+                    del self._headers[w]
+                    return w, header
+            now = time.monotonic()
+            silent = [w for w in sorted(self.pulled) if now - self.started_at[w] > self.worker_timeout]
+            if silent:
+                for w in silent:
+                    self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
+                return None
+            time.sleep(self.poll_interval)
+
+    def _handle(self, worker: int, header: torch.Tensor) -> None:
+        kind = Kind(int(header[0]))
+        if kind is Kind.PUSH:
+            grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
+            pulled = self.pulled.pop(worker)
+            self.started_at.pop(worker)
+            if self.stopping:
+                send_header(self.backend, worker, Kind.STOP, self.version)
+                return
+            self._apply(worker, grad, self.version - pulled)
+            self.waiting.append(worker)
+        elif kind is Kind.DONE:
+            self.pulled.pop(worker)
+            self.started_at.pop(worker)
+        elif kind is Kind.FAILED:
+            self._drop(worker, recv_text(self.backend, worker))
+        else:
+            raise RuntimeError(f"parameter server got message kind {kind.name} from worker {worker}")
+
+    def _apply(self, worker: int, grad: torch.Tensor, staleness: int) -> None:
+        if staleness > self.max_staleness:  # the gate makes this impossible; say so if not
+            raise RuntimeError(f"gradient of worker {worker} is {staleness} updates stale, over "
+                               f"max_staleness={self.max_staleness}")
+        self.flat.load_gradients(grad)
+        for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = lr / (1 + staleness) if self.staleness_lr else lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.clock[worker] += 1
+        report = self.report
+        report.updates += 1
+        report.updates_per_worker[worker] += 1
+        report.staleness_sum += staleness
+        report.max_staleness_seen = max(report.max_staleness_seen, staleness)
+
+    # ---- who may start -------------------------------------------------------------------------
+    def _may_start(self) -> bool:
+        oldest = min(self.pulled.values(), default=self.version)
+        return (self.version - oldest) + len(self.pulled) <= self.max_staleness
+
+    def _release_waiting(self) -> None:
+        if self.stopping:
+            for w in self.waiting:
+                send_header(self.backend, w, Kind.STOP, self.version)
+            self.waiting = []
+            return
+        while self.waiting and self._may_start():
+            w = self.waiting.pop(0)
+            send_header(self.backend, w, Kind.PARAMS, self.version)
+            self.backend.send(self.flat.values(), w, BODY_TAG)
+            self.pulled[w] = self.version
+            self.started_at[w] = time.monotonic()
+
+    def _drop(self, worker: int, reason: str) -> None:
+        """A worker failed or went silent: forget it; stop the others if so configured."""
+        self.pulled.pop(worker, None)
+        self.started_at.pop(worker, None)
+        self._headers.pop(worker, None)
+        if worker in self.waiting:
+            self.waiting.remove(worker)
+        self.report.failed_workers[worker] = reason
+        if self.on_worker_failure == "stop":
+            self.stopping = True
+            self.report.stopped = True

@@ -1,0 +1,232 @@
+"""AsyncSGDOptimizer: asynchronous SGD with a parameter server and bounded staleness.
+
+One rank (``server_rank``, default 0) holds the authoritative parameters and the optimizer
+state and runs ``serve()``; every other rank is a worker: it pulls parameters, computes a
+gradient on its own data and pushes it, with no barrier between workers. Only point-to-point
+send/recv is used (``async_protocol.py``), so it runs over any engine. The server loop and the
+staleness gate are in ``async_server.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.ddp import DDPModel
+from distframe.optimizers.async_protocol import (
+    BODY_TAG,
+    HEADER_TAG,
+    FlatParameters,
+    Kind,
+    send_header,
+    send_text,
+)
+from distframe.optimizers.async_server import AsyncReport, ParameterServer
+from distframe.optimizers.base import ShardedOptimizerBase
+
+FAILURE_POLICIES = ("continue", "stop")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Settings of AsyncSGDOptimizer.
+
+    max_staleness: the most updates the server may apply between a worker's pull and the
+        application of its gradient (workers that would exceed it wait before starting a step).
+    server_rank: the rank that serves (it computes no gradients).
+    staleness_lr: scale the learning rate of a gradient with staleness t by 1 / (1 + t).
+    deterministic: serve workers in a fixed round-robin order (tests; equals a sequential replay).
+    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly.
+    worker_timeout: seconds the server waits for a computing worker before declaring it dead
+        (None: the backend's timeout).
+    """
+
+    max_staleness: int = 4
+    server_rank: int = 0
+    staleness_lr: bool = False
+    deterministic: bool = False
+    on_worker_failure: str = "continue"
+    worker_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("max_staleness", "server_rank"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"AsyncSGDOptimizer {field}={value!r}: use a non-negative int")
+        for field in ("staleness_lr", "deterministic"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"AsyncSGDOptimizer {field} must be True or False")
+        if self.on_worker_failure not in FAILURE_POLICIES:
+            raise ConfigError(f"AsyncSGDOptimizer on_worker_failure={self.on_worker_failure!r}: "
+                              f"choose one of {', '.join(FAILURE_POLICIES)}")
+        if self.worker_timeout is not None and not (
+                isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
+            raise ConfigError(f"AsyncSGDOptimizer worker_timeout={self.worker_timeout!r}: use a "
+                              "positive number of seconds, or None for the backend's timeout")
+
+
+class AsyncSGDOptimizer(ShardedOptimizerBase):
+    """Parameter-server asynchronous SGD on a ``DDPModel`` (whose gradient all_reduce it turns
+    off: the model stays inside ``no_sync()``).
+
+    Server (``is_server``): ``serve()`` loops until every worker is done, failed or stopped and
+    returns an ``AsyncReport``; its model holds the trained parameters. Worker:
+    ``train_step(batch, loss_fn)`` pulls parameters when it has none, runs forward and backward,
+    then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
+    staleness gate holds it back); it returns this worker's local loss. When the server says
+    stop, ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
+    A worker whose ``train_step`` raises reports the error to the server before re-raising.
+
+    Messages per worker step: a 32-byte header and the gradient (send), a header and the
+    parameters (recv). Do not use ``model.train_step`` (it all-reduces the loss, a collective).
+    """
+
+    model_class = DDPModel
+
+    def __init__(self, model: ShardedModelBase, optimizer: Any, *, config: AsyncConfig | None = None,
+                 **settings: Any) -> None:
+        fields = {f.name for f in dataclasses.fields(AsyncConfig)}
+        config_settings = {k: settings.pop(k) for k in list(settings) if k in fields}
+        if config is not None and config_settings:
+            raise ConfigError(f"pass AsyncSGDOptimizer settings either as config= or as keywords, "
+                              f"not both (got {sorted(config_settings)})")
+        self.config = config or AsyncConfig(**config_settings)
+        super().__init__(model, optimizer, **settings)
+        backend = model.backend
+        if backend.world_size < 2:
+            raise ConfigError("AsyncSGDOptimizer needs a world of at least 2 ranks: one server and "
+                              "one or more workers")
+        if self.config.server_rank >= backend.world_size:
+            raise ConfigError(f"AsyncSGDOptimizer server_rank={self.config.server_rank} is not a rank "
+                              f"of this world of {backend.world_size}; use 0..{backend.world_size - 1}")
+        self._no_sync = model.no_sync()
+        self._no_sync.__enter__()  # gradients stay local: the server, not an all_reduce, combines them
+        self.flat = FlatParameters(list(model.local_parameter_shard()))
+        self.workers = [r for r in range(backend.world_size) if r != self.config.server_rank]
+        self.version = 0
+        self.clock = 0
+        self.stopped = False
+        self._has_parameters = False
+        self._finished = False
+
+    @property
+    def is_server(self) -> bool:
+        return self.model.backend.rank == self.config.server_rank
+
+    # ---- server -------------------------------------------------------------------------------
+    def serve(self) -> AsyncReport:
+        """Runs the parameter server until every worker is done; returns the report."""
+        if not self.is_server:
+            raise ConfigError(f"serve() runs on the server rank {self.config.server_rank}; "
+                              f"rank {self.model.backend.rank} is a worker: call train_step")
+        backend = self.model.backend
+        timeout = self.config.worker_timeout or getattr(backend, "timeout", 300.0)
+        server = ParameterServer(
+            backend, self.flat, self.wrapped_optimizer, self.workers,
+            max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
+            deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
+            worker_timeout=float(timeout))
+        report = server.serve()
+        self.version = server.version
+        return report
+
+    # ---- worker -------------------------------------------------------------------------------
+    def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:
+        """Pull (if needed), forward, backward, push and pull; returns the local loss (nan when the
+        server had already stopped this worker)."""
+        self._require_worker("train_step")
+        try:
+            if not self._has_parameters:
+                self.pull()
+            if self.stopped:
+                return float("nan")
+            loss = _forward_backward(self.model, batch, loss_fn)
+            self.step()
+            return float(loss.detach())
+        except Exception as exc:
+            try:
+                self.report_failure(exc)
+            except Exception as report_error:  # noqa: BLE001 - the original error matters more
+                exc.add_note(f"(reporting it to the server failed too: {report_error})")
+            raise
+
+    def step(self, closure: Any = None) -> None:
+        """Pushes this worker's gradient, clears it and pulls fresh parameters."""
+        self._require_worker("step")
+        if closure is not None:
+            raise ConfigError("AsyncSGDOptimizer.step takes no closure")
+        if not self._has_parameters:
+            raise ConfigError("AsyncSGDOptimizer: pull() parameters before the first forward "
+                              "(train_step does it for you)")
+        if self.stopped:
+            return
+        backend, server = self.model.backend, self.config.server_rank
+        send_header(backend, server, Kind.PUSH, self.clock, self.version)
+        backend.send(self.flat.gradients(), server, BODY_TAG)
+        self.clock += 1
+        self.zero_grad()
+        self._has_parameters = False
+        self.pull()
+
+    def pull(self) -> None:
+        """Waits for the server's next parameters (or its stop)."""
+        self._require_worker("pull")
+        backend, server = self.model.backend, self.config.server_rank
+        header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)
+        if int(header[0]) == Kind.STOP:
+            self.stopped = True
+            return
+        backend.recv(values := self.flat.empty(), server, BODY_TAG)
+        self.flat.load_values(values)
+        self.version = int(header[1])
+        self._has_parameters = True
+
+    def finish(self) -> None:
+        """Tells the server this worker is done (a no-op after a stop or a second call)."""
+        self._require_worker("finish")
+        if self._finished or self.stopped:
+            return
+        if not self._has_parameters:
+            self.pull()
+            if self.stopped:
+                return
+        send_header(self.model.backend, self.config.server_rank, Kind.DONE, self.clock)
+        self._finished = True
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tells the server this worker failed (it then continues or stops the others)."""
+        if self._finished or self.stopped or self.is_server:
+            return
+        backend, server = self.model.backend, self.config.server_rank
+        send_header(backend, server, Kind.FAILED, self.clock)
+        send_text(backend, server, f"{type(exc).__name__}: {exc}")
+        self._finished = True
+
+    def should_early_stop(self, local_flag: bool) -> bool:
+        """No consensus collective here (workers never meet): this worker's flag, or a stop."""
+        return bool(local_flag) or self.stopped
+
+    def _require_worker(self, what: str) -> None:
+        if self.is_server:
+            raise ConfigError(f"{what} runs on workers; rank {self.config.server_rank} is the "
+                              "server: call serve() there")
+
+
+def _forward_backward(model: ShardedModelBase, batch: tuple[Any, Any],
+                      loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ConfigError("train_step expects batch=(inputs, targets) for this worker")
+    inputs, targets = batch
+    if isinstance(inputs, dict):
+        output = model(**inputs)
+    elif isinstance(inputs, (tuple, list)):
+        output = model(*inputs)
+    else:
+        output = model(inputs)
+    loss = loss_fn(output, targets)
+    loss.backward()
+    return loss
