@@ -1,0 +1,55 @@
+"""NCCL engine: without GPUs every way in raises BackendUnavailableError naming the fix; with
+enough GPUs, a short parity run over CPU (staged) and GPU tensors. The engine shares all of its
+collective code with Gloo, which test_gloo_collectives covers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distframe.backends import NCCLCommunicationBackend
+from distframe.backends.torch_dist import from_environment
+from distframe.errors import BackendUnavailableError
+from distframe.launch import init_backend, spawn
+
+enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(enough_gpus, reason="this machine has the GPUs NCCL needs")
+class TestWithoutGPUs:
+    def test_constructor_explains_what_is_missing(self):
+        with pytest.raises(BackendUnavailableError, match="nccl.*GPU.*gloo"):
+            NCCLCommunicationBackend(0, 2, torch.distributed.HashStore(), timeout=5)
+
+    def test_spawn_fails_before_starting_processes(self):
+        with pytest.raises(BackendUnavailableError, match="needs 2 GPUs"):
+            spawn(rank_sum, 2, "nccl", timeout=5)
+
+    def test_torchrun_environment(self, monkeypatch):
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(BackendUnavailableError, match="needs 2 GPUs"):
+            from_environment("nccl", timeout=5)
+        with pytest.raises(BackendUnavailableError):
+            init_backend("nccl", timeout=5)
+
+
+def rank_sum(b):
+    cpu = torch.full((3,), float(b.rank + 1))
+    gpu = torch.full((3,), float(b.rank + 1), device=f"cuda:{b.rank}")
+    b.all_reduce(cpu)
+    b.all_reduce(gpu)
+    gathered = b.all_gather(torch.tensor([b.rank]))
+    flags = torch.tensor([b.rank == 0, True])
+    b.all_reduce(flags, "product")
+    return cpu, gpu.cpu(), gathered, flags
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not enough_gpus, reason="needs 2 CUDA GPUs")
+def test_nccl_collectives_on_cpu_and_gpu_tensors():
+    for cpu, gpu, gathered, flags in spawn(rank_sum, 2, "nccl", timeout=60):
+        assert cpu.device.type == "cpu" and cpu.tolist() == [3.0] * 3
+        assert gpu.tolist() == [3.0] * 3
+        assert gathered.device.type == "cpu" and gathered.tolist() == [0, 1]
+        assert flags.tolist() == [False, True]
