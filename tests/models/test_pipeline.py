@@ -16,6 +16,7 @@ from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models.pipeline import PipelineParallelModel
+from distframe.models.pipeline_metrics import pipeline_bubble
 from distframe.models.pipeline_schedules import gpipe, max_in_flight, one_f_one_b
 from distframe.models.stages import partition, split_into_stages
 
@@ -232,7 +233,7 @@ class SleepStage(nn.Module):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_measured_bubble_matches_formula(schedule):
     p, m = 4, 4
-    model = nn.Sequential(*[SleepStage(0.01) for _ in range(p)])
+    model = nn.Sequential(*[SleepStage(0.02) for _ in range(p)])
     x, y = torch.ones(m, 2), torch.zeros(m, 2)
 
     def run(b):
@@ -242,8 +243,8 @@ def test_measured_bubble_matches_formula(schedule):
         return pipe.last_timeline
 
     timelines = spawn(run, p)
-    bubble = sum(t.bubble_fraction for t in timelines) / p
-    assert bubble == pytest.approx((p - 1) / (m + p - 1), abs=0.08)
+    # Sleep overhead lengthens busy time a little, which shrinks the bubble a little.
+    assert pipeline_bubble(timelines) == pytest.approx((p - 1) / (m + p - 1), abs=0.07)
     assert all(t.busy_s <= t.step_s for t in timelines)
 
 

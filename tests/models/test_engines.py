@@ -1,0 +1,41 @@
+"""One parity run per strategy on the process engines (Gloo and MPI, world 2), each engine's
+worker processes started once for the module."""
+import pytest
+import torch
+
+from tests.models.common import STRATEGIES, build_model, global_batches, loss_fn, rank_slice, reference_run
+
+STEPS = 3
+ENGINES = [pytest.param("gloo", marks=pytest.mark.gloo), pytest.param("mpi", marks=pytest.mark.mpi)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def pool(request):
+    if request.param == "gloo":
+        from distframe._process_launch import ProcessPool
+        pool = ProcessPool(2, "gloo", timeout=60)
+    else:
+        from distframe._mpi_launch import MPIPool
+        pool = MPIPool(2, timeout=60)
+    yield pool
+    pool.close()
+
+
+def train(backend, strategy):
+    """Default settings (few buckets and units: process engines pay per collective)."""
+    model_cls, opt_cls = STRATEGIES[strategy]
+    model = model_cls(build_model(), backend, auto_wrap_min_params=300)
+    opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+    losses = [model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+              for batch in global_batches(STEPS, 12)]
+    return model.gather_full_parameters(), losses
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_parity_on_process_engines(pool, strategy):
+    results = pool.run(train, strategy)
+    expected = reference_run(global_batches(STEPS, 12))[-1]
+    for params, losses in results:
+        assert losses == results[0][1]
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
