@@ -1,0 +1,217 @@
+"""ElasticOptimizer: data-parallel training whose workers may leave, fail or join.
+
+State lives in *commits*: ``commit()`` snapshots the model and optimizer state of every rank
+(the sharded pieces of ``state_dict()``, keyed by parameter range) into one ``Commit`` that
+every rank holds, so the survivors of any failure hold all of it, and (every
+``checkpoint_every`` commits) writes a checkpoint. Building an ElasticOptimizer in a new group
+restores the newest commit any member holds (one broadcast from a member that has it, so a
+joining worker receives it) and re-shards it for the new world size through the strategies'
+range-keyed ``load_state_dict``; with no commit in memory it resumes from the newest checkpoint
+in ``checkpoint_dir`` (a torchrun/mpiexec restart at a new world size), else starts fresh and
+commits step 0. Works with DDP, ZeRO-1/2/3 and FSDP models.
+
+How membership changes on the in-memory engine is ``elastic_membership.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.models.base import ShardedModelBase
+from distframe.models.sharded_state import RangeReader
+from distframe.optimizers.base import ShardedOptimizerBase
+
+_META_KEY = "__elastic_meta__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    """A complete snapshot at ``step``: model and optimizer pieces of every rank, merged."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # {"tensors", "scalars", "param_groups"}
+    world_size: int
+
+    def to_bytes(self) -> bytes:
+        meta = {"step": self.step, "world_size": self.world_size, "model_keys": sorted(self.model),
+                "scalars": self.optimizer["scalars"], "param_groups": self.optimizer["param_groups"]}
+        tensors = {**{f"m/{k}": v for k, v in self.model.items()},
+                   **{f"o/{k}": v for k, v in self.optimizer["tensors"].items()},
+                   _META_KEY: _encode_json(meta)}
+        return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Commit:
+        tensors = safetensors.torch.load(blob)
+        meta = json.loads(bytes(tensors.pop(_META_KEY).tolist()))
+        model = {k[2:]: v for k, v in tensors.items() if k.startswith("m/")}
+        opt = {k[2:]: v for k, v in tensors.items() if k.startswith("o/")}
+        return cls(meta["step"], model, {"tensors": opt, "scalars": meta["scalars"],
+                                         "param_groups": meta["param_groups"]}, meta["world_size"])
+
+
+@dataclasses.dataclass
+class ElasticMember:
+    """One worker's identity across membership changes (owned by whoever runs the workers):
+    the newest commit it holds and the step at which its current group ends cleanly."""
+
+    worker_id: int
+    commit: Commit | None = None
+    until_step: int | None = None
+
+
+class ElasticOptimizer(ShardedOptimizerBase):
+    """Wraps a torch.optim optimizer over any data-parallel model (DDPModel, ZeRO1Model,
+    ZeRO2Model, ZeRO3Model, FSDPModel); ``step()`` behaves as that strategy's optimizer.
+
+    ``commit_every``: commit after every that many steps (and always at ``member.until_step``).
+    ``checkpoint_dir`` / ``checkpoint_every``: every that many commits, also save a checkpoint
+    ``<checkpoint_dir>/step-<N>`` (distframe.checkpoint). ``member``: this worker's
+    ``ElasticMember`` (None: a fresh one). Construction is collective (the restore).
+
+    Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
+    one all_gather of committed steps and, when some member holds a commit, two broadcasts.
+    ``step_count`` is the number of optimizer steps the model has taken, across restarts.
+    """
+
+    def __init__(self, model: ShardedModelBase, optimizer: Any, *, commit_every: int = 1,
+                 checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
+                 member: ElasticMember | None = None, **optimizer_kwargs: Any) -> None:
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
+            raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
+        if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
+                checkpoint_every, int) or checkpoint_every < 1):
+            raise ConfigError(f"ElasticOptimizer checkpoint_every={checkpoint_every!r}: use a positive "
+                              "int (commits between checkpoints) or None")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ConfigError("ElasticOptimizer checkpoint_every needs checkpoint_dir=<directory>")
+        super().__init__(model, optimizer, **optimizer_kwargs)
+        self.commit_every = commit_every
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self.member = member or ElasticMember(model.backend.rank)
+        self.step_count = 0
+        self._commits = 0
+        self.restored_from = self._restore()
+
+    # ---- training ---------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        self.step_count += 1
+        if self.step_count % self.commit_every == 0 or self.step_count == self.member.until_step:
+            self.commit()
+        return loss
+
+    @property
+    def membership_changes(self) -> bool:
+        """True once this group has reached the step at which its membership changes."""
+        return self.member.until_step is not None and self.step_count >= self.member.until_step
+
+    def local_slice(self, global_batch: Any) -> Any:
+        """This rank's equal share (dim 0) of a global batch, which must divide evenly by the
+        world size, so the global batch is the same for every world size."""
+        backend = self.model.backend
+        parts = global_batch if isinstance(global_batch, (tuple, list)) else (global_batch,)
+        sliced = []
+        for t in parts:
+            if t.shape[0] % backend.world_size:
+                raise ConfigError(f"global batch of {t.shape[0]} does not split evenly over "
+                                  f"{backend.world_size} ranks; use a multiple of every world size")
+            n = t.shape[0] // backend.world_size
+            sliced.append(t[backend.rank * n:(backend.rank + 1) * n])
+        return type(global_batch)(sliced) if isinstance(global_batch, (tuple, list)) else sliced[0]
+
+    # ---- commits ------------------------------------------------------------------------------
+    def commit(self) -> Commit:
+        """Snapshots every rank's state into one Commit held by every rank; collective."""
+        backend = self.model.backend
+        mine = Commit(self.step_count, dict(self.model.state_dict()), self.state_dict(), backend.world_size)
+        blobs = _all_gather_bytes(backend, mine.to_bytes())
+        parts = [Commit.from_bytes(b) for b in blobs]
+        merged_model: dict[str, torch.Tensor] = {}
+        merged_tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for part in parts:
+            merged_model.update(part.model)
+            merged_tensors.update(part.optimizer["tensors"])
+            scalars.update(part.optimizer["scalars"])
+        commit = Commit(self.step_count, merged_model, {"tensors": merged_tensors, "scalars": scalars,
+                        "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size)
+        self.member.commit = commit
+        self._commits += 1
+        if self.checkpoint_every is not None and self._commits % self.checkpoint_every == 0:
+            from distframe.checkpoint import save
+            save(self.checkpoint_dir / f"step-{self.step_count}", self.model, self, step=self.step_count)
+        return commit
+
+    def _restore(self) -> str:
+        """Loads the newest commit any member holds, else the newest checkpoint, else commits
+        the initial state. Returns where the state came from."""
+        backend = self.model.backend
+        held = self.member.commit.step if self.member.commit is not None else -1
+        steps = backend.all_gather(torch.tensor([held], dtype=torch.int64))
+        newest = int(steps.max())
+        if newest >= 0:
+            source = int((steps == newest).nonzero()[0])
+            blob = self.member.commit.to_bytes() if backend.rank == source else b""
+            commit = Commit.from_bytes(_broadcast_bytes(backend, blob, source))
+            self.load_commit(commit)
+            return f"commit of step {commit.step} (held by rank {source})"
+        checkpoint = latest_checkpoint(self.checkpoint_dir)
+        if checkpoint is not None:
+            from distframe.checkpoint import load
+            meta = load(checkpoint, self.model, self)
+            self.step_count = int(meta["step"])
+            self.commit()
+            return f"checkpoint {checkpoint}"
+        self.commit()
+        return "initial state"
+
+    def load_commit(self, commit: Commit) -> None:
+        """Re-shards ``commit`` onto this model and optimizer (any saved world size); collective
+        for strategies whose load gathers parameters."""
+        self.model.load_state_dict(RangeReader.from_tensors(commit.model))
+        self.load_state_dict(commit.optimizer)
+        self.step_count = commit.step
+        self.member.commit = commit
+
+
+def latest_checkpoint(directory: Path | None) -> Path | None:
+    """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
+    if directory is None or not directory.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "metadata.json").exists()]
+    return max(found)[1] if found else None
+
+
+def _encode_json(obj: Any) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def _all_gather_bytes(backend: ICommunicationBackend, blob: bytes) -> list[bytes]:
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    sizes = backend.all_gather(torch.tensor([raw.numel()], dtype=torch.int64))
+    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    rows = backend.all_gather(padded).view(backend.world_size, -1)
+    return [rows[r, :int(sizes[r])].numpy().tobytes() for r in range(backend.world_size)]
+
+
+def _broadcast_bytes(backend: ICommunicationBackend, blob: bytes, src: int) -> bytes:
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    backend.broadcast(size, src)
+    buf = torch.zeros(int(size), dtype=torch.uint8)
+    if backend.rank == src:
+        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    backend.broadcast(buf, src)
+    return buf.numpy().tobytes()

@@ -1,0 +1,134 @@
+"""Membership changes on the in-memory engine: ``ElasticController`` runs workers (threads) in
+successive groups, changing who is in the group between steps.
+
+Each group ("generation") is a fresh in-memory group of the current members. A member keeps its
+identity and its newest commit (``ElasticMember``) from one generation to the next. A generation
+ends in one of two ways:
+
+* cleanly, at a scheduled step (``schedule``: step -> new world size): every member's
+  ElasticOptimizer commits at that step; members beyond the new size leave, new members join
+  with nothing and receive the commit when the next group's optimizers are built;
+* by a failure: a worker raises; the others stop at once (RankFailedError) and the survivors
+  roll back to their newest commit in the next generation, one member fewer.
+
+``worker_fn(backend, member)`` builds the model and an ``ElasticOptimizer(..., member=member)``
+and trains until ``optimizer.membership_changes`` or its own end; it is called once per member
+per generation. The group's world size changes, the global batch does not
+(``ElasticOptimizer.local_slice``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from distframe.backends.inmemory import InMemoryCommunicationBackend
+from distframe.errors import ConfigError, RankFailedError
+from distframe.optimizers.elastic import ElasticMember
+
+
+@dataclasses.dataclass
+class Generation:
+    """One group of the run: its members (worker ids, rank order), the step it started from, how
+    it ended ("clean", "failed" or "finished") and which worker failed."""
+
+    members: list[int]
+    start_step: int
+    end: str = "finished"
+    failed_worker: int | None = None
+    error: str | None = None
+    results: list[Any] = dataclasses.field(default_factory=list)
+
+
+class ElasticController:
+    """Runs ``worker_fn`` over changing membership (see the module docstring).
+
+    ``initial_world``: members at the start. ``schedule``: {step: world size} for clean leaves
+    and joins. ``max_generations`` bounds the run (a worker that fails in every generation).
+    ``timeout``: the in-memory backend's timeout per collective.
+    """
+
+    def __init__(self, worker_fn: Callable[[Any, ElasticMember], Any], *, initial_world: int,
+                 schedule: dict[int, int] | None = None, max_generations: int = 32,
+                 timeout: float = 60.0) -> None:
+        if isinstance(initial_world, bool) or not isinstance(initial_world, int) or initial_world < 1:
+            raise ConfigError(f"ElasticController initial_world={initial_world!r}: use a positive int")
+        for step, size in (schedule or {}).items():
+            if not (isinstance(step, int) and step > 0 and isinstance(size, int) and size >= 1):
+                raise ConfigError(f"ElasticController schedule entry {step!r}: {size!r}: use "
+                                  "{step (positive int): world size (positive int)}")
+        self.worker_fn = worker_fn
+        self.schedule = dict(sorted((schedule or {}).items()))
+        self.max_generations = max_generations
+        self.timeout = timeout
+        self._next_id = 0
+        self.members = [self._new_member() for _ in range(initial_world)]
+        self.generations: list[Generation] = []
+
+    def _new_member(self) -> ElasticMember:
+        member = ElasticMember(self._next_id)
+        self._next_id += 1
+        return member
+
+    def run(self) -> list[Generation]:
+        """Runs generations until one finishes with no change pending; returns them all."""
+        while len(self.generations) < self.max_generations:
+            start = max((m.commit.step for m in self.members if m.commit is not None), default=0)
+            change = next((s for s in self.schedule if s > start), None)
+            for m in self.members:
+                m.until_step = change
+            generation = Generation([m.worker_id for m in self.members], start)
+            self.generations.append(generation)
+            outcomes = _run_group(self.worker_fn, self.members, self.timeout)
+            failed = [i for i, o in enumerate(outcomes)
+                      if isinstance(o, BaseException) and not isinstance(o, RankFailedError)]
+            if failed:
+                generation.end = "failed"
+                generation.failed_worker = self.members[failed[0]].worker_id
+                generation.error = f"{type(outcomes[failed[0]]).__name__}: {outcomes[failed[0]]}"
+                self.members = [m for i, m in enumerate(self.members) if i not in failed]
+                if not self.members:
+                    raise RuntimeError(f"every worker failed; the last error: {generation.error}")
+                continue
+            errors = [o for o in outcomes if isinstance(o, BaseException)]
+            if errors:
+                raise errors[0]
+            generation.results = outcomes
+            if change is None:
+                return self.generations
+            generation.end = "clean"
+            reached = [m.commit.step if m.commit is not None else -1 for m in self.members]
+            if min(reached) < change:
+                raise RuntimeError(f"generation ended before step {change} (members reached "
+                                   f"{reached}); the worker must train until membership_changes")
+            size = self.schedule[change]
+            self.members = self.members[:size] + [self._new_member()
+                                                  for _ in range(size - len(self.members))]
+        raise RuntimeError(f"elastic run did not finish within {self.max_generations} generations")
+
+
+def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[ElasticMember],
+               timeout: float) -> list[Any]:
+    """Runs ``worker_fn(backend, member)`` on one thread per member over a fresh in-memory group;
+    returns each result or exception. A failing rank aborts the group, so none hangs."""
+    backends = InMemoryCommunicationBackend.create_group(len(members), timeout=timeout)
+    outcomes: list[Any] = [None] * len(members)
+
+    def run(rank: int) -> None:
+        backend = backends[rank]
+        try:
+            outcomes[rank] = worker_fn(backend, members[rank])
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            outcomes[rank] = exc
+            backend.world.abort(rank, exc)
+        finally:
+            backend.shutdown()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"distframe-elastic-rank{r}", daemon=True)
+               for r in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
