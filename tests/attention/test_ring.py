@@ -1,7 +1,6 @@
 """RingDilatedAttention gives each rank its slice of the single-device result, fwd and bwd."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -82,11 +81,6 @@ def test_ring_moves_only_dilated_keys():
     assert max(sent) <= 3 * full_gather / 4 + 1
 
 
-def _gloo_available():
-    return importlib.util.find_spec("distframe._process_launch") is not None
-
-
 @pytest.mark.gloo
-@pytest.mark.skipif(not _gloo_available(), reason="gloo spawn not available in this checkout")
 def test_ring_equals_single_device_gloo():
     _check((2, (8, 16), (1, 2), 24, 4, True, True), "gloo", torch.float64, 1e-10)
