@@ -4,7 +4,8 @@
 the step (waiting to receive) is idle. ``ActivationMemoryMeter`` counts the storages autograd
 saves for backward, through ``torch.autograd.graph.saved_tensors_hooks``: a storage is live from
 its first save until autograd drops the last saved reference to it (after that micro-batch's
-backward), each storage counted once by its data pointer, parameters excluded. The peak is the
+backward), each storage counted once by its data pointer, parameters and the input batch
+excluded. The peak is the
 activation memory the schedule really holds, not a count the scheduler keeps of itself.
 """
 from __future__ import annotations
@@ -14,17 +15,20 @@ import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 
 @dataclasses.dataclass
 class StepTimeline:
-    """Wall times of one step on one stage (seconds)."""
+    """Wall times of one step on one stage (seconds); ``start_s``/``end_s`` are
+    ``time.perf_counter()`` readings (CLOCK_MONOTONIC: comparable across processes of one host)."""
 
     busy_s: float = 0.0
     step_s: float = 0.0
+    start_s: float = 0.0
+    end_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
 
@@ -50,6 +54,16 @@ class StepTimeline:
                 self.backward_s += elapsed
 
 
+def pipeline_bubble(timelines: Sequence[StepTimeline]) -> float:
+    """Measured bubble of one step: the pipeline's span runs from the first stage's start to the
+    last stage's end (every stage waits for the slowest before the optimizer step), and each
+    stage's idle time is that span minus its busy time. Returns the mean idle fraction."""
+    span = max(t.end_s for t in timelines) - min(t.start_s for t in timelines)
+    if span <= 0:
+        return 0.0
+    return sum(max(0.0, span - t.busy_s) for t in timelines) / (span * len(timelines))
+
+
 class _Saved:
     """What the pack hook stores in the graph; its death means autograd released the tensor."""
 
@@ -64,6 +78,7 @@ class ActivationMemoryMeter:
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._step_excluded: set[int] = set()
         self._lock = threading.Lock()
         self._refs: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
@@ -74,6 +89,11 @@ class ActivationMemoryMeter:
         with self._lock:
             self.peak_bytes = self.live_bytes
 
+    def exclude(self, tensors: Iterable[object]) -> None:
+        """Stops counting these tensors' storages until the next call (the step's input batch: the
+        caller's memory, not the schedule's)."""
+        self._step_excluded = {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Context in which autograd's saved tensors are counted."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -81,7 +101,7 @@ class ActivationMemoryMeter:
     def _pack(self, tensor: torch.Tensor) -> object:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key == 0 or key in self._excluded:
+        if key == 0 or key in self._excluded or key in self._step_excluded:
             return tensor
         saved = _Saved(tensor)
         with self._lock:

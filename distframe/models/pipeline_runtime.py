@@ -63,6 +63,7 @@ class PipelineRunner:
         micro_targets = split_microbatches(targets, m, "targets") if self.is_last else [None] * m
         self.links.new_step()
         self.timeline = StepTimeline()
+        self.memory.exclude([inputs, targets])
         self.memory.reset_peak()
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses = []
@@ -80,7 +81,8 @@ class PipelineRunner:
                 x, out = held.pop(i)
                 self._backward(x, out)
         self.links.wait_sends()
-        self.timeline.step_s = time.perf_counter() - start
+        self.timeline.start_s, self.timeline.end_s = start, time.perf_counter()
+        self.timeline.step_s = self.timeline.end_s - start
         return torch.stack(losses).sum() if self.is_last else None
 
     def forward_only(self, inputs: Any) -> torch.Tensor | None:

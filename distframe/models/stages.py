@@ -97,19 +97,21 @@ def partition(counts: Sequence[int], num_stages: int,
 
 
 def _balanced(counts: list[int], num_stages: int) -> list[range]:
-    # best[k][i]: smallest possible largest stage when layers[:i] form k stages.
+    # best[k][i]: (largest stage, sum of squared stage sizes) when layers[:i] form k stages; the
+    # second key breaks ties between cuts with the same largest stage towards even stages.
     n = len(counts)
     prefix = [0]
     for c in counts:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    worst = (float("inf"), float("inf"))
+    best = [[worst] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
+    best[0][0] = (0, 0)
     for k in range(1, num_stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                size = prefix[i] - prefix[j]
+                value = (max(best[k - 1][j][0], size), best[k - 1][j][1] + size * size)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [n], n

@@ -91,7 +91,7 @@ def _reference(model, x, y):
     out = dense(x)
     loss = mse(out, y)
     loss.backward()
-    return float(loss), out.detach(), {n: p.grad for n, p in dense.named_parameters()}
+    return float(loss.detach()), out.detach(), {n: p.grad for n, p in dense.named_parameters()}
 
 
 def _pipeline_run(b, model, x, y, m, schedule, split_points=None, loss_fn=mse):
