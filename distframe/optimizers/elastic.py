@@ -74,7 +74,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ZeRO2Model, ZeRO3Model, FSDPModel); ``step()`` behaves as that strategy's optimizer.
 
     ``commit_every``: commit after every that many steps (and always at ``member.until_step``).
-    ``checkpoint_dir`` / ``checkpoint_every``: every that many commits, also save a checkpoint
+    ``checkpoint_dir`` / ``checkpoint_every``: every that many regular commits (at steps that are
+    multiples of commit_every * checkpoint_every) also save a checkpoint
     ``<checkpoint_dir>/step-<N>`` (distframe.checkpoint). ``member``: this worker's
     ``ElasticMember`` (None: a fresh one). Construction is collective (the restore).
 
@@ -100,7 +101,6 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.checkpoint_every = checkpoint_every
         self.member = member or ElasticMember(model.backend.rank)
         self.step_count = 0
-        self._commits = 0
         self.restored_from = self._restore()
 
     # ---- training ---------------------------------------------------------------------------
@@ -147,8 +147,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
         commit = Commit(self.step_count, merged_model, {"tensors": merged_tensors, "scalars": scalars,
                         "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size)
         self.member.commit = commit
-        self._commits += 1
-        if self.checkpoint_every is not None and self._commits % self.checkpoint_every == 0:
+        interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
+        if interval is not None and self.step_count > 0 and self.step_count % interval == 0:
             from distframe.checkpoint import save
             save(self.checkpoint_dir / f"step-{self.step_count}", self.model, self, step=self.step_count)
         return commit

@@ -1,0 +1,160 @@
+"""ElasticOptimizer and ElasticController (in-memory engine, float64): membership 2 -> 4 -> 3 -> 2
+with a failure midway equals an uninterrupted single-process run of the committed steps, for
+every data-parallel strategy; joiners receive the commit; checkpoints restart at a new size."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from distframe import spawn
+from distframe.errors import ConfigError
+from distframe.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+from distframe.optimizers.elastic import ElasticMember, ElasticOptimizer, latest_checkpoint
+from distframe.optimizers.elastic_membership import ElasticController
+
+torch.manual_seed(11)
+MLP = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: the same global batch at every world size
+LR = 0.01
+
+
+def _global_batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=torch.float64)
+    return x, torch.stack([x[:, 0].sin(), x[:, 1] * x[:, 2]], dim=1)
+
+
+def _reference(steps):
+    """Single-process Adam over the same global batches: the uninterrupted run."""
+    model = copy.deepcopy(MLP)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+class _WorkerDied(RuntimeError):
+    pass
+
+
+def _worker(strategy, total, *, fail_worker=None, fail_at=None, **elastic):
+    def worker(backend, member):
+        model = strategy(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, **elastic)
+        restored = (opt.restored_from, opt.step_count)
+        while opt.step_count < total and not opt.membership_changes:
+            if member.worker_id == fail_worker and opt.step_count == fail_at:
+                raise _WorkerDied(f"worker {fail_worker} died after step {fail_at}")
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count, model.gather_full_parameters(), backend.world_size, restored
+    return worker
+
+
+def _max_diff(params, reference):
+    return max((params[k] - v).abs().max().item() for k, v in reference.items())
+
+
+@pytest.mark.parametrize("strategy", [DDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model, FSDPModel],
+                         ids=lambda s: s.__name__)
+def test_two_four_three_two_with_a_failure_equals_the_uninterrupted_run(strategy):
+    total = 14
+    # worker 3 joins at step 3 and dies after step 7; the last commit (every 2 steps) is step 6
+    worker = _worker(strategy, total, fail_worker=3, fail_at=7, commit_every=2)
+    controller = ElasticController(worker, initial_world=2, schedule={3: 4, 10: 2}, timeout=30)
+    generations = controller.run()
+    summary = [(len(g.members), g.start_step, g.end) for g in generations]
+    assert summary == [(2, 0, "clean"), (4, 3, "failed"), (3, 6, "clean"), (2, 10, "finished")]
+    assert generations[1].failed_worker == 3 and "died after step 7" in generations[1].error
+    final = generations[-1].results
+    assert [r[0] for r in final] == [total, total] and [r[2] for r in final] == [2, 2]
+    reference = _reference(total)
+    for _, params, _, _ in final:
+        assert _max_diff(params, reference) <= 1e-10
+
+
+def test_joiners_receive_the_commit_and_survivors_roll_back_to_it():
+    restored = {}
+
+    def worker(backend, member):
+        model = DDPModel(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, commit_every=3)
+        restored.setdefault(member.worker_id, []).append((opt.restored_from, opt.step_count))
+        while opt.step_count < 9 and not opt.membership_changes:
+            if member.worker_id == 2 and opt.step_count == 5:
+                raise _WorkerDied("worker 2 died after step 5")
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count
+    generations = ElasticController(worker, initial_world=2, schedule={2: 3}, timeout=30).run()
+    assert [(len(g.members), g.start_step, g.end) for g in generations] == [
+        (2, 0, "clean"), (3, 2, "failed"), (2, 3, "finished")]
+    assert restored[0][0] == ("initial state", 0)
+    # the joiner got step 2's commit (the clean change commits) from rank 0 of the new group
+    assert restored[2] == [("commit of step 2 (held by rank 0)", 2)]
+    # after worker 2 died at step 5 the survivors rolled back to the commit of step 3 (every 3)
+    assert restored[0][-1] == ("commit of step 3 (held by rank 0)", 3) == restored[1][-1]
+    assert generations[-1].results == [9, 9]
+
+
+def test_commit_is_complete_on_every_rank_for_sharded_state():
+    """A ZeRO-1 commit holds every rank's optimizer shard, so any survivor can restore all."""
+    def fn(b):
+        model = ZeRO1Model(copy.deepcopy(MLP), b)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, commit_every=1)
+        model.train_step(opt.local_slice(_global_batch(0)), nn.functional.mse_loss, opt)
+        commit = opt.member.commit
+        numel = sum(p.numel() for p in MLP.parameters())
+        covered = sum(v.numel() for k, v in commit.optimizer["tensors"].items() if k.startswith("optim.exp_avg/"))
+        return commit.step, covered == numel, sum(v.numel() for k, v in commit.model.items() if k.startswith("param/"))
+    for step, complete, params in spawn(fn, 3, timeout=30):
+        assert step == 1 and complete and params == sum(p.numel() for p in MLP.parameters())
+
+
+def test_restart_from_checkpoint_at_a_new_world_size(tmp_path):
+    """torchrun/mpiexec style: world 2 trains 6 steps checkpointing every 2nd commit and
+    stops; a fresh world 3 with the same checkpoint_dir resumes at step 6 and finishes."""
+    def first(b):
+        model = ZeRO2Model(copy.deepcopy(MLP), b)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, commit_every=1, checkpoint_dir=tmp_path,
+                               checkpoint_every=2)
+        while opt.step_count < 7:
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count
+    assert spawn(first, 2, timeout=30) == [7, 7]
+    assert latest_checkpoint(tmp_path).name == "step-6"  # commits 2, 4, 6 were checkpointed
+
+    def second(b):
+        model = FSDPModel(copy.deepcopy(MLP), b)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, checkpoint_dir=tmp_path)
+        start = opt.step_count, opt.restored_from
+        while opt.step_count < 10:
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return start, model.gather_full_parameters()
+    reference = _reference(10)
+    for (start, source), params in spawn(second, 3, timeout=30):
+        assert start == 6 and "step-6" in source
+        assert _max_diff(params, reference) <= 1e-10
+
+
+@pytest.mark.parametrize("kwargs, field", [({"commit_every": 0}, "commit_every"),
+                                           ({"checkpoint_every": 2}, "checkpoint_dir"),
+                                           ({"checkpoint_every": 0, "checkpoint_dir": "x"}, "checkpoint_every")])
+def test_bad_settings_name_the_field(kwargs, field):
+    def fn(b):
+        with pytest.raises(ConfigError, match=field):
+            ElasticOptimizer(DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1, **kwargs)
+    spawn(fn, 1)
+
+
+def test_uneven_global_batch_and_bad_schedule_are_config_errors():
+    def fn(b):
+        opt = ElasticOptimizer(DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1)
+        with pytest.raises(ConfigError, match="split evenly"):
+            opt.local_slice(torch.zeros(7, 6))
+    spawn(fn, 2)
+    with pytest.raises(ConfigError, match="schedule"):
+        ElasticController(lambda b, m: None, initial_world=2, schedule={0: 3})
+    assert ElasticMember(5).commit is None
