@@ -175,6 +175,7 @@ class _Job:
         errors: dict[int, BaseException] = {}
         deadline = None if run_timeout is None else time.monotonic() + run_timeout
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        dead: list[int] = []
         while waiting:
             if errors:
                 grace = time.monotonic() + FAILURE_GRACE_SECONDS
@@ -188,7 +189,10 @@ class _Job:
                 try:
                     ok, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    errors[rank] = RankFailedError(rank, "its process exited during the run")
+                    # mpiexec ends every rank once one dies: only the first to go is the cause.
+                    if not dead:
+                        errors[rank] = RankFailedError(rank, "its process exited during the run")
+                    dead.append(rank)
                     continue
                 if ok:
                     results[rank] = value
@@ -199,7 +203,7 @@ class _Job:
             if not errors:
                 raise TimeoutError(f"MPIPool.run did not finish within {run_timeout:g} s; ranks "
                                    f"{sorted(waiting.values())} were still running (job killed)")
-        elif not any(isinstance(e, RankFailedError) for e in errors.values()):
+        elif not dead:
             self.usable = True
         if errors:
             from distframe.launch import raise_first_failure

@@ -3,6 +3,7 @@ debug mode on every rank, failures re-raised by the launcher with the rank named
 shutdown, a missing mpi4py; plus init_backend under mpiexec and the host-staging helpers."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -15,7 +16,7 @@ from distframe._mpi_launch import MPIPool, spawn_mpi  # noqa: E402
 from distframe.backends.mpi import MPICommunicationBackend  # noqa: E402
 from distframe.backends.mpi_buffers import stage_back, stage_in, write_back  # noqa: E402
 from distframe.errors import (BackendUnavailableError, CollectiveMismatchError,  # noqa: E402
-                              CollectiveTimeoutError)
+                              CollectiveTimeoutError, RankFailedError)
 from distframe.launch import init_backend, spawn  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -100,6 +101,12 @@ def raise_on_rank_one(b):
     return b.rank
 
 
+def die_on_rank_one(b):
+    if b.rank == 1:
+        os._exit(3)
+    b.barrier()  # the others wait for rank 1 in a collective
+
+
 def ranks_times_two(b):
     return 2 * b.rank
 
@@ -118,8 +125,8 @@ def test_timeout_names_the_missing_rank_and_sequence_number(pool3):
     assert pool3.run(ranks_times_two) == [0, 2, 4]  # the job itself is still usable
 
 
-def test_recv_timeout_names_the_sender(pool2):
-    name, missing, seq, message = pool2.run(run_recv_timeout)[0]
+def test_recv_timeout_names_the_sender(pool3):
+    name, missing, seq, message = pool3.run(run_recv_timeout)[0]
     assert name == "CollectiveTimeoutError" and missing == [1] and seq == 1
     assert "tag 5" in message
 
@@ -132,25 +139,33 @@ def test_debug_mismatch_raises_on_every_rank(pool3, kind):
 
 
 @pytest.mark.parametrize("received", [5, 3])
-def test_recv_of_another_size_is_a_mismatch(pool2, received):
-    name, _, _, message = pool2.run(run_p2p_mismatch, received)[1]
+def test_recv_of_another_size_is_a_mismatch(pool3, received):
+    name, _, _, message = pool3.run(run_p2p_mismatch, received)[1]
     assert name == "CollectiveMismatchError"
     assert "rank 0 sent" in message and f"({received * 4} bytes)" in message
 
 
-def test_use_after_shutdown_raises_value_error(pool2):
-    assert pool2.run(run_use_after_shutdown) == [True, True]
+def test_use_after_shutdown_raises_value_error(pool3):
+    assert pool3.run(run_use_after_shutdown) == [True] * 3
 
 
-def test_init_backend_auto_under_mpiexec(pool2):
-    assert pool2.run(run_init_backend) == [("MPICommunicationBackend", True, 2, 2.0)] * 2
+def test_init_backend_auto_under_mpiexec(pool3):
+    assert pool3.run(run_init_backend) == [("MPICommunicationBackend", True, 3, 3.0)] * 3
 
 
-def test_raising_rank_is_reraised_with_its_rank_named(pool2):
+def test_raising_rank_is_reraised_with_its_rank_named(pool3):
     with pytest.raises(KeyError, match="rank one gives up") as info:
-        pool2.run(raise_on_rank_one)
+        pool3.run(raise_on_rank_one)
     assert any("raised on rank 1" in note for note in info.value.__notes__)
-    assert pool2.run(ranks_times_two) == [0, 2]
+    assert pool3.run(ranks_times_two) == [0, 2, 4]
+
+
+def test_pool_restarts_the_job_after_a_rank_dies(pool3):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1") as info:
+        pool3.run(die_on_rank_one)
+    assert info.value.failed_rank == 1 and time.monotonic() - start < 30
+    assert pool3.run(ranks_times_two) == [0, 2, 4]
 
 
 def test_spawn_mpi_returns_results_and_reraises():
@@ -160,7 +175,7 @@ def test_spawn_mpi_returns_results_and_reraises():
 
 
 def test_spawn_mpi_results_in_rank_order():
-    assert spawn_mpi(ranks_times_two, 3, timeout=30) == [0, 2, 4]
+    assert spawn_mpi(ranks_times_two, 2, timeout=30) == [0, 2]
 
 
 def test_missing_mpi4py_names_the_install_command(monkeypatch):
@@ -181,12 +196,6 @@ def test_host_staging_copies_in_and_back():
     assert device_tensor.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
     assert stage_in(device_tensor, False) is device_tensor
     assert stage_back(host, device_tensor, True).device == device_tensor.device
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    with MPIPool(2, timeout=60) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
