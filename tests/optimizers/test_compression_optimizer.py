@@ -307,3 +307,26 @@ def test_tiny_lm_loss_within_margin_of_ddp(lm_ddp, compressor, margin):
     assert ddp_loss < math.log(256) - 1.5  # the run does learn
     assert abs(loss - ddp_loss) <= margin
     assert sent < ddp_bytes / 1.9
+
+
+def test_make_optimizer_builds_each_kind_by_name():
+    from distframe.optimizers.async_sgd import AsyncSGDOptimizer
+    from distframe.optimizers.compressed import make_optimizer
+    from distframe.optimizers.elastic import ElasticOptimizer
+
+    def fn(b):
+        model = DDPModel(copy.deepcopy(MLP), b)
+        topk = make_optimizer("compressed", model, torch.optim.SGD, lr=0.1, compressor="topk", ratio=0.2)
+        assert isinstance(topk.compressor, TopKCompressor) and topk.compressor.ratio == 0.2
+        psgd = make_optimizer("compressed", DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1,
+                              compressor="powersgd", rank=2, start_iter=3)
+        assert (psgd.compressor.rank, psgd.compressor.start_iter) == (2, 3)
+        asgd = make_optimizer("async", DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1, max_staleness=3)
+        assert isinstance(asgd, AsyncSGDOptimizer) and asgd.config.max_staleness == 3
+        elastic = make_optimizer("elastic", DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1, commit_every=4)
+        assert isinstance(elastic, ElasticOptimizer) and elastic.commit_every == 4
+        with pytest.raises(ConfigError, match="compressed, async or elastic"):
+            make_optimizer("hogwild", model, torch.optim.SGD, lr=0.1)
+        with pytest.raises(ConfigError, match="compressor"):
+            make_optimizer("compressed", model, torch.optim.SGD, lr=0.1, compressor="zip")
+    spawn(fn, 2, timeout=60)
