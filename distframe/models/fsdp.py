@@ -9,9 +9,10 @@ from distframe.models.unit_model import UnitShardedModelBase, UnitSpec, check_un
 class FSDPModel(UnitShardedModelBase):
     """Fully sharded data parallel over flat-parameter units.
 
-    Units (bottom-up): each submodule for which ``auto_wrap_policy(module, name)`` is true, or,
-    by default, each submodule whose parameters not already in a unit number at least
-    ``auto_wrap_min_params`` (for a transformer: each block); the root unit takes the rest.
+    Units (top-down): each submodule for which ``auto_wrap_policy(module, name)`` is true, or, by
+    default, each submodule holding at least ``auto_wrap_min_params`` parameters (for a
+    transformer: each block, the embedding, the head); a unit is not split further, containers
+    that are never called (ModuleList, ModuleDict) are looked into, the root unit takes the rest.
     Collectives per step: per unit, an all_gather before its forward (the next unit prefetched),
     freed after forward when ``reshard_after_forward`` (then gathered again before its backward),
     and one reduce_scatter(AVG) of its gradients once they are all accumulated. Each rank holds
@@ -26,27 +27,33 @@ class FSDPModel(UnitShardedModelBase):
         taken: set[int] = set()
         units: list[UnitSpec] = []
 
-        def free_params(sub: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        def trainable(sub: nn.Module) -> list[tuple[str, nn.Parameter]]:
             return [(names[id(p)], p) for p in sub.parameters()
                     if p.requires_grad and id(p) not in taken and id(p) in names]
 
         def wants_unit(sub: nn.Module, name: str) -> bool:
             if self.config.auto_wrap_policy is not None:
                 return bool(self.config.auto_wrap_policy(sub, name))
-            return sum(p.numel() for _, p in free_params(sub)) >= self.config.auto_wrap_min_params
+            return sum(p.numel() for _, p in trainable(sub)) >= self.config.auto_wrap_min_params
 
         def visit(sub: nn.Module, name: str) -> None:
+            # Top-down: a child that qualifies becomes a unit and is not split further; a
+            # container that is never called (ModuleList, ModuleDict) is looked into instead.
             for child_name, child in sub.named_children():
-                visit(child, f"{name}.{child_name}" if name else child_name)
-            if sub is not module and wants_unit(sub, name):
-                params = free_params(sub)
-                if params:
+                qualified = f"{name}.{child_name}" if name else child_name
+                if isinstance(child, _NEVER_CALLED) or not wants_unit(child, qualified):
+                    visit(child, qualified)
+                elif params := trainable(child):
                     taken.update(id(p) for _, p in params)
-                    units.append((sub, params))
+                    units.append((child, params))
 
         visit(module, "")
-        rest = free_params(module)
+        rest = trainable(module)
         if rest:
             units.append((module, rest))
         check_units_cover(units, module, type(self).__name__)
         return units
+
+
+# Containers whose forward never runs: their hooks would never gather a unit rooted there.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)

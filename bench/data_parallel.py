@@ -1,0 +1,201 @@
+"""Steps/s and per-rank memory of the data-parallel strategies (world 2), beside torch DDP and
+torch FSDP2 (``fully_shard``) on gloo, in one run.
+
+Model: a ~5M-parameter decoder (4 blocks, d_model 256, 4 heads, vocab 4096, untied head),
+sequence 256, batch 8 per rank, AdamW. Each configuration runs in fresh processes (gloo) or
+threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
+
+Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
+(parameters, gradients, optimizer state, buffers) with the ZeRO formula beside it; ``peak MiB`` =
+growth of the process's peak RSS from before the model was built (process engines only: the
+in-memory ranks share one process).
+
+    python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import resource
+import socket
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH, WORLD = 4096, 256, 4, 4, 256, 8, 2
+FORMULA = {"ddp": 16, "zero1": 8 + 8 / WORLD, "zero2": 4 + 12 / WORLD, "zero3": 16 / WORLD,
+           "fsdp": 16 / WORLD}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
+        self.proj = nn.Linear(D_MODEL, D_MODEL)
+        self.up = nn.Linear(D_MODEL, 4 * D_MODEL)
+        self.down = nn.Linear(4 * D_MODEL, D_MODEL)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        # (B, nh, T, hs)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Embedding(SEQ, D_MODEL)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def batch_for(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- distframe strategies ------------------------------------------------------------------------
+def run_distframe(backend, strategy: str, steps: int, warmup: int):
+    from distframe.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
+    from distframe.optimizers import (DDPOptimizer, FSDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer,
+                                      ZeRO3Optimizer)
+    classes = {"ddp": (DDPModel, DDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimizer),
+               "zero2": (ZeRO2Model, ZeRO2Optimizer), "zero3": (ZeRO3Model, ZeRO3Optimizer),
+               "fsdp": (FSDPModel, FSDPOptimizer)}
+    torch.set_num_threads(1)
+    before = peak_rss_mib()
+    model_cls, opt_cls = classes[strategy]
+    model = model_cls(build(), backend)
+    opt = opt_cls(model, torch.optim.AdamW, lr=3e-4)
+    x, y = batch_for(backend.rank, 0)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    state = model.memory_footprint()["total"]
+    opt.zero_grad()
+    for s in range(1, warmup):
+        model.train_step(batch_for(backend.rank, s), lm_loss, opt)
+    backend.barrier()
+    start = time.perf_counter()
+    for s in range(steps):
+        model.train_step(batch_for(backend.rank, warmup + s), lm_loss, opt)
+    elapsed = time.perf_counter() - start
+    params = sum(p.numel() for p in build().parameters())
+    return {"steps_per_s": steps / elapsed, "state": state, "params": params,
+            "peak": peak_rss_mib() - before}
+
+
+# ---- torch baselines (own process group) ---------------------------------------------------------
+def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    before = peak_rss_mib()
+    model = build()
+    if kind == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    def step(s):
+        x, y = batch_for(rank, s)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss.detach())
+    for s in range(warmup):
+        step(s)
+    dist.barrier()
+    start = time.perf_counter()
+    for s in range(steps):
+        step(warmup + s)
+    elapsed = time.perf_counter() - start
+    out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "peak": peak_rss_mib() - before}))
+    dist.destroy_process_group()
+
+
+def run_torch(kind: str, steps: int, warmup: int) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_torch_worker, args=(r, kind, steps, warmup, port, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(WORLD)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--only", default="", help="comma-separated subset of the rows")
+    args = parser.parse_args(argv)
+    from distframe.launch import spawn
+    rows = [(f"{e}:{s}", e, s) for e in ("inmemory", "gloo") for s in FORMULA]
+    rows += [("gloo:torch-ddp", "torch", "torch-ddp"), ("gloo:torch-fsdp2", "torch", "torch-fsdp2")]
+    only = set(filter(None, args.only.split(",")))
+    params = sum(p.numel() for p in build().parameters())
+    print(f"model: {params / 1e6:.2f}M parameters, seq {SEQ}, batch {BATCH}/rank, world {WORLD}, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"{'configuration':<20} {'steps/s':>8} {'state MiB':>10} {'formula MiB':>12} {'peak MiB':>9}")
+    for label, engine, kind in rows:
+        if only and kind not in only and label not in only:
+            continue
+        if engine == "torch":
+            results = run_torch(kind, args.steps, args.warmup)
+        else:
+            results = spawn(functools.partial(run_distframe, strategy=kind, steps=args.steps,
+                                              warmup=args.warmup), WORLD, engine, timeout=600)
+        r = results[0]
+        state = f"{r['state'] / 2**20:10.2f}" if r["state"] is not None else f"{'-':>10}"
+        formula = f"{FORMULA[kind] * params / 2**20:12.2f}" if kind in FORMULA else f"{'-':>12}"
+        peak = f"{max(x['peak'] for x in results):9.1f}" if engine != "inmemory" else f"{'-':>9}"
+        print(f"{label:<20} {min(x['steps_per_s'] for x in results):8.3f} {state} {formula} {peak}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
