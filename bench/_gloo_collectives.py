@@ -1,0 +1,115 @@
+"""Gloo engine vs the raw torch.distributed gloo call it wraps, in one set of processes
+(used by collectives.py).
+
+The ranks are spawned once (a ProcessPool). Beside the engine's own process group each rank joins
+a plain torch.distributed world group, ``init_process_group("gloo")``, on a store of its own: the
+same process-group kind on the same machine. For each op and size the engine call and the raw call
+are timed alternately in one loop (engine first on even repeats, raw first on odd ones), each after
+a barrier on its own group; a repeat's time is the slowest rank's, the figure the median over repeats. Tensors are
+float32 and ``size_bytes`` is the per-rank input. The raw calls are ``dist.all_reduce(t)``,
+``dist.all_gather_into_tensor(out, t)`` and ``dist.reduce_scatter_tensor(out, t)`` on
+preallocated outputs; the engine call also allocates its output where the op returns a new tensor
+(all_gather, reduce_scatter), as its users see it.
+
+    python bench/_gloo_collectives.py 2    # a quick table for 2 ranks
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import warnings
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
+            repeats: int = 20) -> list[dict]:
+    """One dict per (op, size): engine="gloo", op, size_bytes, world_size, median_s (engine call),
+    raw_median_s (the raw torch.distributed call)."""
+    from distframe._process_launch import ProcessPool
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    with ProcessPool(world_size, "gloo", timeout=300) as pool:
+        return pool.run(_measure_on_rank, list(sizes_bytes), list(ops), repeats)[0]
+
+
+def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: int) -> list[dict]:
+    _join_raw_world(backend)
+    # torch 2.13 calls reduce_scatter_tensor deprecated; it is still the raw call Gloo runs.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    n = backend.world_size
+    rows = []
+    try:
+        for op in ops:
+            for size in sizes_bytes:
+                elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
+                engine_call, raw_call = _calls(op, backend, elements)
+                rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
+                             **_time_alternately(backend, engine_call, raw_call, repeats)})
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def _join_raw_world(backend) -> None:
+    """The default torch.distributed group, on a store rank 0 hosts (its port sent through the
+    engine, so no port is guessed)."""
+    store = None
+    port = torch.zeros(1, dtype=torch.int64)
+    if backend.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, backend.world_size, is_master=True,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=300))
+        port[0] = store.port
+    backend.broadcast(port, 0)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=backend.rank, world_size=backend.world_size,
+                            timeout=datetime.timedelta(seconds=300))
+
+
+def _calls(op: str, backend, elements: int):
+    n = backend.world_size
+    tensor = torch.zeros(elements)  # zeros: repeated in-place sums stay finite
+    if op == "all_reduce":
+        return (lambda: backend.all_reduce(tensor)), (lambda: dist.all_reduce(tensor))
+    if op == "all_gather":
+        out = torch.empty(elements * n)
+        return (lambda: backend.all_gather(tensor)), (lambda: dist.all_gather_into_tensor(out, tensor))
+    out = torch.empty(elements // n)
+    return (lambda: backend.reduce_scatter(tensor)), (lambda: dist.reduce_scatter_tensor(out, tensor))
+
+
+def _time_alternately(backend, engine_call, raw_call, repeats: int) -> dict:
+    for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
+        call()
+    # Each call follows a barrier on its own group, so both start with their group's threads awake.
+    calls = ((backend.barrier, engine_call), (dist.barrier, raw_call))
+    times = torch.zeros(repeats, 2, dtype=torch.float64)
+    for i in range(repeats):
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            barrier, call = calls[which]
+            barrier()
+            start = time.perf_counter()
+            call()
+            times[i, which] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a call lasts until its slowest rank is done
+    return {"median_s": statistics.median(times[:, 0].tolist()),
+            "raw_median_s": statistics.median(times[:, 1].tolist())}
+
+
+if __name__ == "__main__":
+    import _gloo_collectives  # the ranks import the per-rank function by this name, not __main__
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    print(f"{'op':<15}{'bytes':>10}{'engine us':>12}{'raw us':>10}{'ratio':>8}")
+    for row in _gloo_collectives.measure(world, [2**12, 2**16, 2**20, 2**22, 2**24], repeats=repeats):
+        print(f"{row['op']:<15}{row['size_bytes']:>10}{row['median_s'] * 1e6:>12.1f}"
+              f"{row['raw_median_s'] * 1e6:>10.1f}{row['median_s'] / row['raw_median_s']:>8.3f}")
