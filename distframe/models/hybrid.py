@@ -10,9 +10,12 @@ Each rank holds this stage's parameters, split ``1/tp`` where the plan splits th
 over the ``dp`` ranks of its data-parallel group. A step (``train_step``) runs the pipeline
 schedule over ``num_microbatches`` (p2p over the pipeline group; the loss is broadcast from the
 last stage), then ``synchronize_gradients``: one all_reduce(SUM) per tied-weight group across its
-stages, then one all_reduce(AVG) per dtype of the flat gradients over the data-parallel group;
-then the optimizer steps and one all_reduce(AVG) of the loss over the world gives the global
-mean loss. With ``pp == 1`` there is no schedule: one forward and backward of the slice.
+stages, then over the data-parallel group one all_reduce(AVG) per dtype of the flat gradients
+(``data_parallel="ddp"``, plain torch.optim optimizer) or ZeRO-1/2's all_reduce / reduce_scatter
+into a ``1/dp`` master chunk (``"zero1"``/``"zero2"``: ZeRO1Optimizer/ZeRO2Optimizer(model, cls),
+whose step all-gathers the updated chunks; see ``hybrid_zero``); then the optimizer steps and one
+all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp == 1`` there is
+no schedule: one forward and backward of the slice.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from distframe.errors import ConfigError
 from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
+from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, gather_full, owns_piece,
                                            shard_layout)
 from distframe.models.pipeline_comm import decode_header, encode_header
@@ -74,6 +78,12 @@ class HybridShardedModel(ShardedModelBase):
         del dense_params
         self.wrapped_model = stage
         self._tied_groups = self._build_tied_groups()
+        self.accepts_plain_optimizer = data_parallel == "ddp"
+        self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
+            data_parallel, "a torch.optim optimizer")
+        self.zero = (ZeroShards(self._parameters_list(), self.groups.dp, stage=int(data_parallel[-1]))
+                     if data_parallel != "ddp" else None)
+        self._gradients_synchronized = False
         self.runner = (PipelineRunner(stage, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
         self._plain_optimizer: torch.optim.Optimizer | None = None
@@ -133,6 +143,7 @@ class HybridShardedModel(ShardedModelBase):
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
         inputs, targets = batch
+        self._gradients_synchronized = False
         if self.runner is None:
             loss = loss_fn(self.wrapped_model(inputs), targets)
             loss.backward()
@@ -155,18 +166,43 @@ class HybridShardedModel(ShardedModelBase):
         return self._global_mean_loss(loss)
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
-    def local_parameter_shard(self) -> list[torch.Tensor]:
+    def _parameters_list(self) -> list[torch.Tensor]:
         return [lp.param for lp in self.local_parameters]
 
+    def local_parameter_shard(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates: this rank's parameters, or with ZeRO its master chunk."""
+        return self._parameters_list() if self.zero is None else [self.zero.master]
+
     def synchronize_gradients(self) -> None:
-        """Tied weights: all_reduce(SUM) across their stages; then all_reduce(AVG) over dp."""
+        """Tied weights: all_reduce(SUM) across their stages; then over dp: all_reduce(AVG)
+        (ddp), or ZeRO's all_reduce / reduce_scatter into the master chunk. Once per step:
+        further calls before the next forward_backward do nothing."""
+        if self._gradients_synchronized or not self._synchronize:
+            return
         for group, tied in self._tied_groups:
             _all_reduce_grads([lp.param for lp in tied], group, ReduceOp.SUM)
-        if self.dims.dp_enabled and self._synchronize:
-            _all_reduce_grads(self.local_parameter_shard(), self.groups.dp, ReduceOp.AVG)
+        if self.zero is not None:
+            self.zero.reduce_gradients()
+        elif self.dims.dp_enabled:
+            _all_reduce_grads(self._parameters_list(), self.groups.dp, ReduceOp.AVG)
+        self._gradients_synchronized = True
+
+    def synchronize_parameters(self) -> None:
+        """With ZeRO: all_gather of the updated master chunks into the parameters (dp group)."""
+        if self.zero is not None:
+            self.zero.gather_parameters()
+
+    def _zero_grad(self) -> None:
+        for lp in self.local_parameters:
+            lp.param.grad = None
+
+    def _parameter_layout(self) -> ShardLayout:
+        return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)
 
     def shard_layout(self) -> ShardLayout:
-        return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)
+        """Dense ranges of ``local_parameter_shard()`` (what optimizer state is keyed by)."""
+        layout = self._parameter_layout()
+        return layout if self.zero is None else self.zero.layout(layout.segments)
 
     def _gather_parameters(self) -> dict[str, torch.Tensor]:
         full = self.gather_full_parameters()
@@ -181,7 +217,7 @@ class HybridShardedModel(ShardedModelBase):
         """``param/<name>@<offset>`` pieces of the dense parameters (each range written by one rank
         of the world: data-parallel index 0, tensor index 0 for replicated parameters, the first
         stage holding a tied weight) and ``buffer/<name>``. Merge every rank's dict for the model."""
-        layout = self.shard_layout()
+        layout = self._parameter_layout()
         state: dict[str, torch.Tensor] = {}
         for lp, segments in zip(self.local_parameters, layout.segments):
             if not owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups):
@@ -199,11 +235,13 @@ class HybridShardedModel(ShardedModelBase):
         """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
         any strategy, or a checkpoint reader). No communication."""
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
-        layout = self.shard_layout()
+        layout = self._parameter_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
             for name, buf in self.local_buffers.items():
                 buf.copy_(reader.buffer(name))
+        if self.zero is not None:
+            self.zero.refresh_master()
 
     def memory_footprint(self) -> dict[str, int]:
         if self._optimizer is None and self._plain_optimizer is not None:
@@ -229,8 +267,6 @@ def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches
         raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
-    if data_parallel != "ddp":
-        raise ConfigError(f"data_parallel={data_parallel!r} is not available yet; use 'ddp'")
 
 
 def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:

@@ -1,0 +1,63 @@
+"""``build_model_parallel``: the one entry point the main job uses to wrap a model for
+``--strategy pipeline | tensor | hybrid``."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.mesh import ParallelDims
+from distframe.models.hybrid import HybridShardedModel
+from distframe.models.pipeline import PipelineParallelModel
+from distframe.models.tensor_parallel_model import TensorParallelModel
+
+MODEL_PARALLEL_STRATEGIES = ("pipeline", "tensor", "hybrid")
+
+
+def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicationBackend, *,
+                         dp: int | None = None, tp: int | None = None, pp: int | None = None,
+                         micro_batches: int = 1, schedule: str = "1f1b", data_parallel: str = "ddp",
+                         tp_plan: Mapping[str, str] | None = None,
+                         split_points: Sequence[int] | None = None) -> HybridShardedModel:
+    """Wraps ``model`` for ``strategy`` over ``backend`` (collective on every rank).
+
+    Degrees left as None are filled in: ``pipeline`` uses ``pp = world / dp`` (tp 1), ``tensor``
+    ``tp = world / dp`` (pp 1), ``hybrid`` ``dp = world / (tp * pp)``; ``dp`` defaults to 1
+    otherwise. ``pipeline`` or ``tensor`` with ``dp == 1`` give a PipelineParallelModel or a
+    TensorParallelModel; anything else a HybridShardedModel. Each takes a plain torch.optim
+    optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
+    ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``.
+    """
+    world = backend.world_size
+    if strategy not in MODEL_PARALLEL_STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r}: choose one of {', '.join(MODEL_PARALLEL_STRATEGIES)}")
+    if strategy == "pipeline":
+        if tp not in (None, 1):
+            raise ConfigError("--strategy pipeline runs without tensor parallelism; use --strategy hybrid with --tp")
+        dp = dp or 1
+        dims = ParallelDims(dp=dp, tp=1, pp=pp or _quotient(world, dp, "pp"))
+    elif strategy == "tensor":
+        if pp not in (None, 1):
+            raise ConfigError("--strategy tensor runs without pipelining; use --strategy hybrid with --pp")
+        dp = dp or 1
+        dims = ParallelDims(dp=dp, tp=tp or _quotient(world, dp, "tp"), pp=1)
+    else:
+        tp, pp = tp or 1, pp or 1
+        dims = ParallelDims(dp=dp or _quotient(world, tp * pp, "dp"), tp=tp, pp=pp)
+    dims.validate(world)
+    if dims.dp == 1 and data_parallel == "ddp" and strategy == "pipeline":
+        return PipelineParallelModel(model, backend, num_microbatches=micro_batches, schedule=schedule,
+                                     split_points=split_points)
+    if dims.dp == 1 and data_parallel == "ddp" and strategy == "tensor":
+        return TensorParallelModel(model, backend, plan=tp_plan)
+    return HybridShardedModel(model, backend, dims=dims, tp_plan=tp_plan, num_microbatches=micro_batches,
+                              schedule=schedule, data_parallel=data_parallel, split_points=split_points)
+
+
+def _quotient(world: int, divisor: int, axis: str) -> int:
+    if divisor < 1 or world % divisor:
+        raise ConfigError(f"cannot infer --{axis}: the world size {world} is not divisible by {divisor}; "
+                          f"pass --{axis} explicitly")
+    return world // divisor

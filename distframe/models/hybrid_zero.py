@@ -1,0 +1,84 @@
+"""ZeRO-1/2 over the data-parallel group of a model-parallel rank.
+
+The rank's local parameters (its stage's, its tensor shard) are laid end to end in one flat space
+padded to a multiple of ``dp``; data-parallel rank d owns chunk d and keeps a master copy of it,
+which is what the optimizer (ZeRO1Optimizer / ZeRO2Optimizer) updates, so optimizer state is
+``1/dp`` of the rank's parameters.
+
+Collectives (data-parallel group): ``reduce_gradients`` runs one all_reduce(AVG) of the flat
+gradients (ZeRO-1: every rank keeps the full averaged gradients) or one reduce_scatter(SUM)
+divided by ``dp`` (ZeRO-2: only the chunk's gradient survives; full gradients are dropped);
+``gather_parameters`` runs one all_gather of the updated chunks into the parameters.
+"""
+from __future__ import annotations
+
+import torch
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp
+from distframe.errors import ConfigError
+from distframe.models.flat import Segment
+from distframe.models.sharded_state import ShardLayout
+
+
+class ZeroShards:
+    """This rank's master chunk of the flat local-parameter space (see the module docstring)."""
+
+    def __init__(self, params: list[torch.Tensor], backend: ICommunicationBackend, *, stage: int) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ConfigError(f"data_parallel='zero{stage}' flattens a rank's parameters into one space "
+                              f"but they have dtypes {sorted(map(str, dtypes))}; convert the model to one dtype")
+        self.params, self.backend, self.stage = params, backend, stage
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.chunk = -(-total // backend.world_size)
+        self.total, self.padded = total, self.chunk * backend.world_size
+        self.lo = backend.rank * self.chunk
+        self.master = torch.zeros(self.chunk, dtype=params[0].dtype)
+        self.refresh_master()
+
+    def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.master.dtype)
+        for p, t, offset in zip(self.params, tensors, self.offsets):
+            if t is not None:
+                flat[offset:offset + p.numel()] = t.reshape(-1)
+        return flat
+
+    def refresh_master(self) -> None:
+        """Copies the parameters' values into the master chunk (after construction or a load)."""
+        with torch.no_grad():
+            self.master.copy_(self._flat([p.detach() for p in self.params])[self.lo:self.lo + self.chunk])
+
+    def reduce_gradients(self) -> None:
+        flat = self._flat([p.grad for p in self.params])
+        if self.stage == 1:
+            self.backend.all_reduce(flat, ReduceOp.AVG)
+            self.master.grad = flat[self.lo:self.lo + self.chunk].clone()
+            for p, offset in zip(self.params, self.offsets):
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+        else:
+            self.master.grad = self.backend.reduce_scatter(flat, ReduceOp.SUM) / self.backend.world_size
+            for p in self.params:
+                p.grad = None
+
+    def gather_parameters(self) -> None:
+        flat = self.backend.all_gather(self.master.detach().contiguous())
+        with torch.no_grad():
+            for p, offset in zip(self.params, self.offsets):
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+
+    def layout(self, param_segments: list[list[Segment]]) -> ShardLayout:
+        """Which dense ranges the master chunk holds, from each local parameter's segments."""
+        hi = self.lo + self.chunk
+        segments = []
+        for offset, segs in zip(self.offsets, param_segments):
+            for s in segs:
+                start, end = max(offset + s.shard_offset, self.lo), min(offset + s.shard_offset + s.length, hi)
+                if start < end:
+                    shift = start - (offset + s.shard_offset)
+                    segments.append(Segment(start - self.lo, s.name, s.param_offset + shift, end - start))
+        return ShardLayout(shards=[self.master], segments=[segments])

@@ -1,0 +1,206 @@
+"""HybridShardedModel: the dilated-attention LM trained under every (dp, tp, pp) layout up to 8
+in-memory ranks equals single-process training (float64 1e-10); ZeRO-1/2 data parallelism;
+sharded state that a DDPModel loads and back; one layout over Gloo processes."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention.model import DilatedTransformerConfig, DilatedTransformerLM
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.mesh import ParallelDims
+from distframe.models.ddp import DDPModel
+from distframe.models.hybrid import HybridShardedModel
+from distframe.models.hybrid_factory import build_model_parallel
+from distframe.models.pipeline import PipelineParallelModel
+from distframe.models.tensor_parallel_model import TensorParallelModel
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+STEPS, BATCH, SEQ, LR = 2, 8, 16, 1e-2
+_SEED = threading.Lock()
+
+
+def tiny_lm(num_layers=2):
+    config = DilatedTransformerConfig.preset(
+        "tiny", seq_len=SEQ, embed_dim=16, num_heads=4, num_layers=num_layers,
+        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
+    with _SEED:
+        torch.manual_seed(0)
+        return DilatedTransformerLM(config).double()
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 256, (BATCH, SEQ), generator=g), torch.randint(0, 256, (BATCH, SEQ), generator=g))
+            for _ in range(STEPS)]
+
+
+def reference_training():
+    model = tiny_lm()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for x, y in batches():
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_REFERENCE = None
+
+
+def reference():
+    global _REFERENCE
+    if _REFERENCE is None:
+        _REFERENCE = reference_training()
+    return _REFERENCE
+
+
+def dp_slice(batch, index, dp):
+    x, y = batch
+    per = x.shape[0] // dp
+    return x[index * per:(index + 1) * per], y[index * per:(index + 1) * per]
+
+
+def train(backend, dims, data_parallel="ddp", schedule="1f1b"):
+    model = HybridShardedModel(tiny_lm(), backend, dims=dims, num_microbatches=2, schedule=schedule,
+                               data_parallel=data_parallel)
+    if data_parallel == "ddp":
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+    else:
+        from distframe.optimizers import ZeRO1Optimizer, ZeRO2Optimizer
+        cls = ZeRO1Optimizer if data_parallel == "zero1" else ZeRO2Optimizer
+        opt = cls(model, torch.optim.Adam, lr=LR)
+    losses = [model.train_step(dp_slice(b, model.groups.dp_index, dims.dp), lm_loss, opt) for b in batches()]
+    return losses, model.gather_full_parameters(), model.memory_footprint()
+
+
+def check(results):
+    losses, params = reference()
+    for rank_losses, full, _ in results:
+        assert rank_losses == pytest.approx(losses, rel=1e-12)
+        assert full.keys() == params.keys()
+        for name, tensor in params.items():
+            torch.testing.assert_close(full[name], tensor, **TOL, msg=name)
+
+
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
+@pytest.mark.parametrize("dp,tp,pp", LAYOUTS)
+def test_layout_trains_like_one_process(dp, tp, pp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    check(spawn(lambda b: train(b, dims), dims.world_size))
+
+
+@pytest.mark.parametrize("data_parallel", ["zero1", "zero2"])
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (2, 1, 2)])
+def test_zero_data_parallel(dp, tp, pp, data_parallel):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    results = spawn(lambda b: train(b, dims, data_parallel, "gpipe"), dims.world_size)
+    check(results)
+    ddp = spawn(lambda b: train(b, dims), dims.world_size)
+    # ZeRO keeps 1/dp of the optimizer state of a ddp hybrid rank (up to padding).
+    for (_, _, zero_mem), (_, _, ddp_mem) in zip(results, ddp):
+        assert zero_mem["optimizer_state"] <= ddp_mem["optimizer_state"] / dp + 64
+
+
+def test_zero_needs_its_optimizer():
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2), data_parallel="zero1")
+        model.train_step(batches()[0], lm_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    with pytest.raises(ConfigError, match="ZeRO1Optimizer"):
+        spawn(run, 2)
+
+
+def _merged_state(results):
+    merged = {}
+    for state in results:
+        overlap = merged.keys() & state.keys()
+        assert not overlap, f"two ranks wrote {sorted(overlap)[:3]}"
+        merged.update(state)
+    return merged
+
+
+def test_state_dict_loads_under_ddp_and_back():
+    trained = tiny_lm()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    expected = trained.state_dict()
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+
+    def save_hybrid(b):
+        return HybridShardedModel(copy.deepcopy(trained), b, dims=dims, num_microbatches=2).state_dict()
+
+    hybrid_state = _merged_state(spawn(save_hybrid, 8))
+
+    def load_ddp(b):
+        model = DDPModel(tiny_lm(), b)
+        model.load_state_dict(hybrid_state)
+        return model.gather_full_parameters(), model.state_dict()
+
+    ddp_results = spawn(load_ddp, 2)
+    for full, _ in ddp_results:
+        for name, tensor in expected.items():
+            torch.testing.assert_close(full[name], tensor, rtol=0, atol=0)
+    ddp_state = _merged_state([state for _, state in ddp_results])
+
+    def load_hybrid(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(tp=2, pp=2), num_microbatches=2)
+        model.load_state_dict(ddp_state)
+        return model.gather_full_parameters()
+
+    for full in spawn(load_hybrid, 4):
+        for name, tensor in expected.items():
+            torch.testing.assert_close(full[name], tensor, rtol=0, atol=0)
+
+
+def test_factory_picks_the_model_class():
+    def run(b, strategy, **kw):
+        return type(build_model_parallel(strategy, tiny_lm(), b, micro_batches=2, **kw)).__name__
+
+    assert spawn(lambda b: run(b, "pipeline"), 2)[0] == PipelineParallelModel.__name__
+    assert spawn(lambda b: run(b, "tensor"), 2)[0] == TensorParallelModel.__name__
+    assert spawn(lambda b: run(b, "hybrid", tp=2), 4)[0] == HybridShardedModel.__name__
+    with pytest.raises(ConfigError, match="product is 4"):
+        spawn(lambda b: run(b, "hybrid", dp=1, tp=2, pp=1), 4)
+    with pytest.raises(ConfigError, match="strategy"):
+        spawn(lambda b: run(b, "diagonal"), 1)
+
+
+# ---- Gloo: one pool of 4 processes serves one test per model kind ------------------------------------
+def _gloo_train(backend, kind):
+    if kind == "hybrid":
+        return train(backend, ParallelDims(tp=2, pp=2))
+    model = (PipelineParallelModel(tiny_lm(), backend, num_microbatches=2) if kind == "pipeline"
+             else TensorParallelModel(tiny_lm(), backend))
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = [model.train_step(b, lm_loss, opt) for b in batches()]
+    return losses, model.gather_full_parameters(), model.memory_footprint()
+
+
+@pytest.fixture(scope="module")
+def gloo_pool():
+    from distframe._process_launch import ProcessPool
+
+    with ProcessPool(4, "gloo", timeout=60) as pool:
+        yield pool
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("kind", ["pipeline", "tensor", "hybrid"])
+def test_model_parallel_on_gloo(gloo_pool, kind):
+    check(gloo_pool.run(_gloo_train, kind))
