@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad flag (2, already reported in one line)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    try:
         return args.handler(args)
     except KeyboardInterrupt:
         print("\ndistframe: interrupted", file=sys.stderr)

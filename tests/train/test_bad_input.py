@@ -1,0 +1,113 @@
+"""Bad input: exit status 2 and one line on stderr that says what to change, no traceback
+(unless --debug); Ctrl-C exits 130 and leaves only complete checkpoints."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distframe.cli import main
+from tests.train.conftest import TINY
+
+
+def _fails_with(capsys, argv: list[str], *needles: str) -> str:
+    status = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--strategy", "bogus"], ["--strategy", "choose one of ddp"]),
+    (["--backend", "pigeon"], ["--backend", "inmemory"]),
+    (["--world-size", "3", "--batch-size", "8"], ["--world-size 3", "--batch-size 8"]),
+    (["--seq-len", "32", "--segment-lengths", "8,16,64"], ["--segment-lengths", "--seq-len 32"]),
+    (["--segment-lengths", "8,16", "--dilation-rates", "1,2,4"], ["segment_lengths"]),
+    (["--data", "/no/such/corpus.txt"], ["--data /no/such/corpus.txt"]),
+    (["--steps", "0"], ["--steps"]),
+    (["--steps", "many"], ["--steps", "invalid int"]),
+    (["--strategyy", "ddp"], ["unrecognized arguments"]),
+    (["--preset", "huge"], ["--preset", "tiny"]),
+    (["--lr", "-1"], ["--lr"]),
+])
+def test_bad_flags(capsys, tmp_path, flags, needles):
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_nccl_without_gpu(capsys, tmp_path):
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--backend", "nccl"],
+                "--backend nccl needs a CUDA GPU", "gloo")
+
+
+def test_mpi_without_mpi4py(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py now raises ImportError
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--backend", "mpi"],
+                "mpi4py", "pip install")
+
+
+def test_config_file_errors(capsys, tmp_path):
+    bad_key = tmp_path / "bad.toml"
+    bad_key.write_text('strategy = "ddp"\nlearning-rate = 0.1\n')
+    _fails_with(capsys, ["train", "--config", str(bad_key)], "learning-rate")
+    _fails_with(capsys, ["train", "--config", str(tmp_path / "missing.toml")], "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("strategy = \n")
+    _fails_with(capsys, ["train", "--config", str(broken)], "not valid TOML")
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+    assert main(["train", "--strategy", "bogus", "--debug", "--out", str(tmp_path)]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def _distframe(*args: str) -> subprocess.Popen:
+    """The console script when installed (else ``python -m distframe``) in a subprocess."""
+    script = Path(sys.executable).with_name("distframe")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "distframe"]
+    return subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_exit_status_of_the_command(tmp_path):
+    proc = _distframe("train", "--world-size", "3", "--batch-size", "4", "--out", str(tmp_path))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip().count("\n") == 0 and "--world-size 3" in err and "Traceback" not in err
+
+
+def test_ctrl_c_leaves_only_complete_checkpoints(tmp_path, corpus_file):
+    out = tmp_path / "run"
+    proc = _distframe("train", *TINY, "--data", corpus_file, "--out", str(out), "--steps", "100000",
+                      "--checkpoint-every", "3", "--eval-every", "0")
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step-6" / "metadata.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    from distframe.checkpoint import consolidate
+    steps = [p for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]
+    for step in steps:  # every step-N there is complete and loads
+        assert (step / "metadata.json").exists()
+        consolidate(step)
+    latest = max(steps, key=lambda p: int(p.name.split("-")[1]))
+    assert f"{latest}" in err
+
+
+def test_help(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--segment-lengths" in out and "--resume" in out and "--world-size" in out
