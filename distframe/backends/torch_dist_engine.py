@@ -1,0 +1,360 @@
+"""TorchDistributedBackend: the engine Gloo and NCCL share (see ``torch_dist`` for both).
+
+Each (sub)group owns one torch.distributed process group object (``ProcessGroupGloo`` or
+``ProcessGroupNCCL``), built directly on a key-value store under a prefix of its own, and its
+methods are called directly: there is no global default group and no ``init_process_group``.
+A subgroup's prefix is its parent's prefix plus the sequence number of the ``new_group`` call, so
+every member derives the same one without talking, and only members build it (torch's own
+``new_group`` needs every rank of the world, which does not fit nested groups).
+
+[Note: what each call costs] A collective is one call of the process group's own operation on
+the caller's tensor (or a zero-copy view of it), plus one dict assignment for the progress board
+(see ``torch_dist_board``). Conversions happen only where the transport lacks something:
+see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base class's all-gather of a
+16 x int64 signature (128 bytes per rank: one small-message latency), and per point-to-point
+message a 128-byte header that the receiver checks before it posts the payload's receive.
+
+[Note: point to point] ``send`` is buffered, as in the in-memory engine: the payload is copied
+and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
+receive. Unfinished sends are kept alive and finished at ``shutdown``. A receive whose tensor
+does not match the message aborts the Gloo process outside ``debug`` mode (Gloo checks sizes on
+a background thread); with ``debug=True`` it raises ``CollectiveMismatchError`` instead.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import datetime
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.reduction import reduce_into
+from distframe.backends.signature import DTYPES, ENCODED_LENGTH, Signature
+from distframe.backends.torch_dist_board import ProgressBoard
+from distframe.backends.torch_dist_wire import from_reducible, movable, movable_flat, to_reducible
+from distframe.backends.types import CompletedWork, ReduceOp, Work
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+              ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+# Debug-mode headers of point-to-point messages travel on the user's tag plus this offset
+# (user tags are below 2**20, see base._A2A_TAG).
+_HEADER_TAG = 2**21
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
+_SCATTER_MAX_DIMS = 16
+_PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What a world backend and all its subgroups share within one process."""
+
+    store: dist.Store
+    board: ProgressBoard
+    failed: bool = False
+
+
+class TorchDistributedBackend(CommunicationBackendBase):
+    """The engine shared by Gloo and NCCL; subclasses say how to build the process group and on
+    which device its tensors live (``_device``). Tensors elsewhere are staged: copied to
+    ``_device`` for the call and the results copied back to where the caller's tensors were.
+
+    ``store`` is a torch.distributed store every rank of the group can reach, ``prefix`` the
+    namespace of this group's keys in it (two groups on one store need different prefixes).
+    """
+
+    engine = "torch"
+    _device: torch.device
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store, *,
+                 timeout: float = DEFAULT_TIMEOUT, debug: bool = False, prefix: str = "distframe",
+                 _shared: _Shared | None = None) -> None:
+        super().__init__(rank, world_size, timeout=timeout, debug=debug)
+        self._owns_shared = _shared is None
+        self._shared = _shared or _Shared(store, ProgressBoard(store, min(0.2, self.timeout / 10)))
+        self._prefix = prefix
+        self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
+        self._my_progress_key = self._progress_keys[rank]
+        self._shared.board.register(self._my_progress_key)
+        self._pg = self._create_process_group(
+            dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size,
+            datetime.timedelta(seconds=self.timeout))
+        self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
+        self._p2p_counts: dict[tuple[str, int, int], int] = {}
+
+    @property
+    def has_failed(self) -> bool:
+        """True once a call on this group or a sibling timed out or lost a peer: the process
+        groups are then in an unknown state and should be rebuilt."""
+        return self._shared.failed
+
+    # ---- what subclasses provide -------------------------------------------------------------
+    @abc.abstractmethod
+    def _create_process_group(self, store: dist.Store, rank: int, world_size: int,
+                              timeout: datetime.timedelta) -> Any: ...
+
+    @abc.abstractmethod
+    def _sibling_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments a subgroup inherits (the Gloo address, the NCCL device)."""
+
+    # ---- collectives -------------------------------------------------------------------------
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.allreduce(
+            [wire], _options(dist.AllreduceOptions, reduceOp=torch_op)))
+        self._unstage(staged, tensor)
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        if self._rank != dst:  # the transport may use a non-root input as scratch space
+            staged = staged.clone()
+        self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.reduce(
+            [wire], _options(dist.ReduceOptions, rootRank=dst, reduceOp=torch_op)))
+        if self._rank == dst:
+            self._unstage(staged, tensor)
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        plan = to_reducible(staged, op)
+        if plan is None:
+            return super()._reduce_scatter(tensor, op, call)
+        wire, _ = plan
+        out = wire.new_empty((wire.shape[0] // self._world_size, *wire.shape[1:]))
+        self._complete(call, self._pg._reduce_scatter_base, out, wire,
+                       _options(dist.ReduceScatterOptions, reduceOp=_TORCH_OPS[op]))
+        return self._result(from_reducible(out, tensor.dtype), tensor)
+
+    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        out = staged.new_empty((self._world_size * staged.shape[0], *staged.shape[1:]))
+        self._complete(call, self._pg._allgather_base, movable(out), movable(staged))
+        return self._result(out, tensor)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        self._complete(call, self._pg.broadcast, [movable(staged)],
+                       _options(dist.BroadcastOptions, rootRank=src))
+        self._unstage(staged, tensor)
+
+    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
+        self._arrive(call)
+        staged = self._stage(tensor)
+        outs = [staged.new_empty(staged.shape) for _ in range(self._world_size)] if self._rank == dst else []
+        self._complete(call, self._pg.gather, [[movable(o) for o in outs]] if outs else [],
+                       [movable(staged)], _options(dist.GatherOptions, rootRank=dst))
+        return [self._result(o, tensor) for o in outs] if self._rank == dst else None
+
+    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
+        self._arrive(call)
+        # Only src knows the chunks' shape and dtype (and whether they live on the CPU).
+        meta = torch.zeros(3 + _SCATTER_MAX_DIMS, dtype=torch.int64)
+        if chunks is not None:
+            if chunks[0].dim() > _SCATTER_MAX_DIMS:
+                raise ValueError(f"scatter supports chunks of at most {_SCATTER_MAX_DIMS} dims")
+            meta[0], meta[1] = chunks[0].dim(), DTYPES.index(chunks[0].dtype)
+            meta[2] = int(chunks[0].device.type == "cpu")
+            meta[3:3 + chunks[0].dim()] = torch.tensor(chunks[0].shape, dtype=torch.int64)
+        self._broadcast(meta, src, call)
+        shape, dtype = tuple(meta[3:3 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
+        out = torch.empty(shape, dtype=dtype, device=self._device)
+        sources = [[movable(self._stage(c.contiguous())) for c in chunks]] if chunks is not None else []
+        self._complete(call, self._pg.scatter, [movable(out)], sources,
+                       _options(dist.ScatterOptions, rootRank=src))
+        return out.cpu() if meta[2] else out
+
+    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+        self._arrive(call)
+        send_rows = [c.shape[0] for c in chunks]
+        everyone = self._all_gather(torch.tensor(send_rows, dtype=torch.int64), call)
+        recv_rows = everyone.view(self._world_size, self._world_size)[:, self._rank].tolist()
+        send = self._stage(torch.cat(chunks))
+        out = send.new_empty((sum(recv_rows), *send.shape[1:]))
+        # Flat views with splits in elements: Gloo divides by dim 0, which may be 0 rows here.
+        send_flat, per_row = movable_flat(send)
+        out_flat, _ = movable_flat(out)
+        self._complete(call, self._pg.alltoall_base, out_flat, send_flat,
+                       [r * per_row for r in recv_rows], [r * per_row for r in send_rows],
+                       dist.AllToAllOptions())
+        return list(self._result(out, chunks[0]).split(recv_rows))
+
+    def _barrier(self, call: Call) -> None:
+        self._arrive(call)
+        self._complete(call, self._pg.barrier, dist.BarrierOptions())
+
+    def _new_group(self, ranks: list[int], call: Call) -> TorchDistributedBackend | None:
+        self._arrive(call)
+        if self._rank not in ranks:
+            return None
+        try:
+            return type(self)(ranks.index(self._rank), len(ranks), self._shared.store,
+                              timeout=self.timeout, debug=self.debug,
+                              prefix=f"{self._prefix}/group{call.seq}", _shared=self._shared,
+                              **self._sibling_kwargs())
+        except RuntimeError as exc:  # a member never came: the store's wait timed out
+            error = self._comm_error(exc, call.op, call.seq, None)
+            if error is None:
+                raise
+            raise error from exc
+
+    # ---- point to point ----------------------------------------------------------------------
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        self._unfinished_sends = [(w, t) for w, t in self._unfinished_sends if not w.is_completed()]
+        seq = self._count_p2p("send", dst, tag)
+        payload = tensor.to(self._device, copy=True)  # buffered: the caller may reuse `tensor`
+        if self.debug:
+            header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
+            self._unfinished_sends.append((self._pg.send([header], dst, tag + _HEADER_TAG), header))
+        self._unfinished_sends.append((self._pg.send([movable(payload)], dst, tag), payload))
+        return CompletedWork(None)
+
+    def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
+        return _RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))
+
+    def _count_p2p(self, direction: str, peer: int, tag: int) -> int:
+        key = (direction, peer, tag)
+        self._p2p_counts[key] = self._p2p_counts.get(key, 0) + 1
+        return self._p2p_counts[key]
+
+    # ---- life cycle --------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        sends, self._unfinished_sends = self._unfinished_sends, []
+        for work, _ in sends:
+            try:
+                work.wait()
+            except RuntimeError:  # the peer left without receiving; nothing left to deliver to
+                break
+        self._pg = None
+        if self._owns_shared:
+            self._shared.board.close()
+
+    # ---- shared machinery --------------------------------------------------------------------
+    def _arrive(self, call: Call) -> None:
+        self._shared.board.reached(self._my_progress_key, call.seq)
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == self._device else tensor.to(self._device)
+
+    @staticmethod
+    def _unstage(staged: torch.Tensor, tensor: torch.Tensor) -> None:
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+    @staticmethod
+    def _result(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return out if out.device == like.device else out.to(like.device)
+
+    def _reduce_in_place(self, staged: torch.Tensor, op: ReduceOp, call: Call,
+                         issue: Callable[[torch.Tensor, dist.ReduceOp], Any]) -> None:
+        plan = to_reducible(staged, op)
+        if plan is None:  # e.g. complex PRODUCT: gather everything, reduce here in rank order
+            everyone = self._all_gather(staged.reshape(1, staged.numel()), call)
+            reduced = reduce_into(torch.empty_like(staged).reshape(-1), list(everyone.unbind(0)), op)
+            staged.copy_(reduced.view(staged.shape))
+            return
+        wire, shares_memory = plan
+        self._complete(call, issue, wire, _TORCH_OPS[op])
+        if not shares_memory:
+            staged.copy_(from_reducible(wire, staged.dtype))
+
+    def _complete(self, call: Call, issue: Callable[..., Any], *args: Any) -> None:
+        """Issues one process-group operation and waits for it, translating transport failures."""
+        try:
+            issue(*args).wait()
+        except RuntimeError as exc:
+            error = self._comm_error(exc, call.op, call.seq, None)
+            if error is None:
+                raise
+            raise error from exc
+
+    def _comm_error(self, exc: BaseException, op: str, seq: int,
+                    peers: list[int] | None) -> Exception | None:
+        """The distframe error for a transport failure (None if ``exc`` is not one). ``peers``:
+        the ranks being waited for when known (point to point); else read from the board."""
+        text = str(exc).strip()
+        lowered = text.lower()
+        timed_out = "timed out" in lowered or "timeout" in lowered
+        if not timed_out and not any(word in lowered for word in _PEER_LOST):
+            return None
+        self._shared.failed = True
+        detail = f"{self.engine} reported: " + _SOURCE_LOCATION.sub("", text.splitlines()[0] if text else "")
+        missing = peers if peers is not None else self._shared.board.behind(
+            {r: key for r, key in self._progress_keys.items() if r != self._rank}, seq)
+        if missing == []:
+            detail += "; every rank had reached this call"
+        if timed_out:
+            return CollectiveTimeoutError(op, seq, missing or None, self.timeout, detail)
+        return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
+                               f"{op} (sequence number {seq}): {detail}")
+
+
+class _RecvWork(Work):
+    """A posted receive. In debug mode the payload's receive is posted only after the header
+    matched, so a mismatch raises here instead of aborting the process."""
+
+    def __init__(self, backend: TorchDistributedBackend, tensor: torch.Tensor, src: int, tag: int,
+                 seq: int) -> None:
+        self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
+        direct = tensor.is_contiguous() and tensor.device == backend._device
+        self._buffer = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                         device=backend._device)
+        self._done = False
+        self._header: torch.Tensor | None = None
+        self._header_work = self._payload_work = None
+        if backend.debug:
+            self._header = torch.empty(ENCODED_LENGTH, dtype=torch.int64, device=backend._device)
+            self._header_work = backend._pg.recv([self._header], src, tag + _HEADER_TAG)
+        else:
+            self._payload_work = backend._pg.recv([movable(self._buffer)], src, tag)
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._done:
+            return self._tensor
+        if self._payload_work is None:
+            self._await(self._header_work, timeout)
+            self._check_header()
+            self._payload_work = self._backend._pg.recv([movable(self._buffer)], self._src, self._tag)
+        self._await(self._payload_work, timeout)
+        if self._buffer is not self._tensor:
+            self._tensor.copy_(self._buffer)
+        self._done = True
+        return self._tensor
+
+    def is_completed(self) -> bool:
+        return self._done or (self._payload_work is not None and self._payload_work.is_completed())
+
+    def _await(self, work: Any, timeout: float | None) -> None:
+        try:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            error = self._backend._comm_error(exc, "recv", self._seq, [self._src])
+            if error is None:
+                raise
+            raise error from exc
+
+    def _check_header(self) -> None:
+        expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)
+        got = self._header.cpu()
+        if not bool((got == expected.encode(self._seq)).all()):
+            raise CollectiveMismatchError(
+                "recv", self._seq, f"rank {self._src} sent {Signature.decode(got)} with tag "
+                f"{self._tag}; rank {self._backend.rank} expects {expected.describe()}")
+
+
+def _options(cls: type, **fields: Any) -> Any:
+    options = cls()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
