@@ -35,6 +35,10 @@ class CollectiveTimeoutError(DistFrameError, TimeoutError):
         if detail:
             message += f"; {detail}"
         super().__init__(message)
+        self._args = (op, seq, missing_ranks, timeout, detail)
+
+    def __reduce__(self):  # picklable, so process launchers can carry it back to the caller
+        return type(self), self._args
 
 
 class CollectiveMismatchError(DistFrameError, ValueError):
@@ -44,6 +48,10 @@ class CollectiveMismatchError(DistFrameError, ValueError):
         self.op = op
         self.seq = seq
         super().__init__(f"{op} (sequence number {seq}): ranks disagree: {detail}")
+        self._args = (op, seq, detail)
+
+    def __reduce__(self):
+        return type(self), self._args
 
 
 class RankFailedError(DistFrameError, RuntimeError):
@@ -53,3 +61,7 @@ class RankFailedError(DistFrameError, RuntimeError):
         self.failed_rank = failed_rank
         who = "a peer rank" if failed_rank is None else f"rank {failed_rank}"
         super().__init__(f"{who} failed{': ' + detail if detail else ''}; this rank stopped")
+        self._args = (failed_rank, detail)
+
+    def __reduce__(self):
+        return type(self), self._args

@@ -14,10 +14,10 @@ user wrote, whichever thread runs it.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,14 +29,22 @@ from distframe.errors import CollectiveMismatchError
 DEFAULT_TIMEOUT = 300.0
 
 
-@dataclasses.dataclass(frozen=True)
 class Call:
-    """One numbered call on one group, handed to the engine's raw method."""
+    """One numbered call on one group, handed to the engine's raw method. The signature is built
+    only when asked for (the in-memory engine and ``debug`` mode), keeping the hot path short."""
 
-    op: str
-    seq: int
-    signature: Signature
-    timeout: float
+    __slots__ = ("op", "seq", "timeout", "_make_signature", "_signature")
+
+    def __init__(self, op: str, seq: int, make_signature: Callable[[], Signature], timeout: float) -> None:
+        self.op, self.seq, self.timeout = op, seq, timeout
+        self._make_signature = make_signature
+        self._signature: Signature | None = None
+
+    @property
+    def signature(self) -> Signature:
+        if self._signature is None:
+            self._signature = self._make_signature()
+        return self._signature
 
 
 class CommunicationBackendBase(abc.ABC):
@@ -107,7 +115,7 @@ class CommunicationBackendBase(abc.ABC):
         op = ReduceOp.parse(op)
         self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        sig = Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+        sig = partial(Signature, "all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
             work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -117,15 +125,15 @@ class CommunicationBackendBase(abc.ABC):
             if work is not tensor:
                 tensor.copy_(work)
             return tensor
-        return self._run(sig, tensor.nbytes, run, async_op)
+        return self._run("all_reduce", sig, tensor.nbytes, run, async_op)
 
     def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Work:
         """Concatenation of every rank's ``tensor`` along dim 0 in rank order (a 0-dim tensor
         counts as shape (1,)). Every rank must pass the same shape."""
         self._check_tensor("all_gather", tensor)
-        sig = Signature("all_gather", tuple(tensor.shape), tensor.dtype)
+        sig = partial(Signature, "all_gather", tuple(tensor.shape), tensor.dtype)
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-        return self._run(sig, tensor.nbytes, lambda call: self._all_gather(flat, call), async_op)
+        return self._run("all_gather", sig, tensor.nbytes, lambda call: self._all_gather(flat, call), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -137,20 +145,20 @@ class CommunicationBackendBase(abc.ABC):
                 f"reduce_scatter needs dim 0 divisible by the world size {self._world_size}, got "
                 f"shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self._world_size}")
         applied = effective_op(op, tensor.dtype)
-        sig = Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+        sig = partial(Signature, "reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
             out = self._reduce_scatter(tensor.contiguous(),
                                        ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
             return out.div_(self._world_size) if applied is ReduceOp.AVG else out
-        return self._run(sig, tensor.nbytes, run, async_op)
+        return self._run("reduce_scatter", sig, tensor.nbytes, run, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank; returns it."""
         self._check_tensor("broadcast", tensor)
         self._check_peer("broadcast", "src", src)
-        sig = Signature("broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
-        return self._run(sig, tensor.nbytes, lambda call: self._in_place(
+        sig = partial(Signature, "broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
+        return self._run("broadcast", sig, tensor.nbytes, lambda call: self._in_place(
             tensor, lambda work: self._broadcast(work, src, call)), async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
@@ -160,7 +168,7 @@ class CommunicationBackendBase(abc.ABC):
         self._check_tensor("reduce", tensor)
         self._check_peer("reduce", "dst", dst)
         applied = effective_op(op, tensor.dtype)
-        sig = Signature("reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
+        sig = partial(Signature, "reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
 
         def run(call: Call) -> torch.Tensor:
             def apply(work: torch.Tensor) -> None:
@@ -168,15 +176,15 @@ class CommunicationBackendBase(abc.ABC):
                 if applied is ReduceOp.AVG and self._rank == dst:
                     work.div_(self._world_size)
             return self._in_place(tensor, apply)
-        return self._run(sig, tensor.nbytes, run, async_op)
+        return self._run("reduce", sig, tensor.nbytes, run, async_op)
 
     def gather(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False
                ) -> list[torch.Tensor] | None | Work:
         """Rank ``dst`` gets the list of every rank's ``tensor`` (rank order); others get None."""
         self._check_tensor("gather", tensor)
         self._check_peer("gather", "dst", dst)
-        sig = Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
-        return self._run(sig, tensor.nbytes,
+        sig = partial(Signature, "gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
+        return self._run("gather", sig, tensor.nbytes,
                          lambda call: self._gather(tensor.contiguous(), dst, call), async_op)
 
     def scatter(self, chunks: Sequence[torch.Tensor] | None, src: int, *,
@@ -188,29 +196,29 @@ class CommunicationBackendBase(abc.ABC):
         if self._rank == src:
             chunks = self._check_chunks("scatter", chunks, same_shape=True)
             nbytes = sum(c.nbytes for c in chunks)
-        sig = Signature("scatter", None, None, (("src", src),))
+        sig = partial(Signature, "scatter", None, None, (("src", src),))
         own = list(chunks) if self._rank == src else None
-        return self._run(sig, nbytes, lambda call: self._scatter(own, src, call), async_op)
+        return self._run("scatter", sig, nbytes, lambda call: self._scatter(own, src, call), async_op)
 
     def all_to_all(self, chunks: Sequence[torch.Tensor], *, async_op: bool = False
                    ) -> list[torch.Tensor] | Work:
         """Rank r sends ``chunks[j]`` to rank j and returns the list whose entry j came from rank j.
         Chunks share a dtype and trailing dims everywhere; dim 0 may differ."""
         chunks = self._check_chunks("all_to_all", chunks, same_shape=False)
-        sig = Signature("all_to_all", (len(chunks), *chunks[0].shape[1:]), chunks[0].dtype)
-        return self._run(sig, sum(c.nbytes for c in chunks),
+        sig = partial(Signature, "all_to_all", (len(chunks), *chunks[0].shape[1:]), chunks[0].dtype)
+        return self._run("all_to_all", sig, sum(c.nbytes for c in chunks),
                          lambda call: self._all_to_all(chunks, call), async_op)
 
     def barrier(self, *, async_op: bool = False) -> None | Work:
         """Returns once every rank of the group has called it."""
-        return self._run(Signature("barrier"), 0, lambda call: self._barrier(call), async_op)
+        return self._run("barrier", partial(Signature, "barrier"), 0, lambda call: self._barrier(call), async_op)
 
     def new_group(self, ranks: Sequence[int]):
         """Called by every rank of this group: members get a backend over ``ranks`` (renumbered
         0..k-1 in the order given), the others get None."""
         ranks = self._check_group_ranks(ranks)
-        sig = Signature("new_group", (len(ranks),), None, (("ranks", ranks),))
-        return self._run(sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
+        sig = partial(Signature, "new_group", (len(ranks),), None, (("ranks", ranks),))
+        return self._run("new_group", sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
 
     # ---- point to point --------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -303,24 +311,26 @@ class CommunicationBackendBase(abc.ABC):
         self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
 
     # ---- shared machinery ------------------------------------------------------------------------
-    def _run(self, sig: Signature, nbytes: int, fn: Callable[[Call], Any], async_op: bool) -> Any:
+    def _run(self, op: str, make_signature: Callable[[], Signature], nbytes: int,
+             fn: Callable[[Call], Any], async_op: bool) -> Any:
         with self._lock:
-            self._check_open(sig.op)
+            self._check_open(op)
             self._seq += 1
-            call = Call(sig.op, self._seq, sig, self.timeout)
-        self.stats.record(sig.op, nbytes)
+            call = Call(op, self._seq, make_signature, self.timeout)
+        self.stats.record(op, nbytes)
 
         def execute() -> Any:
             if self.debug:
                 self._check_signature(call)
             return fn(call)
         if not async_op:
-            self._drain()
+            if self._pending:
+                self._drain()
             return execute()
         future = self._communication_thread().submit(execute)
         with self._lock:
             self._pending.append(future)
-        return FutureWork(future, sig.op, call.seq)
+        return FutureWork(future, op, call.seq)
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -338,7 +348,7 @@ class CommunicationBackendBase(abc.ABC):
 
     def _check_signature(self, call: Call) -> None:
         mine = call.signature.encode(call.seq)
-        check = Call("all_gather", call.seq, Signature("all_gather", tuple(mine.shape), mine.dtype),
+        check = Call("all_gather", call.seq, partial(Signature, "all_gather", tuple(mine.shape), mine.dtype),
                      call.timeout)
         everyone = self._all_gather(mine, check).view(self._world_size, -1)
         if not bool((everyone == mine).all()):
