@@ -7,6 +7,7 @@ interrupted (Ctrl-C: the last complete checkpoint stays loadable). ``--debug`` s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -58,18 +59,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ndistframe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ConfigError, BackendUnavailableError, FileNotFoundError) as exc:
-        return _report(exc, debug, EXIT_BAD_INPUT)
+        # Bad input is found the same way on every rank a launcher started: rank 0 reports it.
+        return _report(exc, debug, EXIT_BAD_INPUT, quiet=_launched_rank() > 0)
     except DistFrameError as exc:
         return _report(exc, debug, 1)
 
 
-def _report(exc: BaseException, debug: bool, status: int) -> int:
+def _report(exc: BaseException, debug: bool, status: int, quiet: bool = False) -> int:
+    if quiet and not debug:
+        return status
     if debug:
         traceback.print_exception(exc)
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     hint = " (--debug shows the traceback)" if status == 1 and not debug else ""
-    print(f"distframe: error: {message}{hint}", file=sys.stderr)
+    rank = _launched_rank()
+    where = f" [rank {rank}]" if rank > 0 else ""
+    print(f"distframe: error{where}: {message}{hint}", file=sys.stderr)
     return status
+
+
+def _launched_rank() -> int:
+    """This process's rank when mpiexec/mpirun or torchrun started it, else 0."""
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

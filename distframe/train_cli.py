@@ -106,6 +106,8 @@ def train_command(args: argparse.Namespace) -> int:
                  if found else "no checkpoint was written yet")
         print(f"\ndistframe train: interrupted; {where}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if result.rank != 0:  # under mpiexec or torchrun every rank gets here; rank 0 reports
+        return 0
     for note in result.notes:
         print(note, file=sys.stderr)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"

@@ -38,6 +38,7 @@ class TrainResult:
     wall_s: float
     out: str
     checkpoint: str | None
+    rank: int = 0
     notes: tuple[str, ...] = ()
 
 
@@ -226,5 +227,6 @@ class _Job:
             val_loss=last_val, tokens_per_s=tokens / seconds if seconds else 0.0,
             peak_memory_bytes=peak_memory_bytes(self.device),
             wall_s=last["wall_s"] if last else 0.0, out=self.config.out,
-            checkpoint=checkpoint or (latest[0] if latest else None), notes=tuple(self.notes))
+            checkpoint=checkpoint or (latest[0] if latest else None), rank=self.backend.rank,
+            notes=tuple(self.notes))
 
