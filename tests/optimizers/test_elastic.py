@@ -158,3 +158,18 @@ def test_uneven_global_batch_and_bad_schedule_are_config_errors():
     with pytest.raises(ConfigError, match="schedule"):
         ElasticController(lambda b, m: None, initial_world=2, schedule={0: 3})
     assert ElasticMember(5).commit is None
+
+
+def test_elastic_demo_removes_and_adds_workers_and_logs_it():
+    from distframe.optimizers.elastic_demo import run_elastic_demo
+    lines = []
+    generations = run_elastic_demo(lambda: copy.deepcopy(MLP), _global_batch, nn.functional.mse_loss,
+                                   optimizer_cls=torch.optim.Adam, lr=LR, total_steps=8, initial_world=2,
+                                   schedule={2: 3, 6: 2}, fail_worker=2, fail_at=4, commit_every=2,
+                                   log=lines.append)
+    assert [(len(g.members), g.start_step, g.end) for g in generations] == [
+        (2, 0, "clean"), (3, 2, "failed"), (2, 4, "clean"), (2, 6, "finished")]
+    assert any("worker 2 failed" in line for line in lines)
+    assert any(line.startswith("step    8  world 2") for line in lines)
+    first = float(next(line for line in lines if line.startswith("step    1")).split()[-1])
+    assert all(loss < first for loss in generations[-1].results)
