@@ -276,8 +276,8 @@ class TorchDistributedBackend(CommunicationBackendBase):
                 raise
             raise error from exc
 
-    def _comm_error(self, exc: BaseException, op: str, seq: int,
-                    peers: list[int] | None) -> Exception | None:
+    def _comm_error(self, exc: BaseException, op: str, seq: int, peers: list[int] | None,
+                    timeout: float | None = None) -> Exception | None:
         """The distframe error for a transport failure (None if ``exc`` is not one). ``peers``:
         the ranks being waited for when known (point to point); else read from the board."""
         text = str(exc).strip()
@@ -292,7 +292,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if missing == []:
             detail += "; every rank had reached this call"
         if timed_out:
-            return CollectiveTimeoutError(op, seq, missing or None, self.timeout, detail)
+            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
 
@@ -339,7 +339,7 @@ class _RecvWork(Work):
             else:
                 work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as exc:
-            error = self._backend._comm_error(exc, "recv", self._seq, [self._src])
+            error = self._backend._comm_error(exc, "recv", self._seq, [self._src], timeout)
             if error is None:
                 raise
             raise error from exc

@@ -44,6 +44,16 @@ def rank_late_rank_two(b):
     return "completed"
 
 
+def rank_recv_nobody_sends(b):
+    if b.rank == 0:
+        return None
+    try:
+        b.irecv(torch.empty(2), 0, tag=3).wait(timeout=0.5)
+    except CollectiveTimeoutError as exc:
+        return exc.op, exc.seq, exc.missing_ranks, exc.timeout
+    return "completed"
+
+
 def rank_raise_timeout(b):
     raise CollectiveTimeoutError("all_reduce", 7, [1], 2.0, "raised on purpose")
 
@@ -122,6 +132,7 @@ def test_errors_keep_their_type_and_attributes_across_processes():
             pool.run(rank_raise_timeout)
         assert (info.value.op, info.value.seq, info.value.missing_ranks) == ("all_reduce", 7, [1])
         assert any("rank 0" in note for note in info.value.__notes__)
+        assert pool.run(rank_recv_nobody_sends) == [None, ("recv", 1, [0], 0.5)]
 
 
 # ---- debug-mode mismatches ------------------------------------------------------------------------------
