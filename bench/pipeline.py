@@ -1,0 +1,238 @@
+"""Pipeline parallelism: steps/s against torch.distributed.pipelining, measured bubble against
+(p-1)/(m+p-1), and peak saved-activation memory of 1F1B against GPipe.
+
+    python bench/pipeline.py [--steps 8] [--quick]
+
+1. Throughput (gloo, 2 processes, one thread each): an ``nn.Sequential`` of residual MLP blocks
+   (float32) cut into 2 stages by distframe's splitter; the very same stage modules run under
+   distframe's PipelineParallelModel and under torch's ``PipelineStage`` + ``ScheduleGPipe`` /
+   ``Schedule1F1B`` (SGD step included in both), alternately in the same processes. Figure:
+   median steps/s over the timed steps; ratio distframe / torch.
+2. Bubble, real compute (the same gloo run): per-stage busy time from the runtime's timeline,
+   idle = pipeline span - busy; the mean idle fraction against the formula.
+3. Bubble, schedule only (in-memory threads): stages whose compute is a fixed sleep (forward t,
+   backward 2t), so p = 4 stages do not compete for 2 cores; p = 4, m = 4, 8, 16.
+4. Memory (in-memory threads, p = 4, m = 8): peak bytes of storage saved for backward on each
+   stage (``ActivationMemoryMeter``: saved_tensors_hooks, unique storages), GPipe vs 1F1B.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# bench/ goes last on the path: bench/attention.py must not shadow the attention package.
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(_BENCH)] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH] + [_BENCH]
+
+WIDTH, BLOCKS, BATCH = 512, 8, 64
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc_in = nn.Linear(width, 2 * width)
+        self.fc_out = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc_out(F.gelu(self.fc_in(self.norm(x))))
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+# ---- 1 and 2: gloo, distframe vs torch.distributed.pipelining ---------------------------------
+def _rank_throughput(backend, configs, steps, warmup):
+    import torch.distributed as dist
+    from _gloo_collectives import _join_raw_world
+    from distframe.models.pipeline import PipelineParallelModel
+    from distframe.models.pipeline_metrics import pipeline_bubble  # noqa: F401 (used by the caller)
+    from distframe.models.stages import split_into_stages
+    torch.set_num_threads(1)
+    _join_raw_world(backend)
+    rows = []
+    try:
+        for schedule, m in configs:
+            ours = PipelineParallelModel(build_model(), backend, num_microbatches=m, schedule=schedule)
+            opt = torch.optim.SGD(ours.parameters(), lr=1e-3)
+            stage = split_into_stages(build_model(), backend.world_size)[backend.rank]
+            theirs, their_opt = _torch_schedule(stage, backend, schedule, m)
+            ours_times, theirs_times, timelines = [], [], []
+            for s in range(warmup + steps):
+                x, y = batch(s)
+                backend.barrier()
+                start = time.perf_counter()
+                ours.train_step((x, y), mse, opt)
+                ours_times.append(time.perf_counter() - start)
+                timelines.append(ours.last_timeline)
+                dist.barrier()
+                start = time.perf_counter()
+                _torch_step(theirs, their_opt, backend, x, y)
+                theirs_times.append(time.perf_counter() - start)
+            rows.append({"schedule": schedule, "m": m, "ours_s": ours_times[warmup:],
+                         "torch_s": theirs_times[warmup:], "timelines": timelines[warmup:]})
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def _torch_schedule(stage_module, backend, schedule, m):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    stage = PipelineStage(stage_module, backend.rank, backend.world_size, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stage, n_microbatches=m, loss_fn=mse), torch.optim.SGD(stage_module.parameters(), lr=1e-3)
+
+
+def _torch_step(schedule, opt, backend, x, y):
+    import torch.distributed as dist
+    last = backend.world_size - 1
+    losses = []
+    if backend.rank == 0:
+        schedule.step(x)
+    elif backend.rank == last:
+        schedule.step(target=y, losses=losses)
+    else:
+        schedule.step()
+    opt.step()
+    opt.zero_grad()
+    # The same loss broadcast distframe's train_step does (every rank returns the loss).
+    loss = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)
+    dist.broadcast(loss, last)
+
+
+def throughput(configs, steps, warmup):
+    from distframe._process_launch import ProcessPool
+    from distframe.models.pipeline_metrics import pipeline_bubble
+    with ProcessPool(2, "gloo", timeout=600) as pool:
+        per_rank = pool.run(_rank_throughput, configs, steps, warmup)
+    p = 2
+    print(f"\n## Throughput and bubble: gloo, p={p}, {BLOCKS} blocks of width {WIDTH}, batch {BATCH}, "
+          "float32, 1 thread per rank")
+    print("| schedule | m | distframe steps/s | torch.pipelining steps/s | ratio | measured bubble | (p-1)/(m+p-1) |")
+    print("|---|---|---|---|---|---|---|")
+    for i, row in enumerate(per_rank[0]):
+        # A step's time is the slowest rank's.
+        ours = statistics.median(max(t) for t in zip(*(r[i]["ours_s"] for r in per_rank)))
+        theirs = statistics.median(max(t) for t in zip(*(r[i]["torch_s"] for r in per_rank)))
+        bubbles = [pipeline_bubble([r[i]["timelines"][k] for r in per_rank]) for k in range(len(row["timelines"]))]
+        formula = (p - 1) / (row["m"] + p - 1)
+        print(f"| {row['schedule']} | {row['m']} | {1 / ours:.2f} | {1 / theirs:.2f} | {theirs / ours:.2f}x "
+              f"| {statistics.median(bubbles):.3f} | {formula:.3f} |")
+
+
+# ---- 3: schedule-only bubble ----------------------------------------------------------------------
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepStage(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.scale, self.seconds)
+
+
+def sleep_bubble(p, ms, seconds, steps):
+    from distframe.launch import spawn
+    from distframe.models.pipeline import PipelineParallelModel
+    from distframe.models.pipeline_metrics import pipeline_bubble
+    print(f"\n## Bubble, schedule only: in-memory threads, p={p}, stage compute = sleep "
+          f"(forward {seconds * 1e3:.0f} ms, backward {2 * seconds * 1e3:.0f} ms per micro-batch)")
+    print("| schedule | m | measured bubble | (p-1)/(m+p-1) | relative difference |")
+    print("|---|---|---|---|---|")
+    for schedule in ("gpipe", "1f1b"):
+        for m in ms:
+            model = nn.Sequential(*[SleepStage(seconds) for _ in range(p)])
+            x, y = torch.ones(m, 2), torch.zeros(m, 2)
+
+            def run(b):
+                pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+                out = []
+                for _ in range(steps):
+                    b.barrier()
+                    pipe.forward_backward((x, y), mse)
+                    out.append(pipe.last_timeline)
+                return out
+
+            per_rank = spawn(run, p)
+            measured = statistics.median(pipeline_bubble([r[k] for r in per_rank]) for k in range(steps))
+            formula = (p - 1) / (m + p - 1)
+            print(f"| {schedule} | {m} | {measured:.3f} | {formula:.3f} | {(measured - formula) / formula:+.1%} |")
+
+
+# ---- 4: activation memory ---------------------------------------------------------------------------
+def activation_memory(p, m):
+    from distframe.launch import spawn
+    from distframe.models.pipeline import PipelineParallelModel
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(128) for _ in range(2 * p)])
+    x, y = torch.randn(8 * m, 128), torch.randn(8 * m, 128)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        def run(b):
+            pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+            pipe.forward_backward((x, y), mse)
+            return pipe.activation_memory.peak_bytes, pipe.runner.in_flight_peak
+        peaks[schedule] = spawn(run, p)
+    print(f"\n## Peak saved-activation memory: in-memory, p={p}, m={m}, {2 * p} blocks of width 128, "
+          f"micro-batch 8 (saved_tensors_hooks, unique storages)")
+    print("| stage | GPipe peak KiB (micro-batches in flight) | 1F1B peak KiB (in flight) | 1F1B / GPipe |")
+    print("|---|---|---|---|")
+    for s in range(p):
+        (g, gf), (o, of) = peaks["gpipe"][s], peaks["1f1b"][s]
+        print(f"| {s} | {g / 1024:.1f} ({gf}) | {o / 1024:.1f} ({of}) | {o / g:.3f} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
+    parser.add_argument("--only", default="throughput,sleep,memory")
+    args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
+    configs = [("gpipe", 4), ("1f1b", 4), ("gpipe", 8), ("1f1b", 8)]
+    if args.quick:
+        configs, args.steps = configs[:2], 3
+    if "throughput" in parts:
+        throughput(configs, args.steps, args.warmup)
+    if "sleep" in parts:
+        sleep_bubble(4, [4] if args.quick else [4, 8, 16], 0.02, 2 if args.quick else 3)
+    if "memory" in parts:
+        activation_memory(4, 8)
+
+
+if __name__ == "__main__":
+    main()
