@@ -155,6 +155,33 @@ class HybridShardedModel(ShardedModelBase):
         self.groups.pp.broadcast(loss, self.dims.pp - 1)
         return loss.reshape(())
 
+    def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+        """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
+        pipeline group: with pipelining only the scalar is broadcast from the last stage."""
+        with torch.no_grad():
+            if self.runner is None:
+                return loss_fn(self.wrapped_model(inputs), targets).detach()
+            output = self.runner.forward_only(inputs)
+            loss = torch.zeros(1, dtype=torch.float64)
+            if output is not None:
+                loss[0] = float(loss_fn(output, targets))
+            self.groups.pp.broadcast(loss, self.dims.pp - 1)
+            return loss.reshape(())
+
+    def data_parallel_coordinates(self) -> tuple[int, int]:
+        """``(dp, dp_index)``: which slice of the global batch this rank trains on."""
+        return self.dims.dp, self.groups.dp_index
+
+    def parameter_metadata(self) -> dict[str, dict[str, Any]]:
+        """Name, dense shape and dtype of every parameter of the unsplit model (the same on every
+        rank), for checkpoint metadata; ``wrapped_model`` holds only this rank's stage and shards."""
+        return {e.name: {"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch.")}
+                for e in self.catalog.params}
+
+    def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's buffers under their names in the unsplit model."""
+        return list(self.local_buffers.items())
+
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any) -> float:
         self.check_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -168,6 +168,23 @@ def test_state_dict_loads_under_ddp_and_back():
             torch.testing.assert_close(full[name], tensor, rtol=0, atol=0)
 
 
+def test_validation_loss_and_metadata_are_the_dense_models():
+    lm = tiny_lm()
+    x, y = batches()[0]
+    expected = float(lm_loss(lm(x), y))
+    shapes = {n: list(p.shape) for n, p in lm.named_parameters()}
+
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2, tp=2, pp=2), num_microbatches=2)
+        dp, index = model.data_parallel_coordinates()
+        assert (dp, index) == (2, model.groups.dp_index)
+        meta = model.parameter_metadata()
+        assert {n: m["shape"] for n, m in meta.items()} == shapes
+        return float(model.validation_loss(x, y, lm_loss))
+
+    assert spawn(run, 8) == pytest.approx([expected] * 8, rel=1e-12)
+
+
 def test_factory_picks_the_model_class():
     def run(b, strategy, **kw):
         return type(build_model_parallel(strategy, tiny_lm(), b, micro_batches=2, **kw)).__name__
