@@ -59,7 +59,7 @@ class TrainConfig:
     seq_len: int | None = None
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
-    steps: int = 150
+    steps: int = 60
     batch_size: int = 4
     lr: float = 2e-3
     warmup_steps: int = 10
@@ -71,8 +71,8 @@ class TrainConfig:
     token_dtype: str = "uint8"
     out: str = "runs/train"
     resume: bool = False
-    checkpoint_every: int = 50
-    eval_every: int = 25
+    checkpoint_every: int = 20
+    eval_every: int = 20
     eval_batches: int = 4
 
     def __post_init__(self) -> None:

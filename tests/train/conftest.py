@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from distframe.cli import main
 
@@ -41,3 +42,12 @@ def train(out: str | Path, corpus: str, *flags: str) -> list[dict]:
     status = main(["train", *TINY, "--data", corpus, "--out", str(out), *flags])
     assert status == 0
     return read_metrics(out)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank():
+    """Tiny models run fastest on one thread each, and CI machines are often shared."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
