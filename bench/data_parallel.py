@@ -7,7 +7,7 @@ threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
 
 Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
 (parameters, gradients, optimizer state, buffers) with the ZeRO formula beside it; ``peak MiB`` =
-growth of the process's peak RSS from before the model was built (process engines only: the
+the process's peak RSS (VmHWM, reset just before the model is built) minus its RSS then (process engines only: the
 in-memory ranks share one process).
 
     python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp]
@@ -81,8 +81,29 @@ def batch_for(rank: int, step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def reset_peak() -> float:
+    """Resets the process's peak RSS (Linux clear_refs) and returns the current RSS in MiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        return _status_kib("VmHWM") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---- distframe strategies ------------------------------------------------------------------------
@@ -94,7 +115,7 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
                "zero2": (ZeRO2Model, ZeRO2Optimizer), "zero3": (ZeRO3Model, ZeRO3Optimizer),
                "fsdp": (FSDPModel, FSDPOptimizer)}
     torch.set_num_threads(1)
-    before = peak_rss_mib()
+    before = reset_peak()
     model_cls, opt_cls = classes[strategy]
     model = model_cls(build(), backend)
     opt = opt_cls(model, torch.optim.AdamW, lr=3e-4)
@@ -120,7 +141,7 @@ def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out)
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    before = peak_rss_mib()
+    before = reset_peak()
     model = build()
     if kind == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel

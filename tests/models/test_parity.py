@@ -32,3 +32,23 @@ def test_parity_float64(strategy, world):
                 torch.testing.assert_close(history[step][name], value, rtol=0, atol=1e-10,
                                            msg=lambda m: f"step {step} rank {rank} {name}: {m}")
     assert len({tuple(losses) for _, losses in results}) == 1
+
+
+@pytest.mark.parametrize("strategy, settings", [
+    ("zero3", {"replicate_below_numel": 100}),      # small modules stay gathered between steps
+    ("zero3", {"prefetch": False}),
+    ("fsdp", {"auto_wrap_min_params": 100, "reshard_after_forward": False}),
+    ("fsdp", {"auto_wrap_policy": lambda module, name: name in ("1", "2")}),
+])
+def test_parity_of_sharding_options(strategy, settings):
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **settings)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(4, 12):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+        return model.gather_full_parameters()
+    expected = reference_run(global_batches(4, 12))[-1]
+    for params in spawn(run, 3):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
