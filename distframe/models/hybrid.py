@@ -52,13 +52,14 @@ class HybridShardedModel(ShardedModelBase):
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", data_parallel: str = "ddp",
-                 split_points: Sequence[int] | None = None, config: ShardingConfig | None = None,
-                 **settings: Any) -> None:
+                 split_points: Sequence[int] | None = None, virtual_stages: int = 1,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)
-        _check_arguments(dims, backend, num_microbatches, schedule, data_parallel)
+        _check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
         super().__init__(model, backend, config=config, **settings)
         self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
+        self.virtual_stages = virtual_stages
         self.data_parallel = data_parallel
         self.groups = dims.build_groups(backend)
         dense_params = list(model.parameters())  # keeps ids stable while mapping names below
@@ -69,7 +70,8 @@ class HybridShardedModel(ShardedModelBase):
         origins: dict[int, int] = {}
         if dims.tp_enabled:
             origins = self._apply_tensor_parallel(model, tp_plan, ranges)
-        stage = self._build_stage(model, ranges)
+        chunks = self._build_chunks(model, ranges)
+        stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         splits = split_dims(stage)
         self.local_parameters = [
             LocalParameter(dense_names[origins.get(id(p), id(p))], p, splits.get(id(p)))
@@ -84,7 +86,7 @@ class HybridShardedModel(ShardedModelBase):
         self.zero = (ZeroShards(self._parameters_list(), self.groups.dp, stage=int(data_parallel[-1]))
                      if data_parallel != "ddp" else None)
         self._gradients_synchronized = False
-        self.runner = (PipelineRunner(stage, self.groups.pp, num_microbatches=num_microbatches,
+        self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
         self._plain_optimizer: torch.optim.Optimizer | None = None
 
@@ -94,14 +96,21 @@ class HybridShardedModel(ShardedModelBase):
             if split_points is not None:
                 raise ConfigError("split_points needs pipeline parallelism (pp > 1)")
             return None
-        return partition(layer_parameter_counts(pipeline_layers(model)), self.dims.pp, split_points)
+        stages = self.dims.pp * self.virtual_stages
+        return partition(layer_parameter_counts(pipeline_layers(model)), stages, split_points)
 
-    @staticmethod
-    def _stage_layers(model: nn.Module, ranges: list[range] | None) -> list[list[nn.Module]]:
+    def _chunk_layers(self, model: nn.Module, ranges: list[range]) -> list[list[list[nn.Module]]]:
+        """``[rank][chunk] -> layers``: chunk c of rank r is global stage ``c * pp + r``."""
+        layers = [m for _, m in pipeline_layers(model)]
+        p = self.dims.pp
+        return [[[layers[i] for i in ranges[c * p + r]] for c in range(self.virtual_stages)]
+                for r in range(p)]
+
+    def _stage_layers(self, model: nn.Module, ranges: list[range] | None) -> list[list[nn.Module]]:
+        """``[rank] -> every layer the rank holds``."""
         if ranges is None:
             return [[model]]
-        layers = [m for _, m in pipeline_layers(model)]
-        return [[layers[i] for i in r] for r in ranges]
+        return [[layer for chunk in rank for layer in chunk] for rank in self._chunk_layers(model, ranges)]
 
     def _apply_tensor_parallel(self, model: nn.Module, tp_plan: Mapping[str, str] | None,
                                ranges: list[range] | None) -> dict[int, int]:
@@ -110,12 +119,13 @@ class HybridShardedModel(ShardedModelBase):
         owned = {id(m) for layer in mine for m in layer.modules()}
         return apply_tensor_parallel(model, self.groups.tp, plan, include=lambda m: id(m) in owned)
 
-    def _build_stage(self, model: nn.Module, ranges: list[range] | None) -> nn.Module:
+    def _build_chunks(self, model: nn.Module, ranges: list[range] | None) -> list[nn.Module]:
         if ranges is None:
-            return model
+            return [model]
         # Layers are looked up again: tensor parallelism replaced some of the modules.
-        layers = self._stage_layers(model, ranges)[self.groups.pp_index]
-        return PipelineStage(layers, self.groups.pp_index, self.dims.pp)
+        mine = self._chunk_layers(model, ranges)[self.groups.pp_index]
+        p, r = self.dims.pp, self.groups.pp_index
+        return [PipelineStage(layers, c * p + r, p * self.virtual_stages) for c, layers in enumerate(mine)]
 
     def _build_tied_groups(self) -> list[tuple[ICommunicationBackend, list[LocalParameter]]]:
         out = []
@@ -284,7 +294,7 @@ class _PlainOptimizerView:
 
 
 def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches: Any, schedule: Any,
-                     data_parallel: Any) -> None:
+                     data_parallel: Any, virtual_stages: Any) -> None:
     if not isinstance(dims, ParallelDims):
         raise ConfigError(f"dims must be a distframe.mesh.ParallelDims, got {type(dims).__name__}")
     dims.validate(backend.world_size)
@@ -292,6 +302,11 @@ def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches
         raise ConfigError(f"num_microbatches={num_microbatches!r}: use a positive int")
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ConfigError(f"virtual_stages={virtual_stages!r}: use a positive int (model chunks per rank)")
+    if (virtual_stages > 1) != (schedule == "interleaved_1f1b"):
+        raise ConfigError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: interleaved_1f1b "
+                          "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
 

@@ -23,16 +23,19 @@ from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimelin
 
 
 class PipelineParallelModel(HybridShardedModel):
-    """``PipelineParallelModel(model, backend, *, num_microbatches, schedule="1f1b" | "gpipe",
-    split_points=None)``; ``model``: an ``nn.Sequential``, a list of blocks, a
-    ``DilatedTransformerLM`` or a module with ``pipeline_layers()`` (see ``stages``)."""
+    """``PipelineParallelModel(model, backend, *, num_microbatches, schedule="1f1b" | "gpipe" |
+    "interleaved_1f1b", split_points=None, virtual_stages=1)``; ``model``: an ``nn.Sequential``, a
+    list of blocks, a ``DilatedTransformerLM`` or a module with ``pipeline_layers()`` (see
+    ``stages``). ``interleaved_1f1b`` cuts the model into ``pp * virtual_stages`` stages and gives
+    rank r the chunks ``r, r + pp, ...``; ``split_points`` then has ``pp * virtual_stages - 1``
+    entries."""
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  num_microbatches: int, schedule: str = "1f1b", split_points: Sequence[int] | None = None,
-                 **settings: Any) -> None:
+                 virtual_stages: int = 1, **settings: Any) -> None:
         super().__init__(model, backend, dims=ParallelDims(pp=backend.world_size),
                          num_microbatches=num_microbatches, schedule=schedule,
-                         split_points=split_points, **settings)
+                         split_points=split_points, virtual_stages=virtual_stages, **settings)
 
     @property
     def stage_index(self) -> int:

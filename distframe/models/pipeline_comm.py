@@ -1,11 +1,13 @@
 """Point-to-point traffic between neighbouring pipeline stages.
 
-Activations go forward with tag 0 and their gradients backward with tag 1, in micro-batch order
-on each link, so the backends' per-(peer, tag) FIFO order pairs every send with its receive.
-The receiver of an activation does not know its shape: the first activation of each step is
-preceded by a small int64 header (dtype code, rank, sizes); later micro-batches of the step share
-it. Gradients need no header (they have the shape of the activation the receiver sent).
-Sends are non-blocking (``isend``) and waited for at the end of the step.
+A message is addressed to a global stage ``g`` (with interleaving, chunk c of rank r is global
+stage ``c * p + r``): its activation travels with tag ``3g``, the gradient of stage g's output
+with tag ``3g + 1``, and a header with tag ``3g + 2``. On each tag messages go in micro-batch
+order, so the backends' per-(peer, tag) FIFO order pairs every send with its receive. The
+receiver of an activation does not know its shape: the first activation of each step for each
+stage is preceded by a small int64 header (dtype code, rank, sizes); later micro-batches of the
+step share it. Gradients need no header (they have the shape of the activation the receiver
+sent). Sends are non-blocking (``isend``) and waited for at the end of the step.
 """
 from __future__ import annotations
 
@@ -14,46 +16,49 @@ import torch
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import Work
 
-ACTIVATION_TAG, GRADIENT_TAG, HEADER_TAG = 0, 1, 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.bool, torch.uint8, torch.int8, torch.int16]
 _HEADER_LEN = 12
 
 
 class StageLinks:
-    """The pipeline group seen from one stage: receive from ``stage - 1``, send to ``stage + 1``."""
+    """Sends and receives of one pipeline rank, addressed by global stage."""
 
     def __init__(self, backend: ICommunicationBackend) -> None:
         self.backend = backend
-        self.stage = backend.rank
         self._pending: list[tuple[Work, torch.Tensor]] = []
-        self._incoming: tuple[tuple[int, ...], torch.dtype] | None = None
-        self._header_sent = False
+        self._incoming: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._header_sent: set[int] = set()
 
     def new_step(self) -> None:
-        self._incoming, self._header_sent = None, False
+        self._incoming.clear()
+        self._header_sent.clear()
 
-    def send_activation(self, tensor: torch.Tensor) -> None:
+    def send_activation(self, tensor: torch.Tensor, dst: int, stage: int) -> None:
+        """``tensor`` becomes global stage ``stage``'s input, on rank ``dst``."""
         tensor = tensor.detach().contiguous()
-        if not self._header_sent:
-            self._isend(encode_header(tensor), self.stage + 1, HEADER_TAG)
-            self._header_sent = True
-        self._isend(tensor, self.stage + 1, ACTIVATION_TAG)
+        if stage not in self._header_sent:
+            self._isend(encode_header(tensor), dst, 3 * stage + 2)
+            self._header_sent.add(stage)
+        self._isend(tensor, dst, 3 * stage)
 
-    def recv_activation(self) -> torch.Tensor:
-        if self._incoming is None:
+    def recv_activation(self, src: int, stage: int) -> torch.Tensor:
+        """The next input of global stage ``stage`` (held here), from rank ``src``."""
+        if stage not in self._incoming:
             header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            self.backend.recv(header, self.stage - 1, HEADER_TAG)
-            self._incoming = decode_header(header)
-        shape, dtype = self._incoming
-        return self.backend.recv(torch.empty(shape, dtype=dtype), self.stage - 1, ACTIVATION_TAG)
+            self.backend.recv(header, src, 3 * stage + 2)
+            self._incoming[stage] = decode_header(header)
+        shape, dtype = self._incoming[stage]
+        return self.backend.recv(torch.empty(shape, dtype=dtype), src, 3 * stage)
 
-    def send_gradient(self, grad: torch.Tensor) -> None:
-        self._isend(grad.detach().contiguous(), self.stage - 1, GRADIENT_TAG)
+    def send_gradient(self, grad: torch.Tensor, dst: int, stage: int) -> None:
+        """The gradient of global stage ``stage``'s output (stage held by rank ``dst``)."""
+        self._isend(grad.detach().contiguous(), dst, 3 * stage + 1)
 
-    def recv_gradient(self, like: torch.Tensor) -> torch.Tensor:
+    def recv_gradient(self, like: torch.Tensor, src: int, stage: int) -> torch.Tensor:
+        """The gradient of the output ``like`` of global stage ``stage`` (held here)."""
         return self.backend.recv(torch.empty_like(like, memory_format=torch.contiguous_format),
-                                 self.stage + 1, GRADIENT_TAG)
+                                 src, 3 * stage + 1)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

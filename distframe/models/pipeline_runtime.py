@@ -1,28 +1,30 @@
-"""Executing a pipeline schedule on one stage: micro-batches, sends, receives, autograd.
+"""Executing a pipeline schedule on one rank: micro-batches, sends, receives, autograd.
 
-``PipelineRunner.forward_backward`` runs this stage's action list (``pipeline_schedules``) for one
-step. A forward receives the activation from the previous stage (or takes the micro-batch input
-on the first stage), runs the stage, and sends the output on (the last stage applies
+``PipelineRunner.forward_backward`` runs this rank's action list (``pipeline_schedules``) for one
+step. The rank holds one model chunk per virtual stage (one without interleaving); chunk c of
+rank r is global stage ``g = c * p + r``, fed by global stage ``g - 1`` and feeding ``g + 1``.
+A forward receives the activation from the previous stage (or takes the micro-batch input on
+global stage 0), runs the chunk, and sends the output on (the last global stage applies
 ``loss_fn`` and scales it by ``1/m``, so the accumulated gradients are those of the mean loss over
 the slice). A backward receives the output's gradient from the next stage (the last stage starts
-from its loss), runs autograd through the stage, and sends the input's gradient back. Parameter
+from its loss), runs autograd through the chunk, and sends the input's gradient back. Parameter
 gradients accumulate in ``.grad`` over the micro-batches. Collectives: none besides the p2p of
-``pipeline_comm`` (tensor-parallel layers inside the stage run their own, in lockstep).
+``pipeline_comm`` (tensor-parallel layers inside a chunk run their own, in lockstep).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.pipeline_comm import StageLinks
 from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimeline
 from distframe.models.pipeline_schedules import max_in_flight, schedule_actions
-from distframe.models.stages import PipelineStage
 
 
 def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[Any]:
@@ -36,28 +38,39 @@ def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[An
 
 
 class PipelineRunner:
-    """One stage of a pipeline over ``backend`` (the pipeline group: rank = stage index)."""
+    """Rank ``backend.rank`` of a pipeline over ``backend``, holding ``chunks`` (its model chunks,
+    in chunk order; global stage of chunk c is ``c * p + rank``)."""
 
-    def __init__(self, stage: PipelineStage, backend: ICommunicationBackend, *, num_microbatches: int,
+    def __init__(self, chunks: Sequence[nn.Module], backend: ICommunicationBackend, *, num_microbatches: int,
                  schedule: str) -> None:
-        self.stage, self.backend = stage, backend
+        self.chunks, self.backend = list(chunks), backend
         self.num_microbatches, self.schedule = num_microbatches, schedule
-        self.actions = schedule_actions(schedule, backend.world_size, backend.rank, num_microbatches)
+        self.ranks = backend.world_size
+        self.num_stages = self.ranks * len(self.chunks)
+        self.actions = schedule_actions(schedule, self.ranks, backend.rank, num_microbatches, len(self.chunks))
         self.links = StageLinks(backend)
-        self.memory = ActivationMemoryMeter(exclude=list(stage.parameters()))
+        self.memory = ActivationMemoryMeter(exclude=[p for c in self.chunks for p in c.parameters()])
         self.timeline = StepTimeline()
         self.in_flight_peak = max_in_flight(self.actions)
 
     @property
     def is_first(self) -> bool:
+        """Whether this rank feeds the model its inputs (holds global stage 0)."""
         return self.backend.rank == 0
 
     @property
     def is_last(self) -> bool:
-        return self.backend.rank == self.backend.world_size - 1
+        """Whether this rank computes the loss (holds the last global stage)."""
+        return self.backend.rank == self.ranks - 1
+
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.ranks + self.backend.rank
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.ranks
 
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor | None:
-        """Runs the step; returns the mean loss over the slice on the last stage, else None."""
+        """Runs the step; returns the mean loss over the slice on the last rank, else None."""
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
         micro_targets = split_microbatches(targets, m, "targets") if self.is_last else [None] * m
@@ -65,57 +78,63 @@ class PipelineRunner:
         self.timeline = StepTimeline()
         self.memory.exclude([inputs, targets])
         self.memory.reset_peak()
-        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses = []
         start = time.perf_counter()
         for action in self.actions:
-            i = action.microbatch
+            key = (action.chunk, action.microbatch)
             if action.kind == "F":
-                x, out = self._forward(micro_inputs[i], grad=True)
-                if self.is_last:
+                x, out = self._forward(action.chunk, micro_inputs[action.microbatch], grad=True)
+                if self._stage(action.chunk) == self.num_stages - 1:
                     with self.timeline.busy("F"), self.memory.hooks():
-                        out = loss_fn(out, micro_targets[i]) / m
+                        out = loss_fn(out, micro_targets[action.microbatch]) / m
                     losses.append(out.detach())
-                held[i] = (x, out)
+                held[key] = (x, out)
             else:
-                x, out = held.pop(i)
-                self._backward(x, out)
+                x, out = held.pop(key)
+                self._backward(action.chunk, x, out)
         self.links.wait_sends()
         self.timeline.start_s, self.timeline.end_s = start, time.perf_counter()
         self.timeline.step_s = self.timeline.end_s - start
         return torch.stack(losses).sum() if self.is_last else None
 
     def forward_only(self, inputs: Any) -> torch.Tensor | None:
-        """Forward of every micro-batch without autograd; the concatenated output on the last stage."""
+        """Forward of every micro-batch without autograd; the concatenated output on the last rank."""
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
         self.links.new_step()
         outputs = []
         with torch.no_grad():
-            for i in range(m):
-                outputs.append(self._forward(micro_inputs[i], grad=False)[1])
+            # Chunk-major order is a valid schedule: stage g only waits for stage g - 1.
+            for chunk in range(len(self.chunks)):
+                for i in range(m):
+                    out = self._forward(chunk, micro_inputs[i], grad=False)[1]
+                    if self._stage(chunk) == self.num_stages - 1:
+                        outputs.append(out)
         self.links.wait_sends()
         return torch.cat(outputs) if self.is_last else None
 
-    def _forward(self, micro_input: Any, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if self.is_first:
+    def _forward(self, chunk: int, micro_input: Any, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        stage = self._stage(chunk)
+        if stage == 0:
             x = micro_input
         else:
-            x = self.links.recv_activation()
+            x = self.links.recv_activation(self._rank_of(stage - 1), stage)
             if grad and x.is_floating_point():
                 x.requires_grad_(True)
         with self.timeline.busy("F"), self.memory.hooks():
-            out = self.stage(x)
-        if not self.is_last:
-            self.links.send_activation(out)
-        return (x if not self.is_first else None), out
+            out = self.chunks[chunk](x)
+        if stage < self.num_stages - 1:
+            self.links.send_activation(out, self._rank_of(stage + 1), stage + 1)
+        return (x if stage > 0 else None), out
 
-    def _backward(self, x: torch.Tensor | None, out: torch.Tensor) -> None:
-        grad_out = None if self.is_last else self.links.recv_gradient(out)
+    def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor) -> None:
+        stage = self._stage(chunk)
+        grad_out = (None if stage == self.num_stages - 1
+                    else self.links.recv_gradient(out, self._rank_of(stage + 1), stage))
         with self.timeline.busy("B"):
             if out.requires_grad:
                 torch.autograd.backward(out, grad_out)
         if x is not None and x.requires_grad:
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.links.send_gradient(grad)
-
+            self.links.send_gradient(grad, self._rank_of(stage - 1), stage - 1)

@@ -17,7 +17,8 @@ from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models.pipeline import PipelineParallelModel
 from distframe.models.pipeline_metrics import pipeline_bubble
-from distframe.models.pipeline_schedules import gpipe, max_in_flight, one_f_one_b
+from distframe.models.pipeline_schedules import (gpipe, max_in_flight, one_f_one_b,
+                                                 schedule_actions)
 from distframe.models.stages import partition, split_into_stages
 
 _SEED = threading.Lock()
@@ -62,6 +63,49 @@ def test_schedules_cover_every_microbatch_once(p, m):
                        for i, a in enumerate(actions) if a.kind == "B")
         assert max_in_flight(gpipe(p, stage, m)) == m
         assert max_in_flight(one_f_one_b(p, stage, m)) == min(p - stage, m)
+
+
+def _runs_to_completion(name, p, m, v=1):
+    """Executes every rank's action list with eager sends and blocking receives: a rank waits
+    until its next action's input (forward of the previous global stage, backward of the next)
+    exists. False means the schedule deadlocks."""
+    lists = [schedule_actions(name, p, r, m, v) for r in range(p)]
+    done, position, stages = set(), [0] * p, p * v
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while position[r] < len(lists[r]):
+                a = lists[r][position[r]]
+                g = a.chunk * p + r
+                if a.kind == "F":
+                    ready = g == 0 or ("F", g - 1, a.microbatch) in done
+                else:
+                    ready = ("F", g, a.microbatch) in done and (
+                        g == stages - 1 or ("B", g + 1, a.microbatch) in done)
+                if not ready:
+                    break
+                done.add((a.kind, g, a.microbatch))
+                position[r] += 1
+                progress = True
+    return position == [len(x) for x in lists] and len(done) == 2 * m * stages
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 6, 3), (3, 3, 2), (4, 8, 2), (4, 4, 3)])
+def test_schedules_never_deadlock(p, m, v):
+    assert _runs_to_completion("gpipe", p, m) and _runs_to_completion("1f1b", p, m)
+    assert _runs_to_completion("interleaved_1f1b", p, m, v)
+    for r in range(p):
+        actions = schedule_actions("interleaved_1f1b", p, r, m, v)
+        assert sorted((a.kind, a.chunk, a.microbatch) for a in actions) == sorted(
+            (k, c, i) for k in "FB" for c in range(v) for i in range(m))
+
+
+def test_interleaving_needs_rounds_of_p_microbatches():
+    with pytest.raises(ConfigError, match="multiple of pp=2"):
+        schedule_actions("interleaved_1f1b", 2, 0, 3, 2)
+    with pytest.raises(ConfigError, match="virtual_stages"):
+        spawn(lambda b: PipelineParallelModel(sequential(), b, num_microbatches=2, virtual_stages=2), 2)
 
 
 def test_partition_balances_and_honours_split_points():
@@ -125,6 +169,30 @@ def test_sequential_equals_unsplit(schedule, p, m, dtype):
     assert all(len(r[2]) < len(grads) for r in results)  # and no stage holds them all
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 3), (3, 6, 2)])
+def test_interleaved_1f1b_equals_unsplit(p, m, v):
+    model = sequential()
+    x, y = data(12)
+    loss, out, grads = _reference(model, x, y)
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m,
+                                     schedule="interleaved_1f1b", virtual_stages=v)
+        with torch.no_grad():
+            output = pipe(x)
+        rank_loss = float(pipe.forward_backward((x, y), mse))
+        return rank_loss, output, {lp.name: lp.param.grad.clone() for lp in pipe.local_parameters}
+
+    seen = set()
+    for rank_loss, rank_out, rank_grads in spawn(run, p):
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
+        torch.testing.assert_close(rank_out, out, rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+        seen |= set(rank_grads)
+    assert seen == set(grads)
+
+
 @pytest.mark.parametrize("p,m,split_points", [(2, 2, None), (3, 4, None), (3, 2, [1, 3])])
 def test_lm_with_tied_embedding_equals_unsplit(p, m, split_points):
     lm = tiny_lm(num_layers=3)
@@ -137,7 +205,7 @@ def test_lm_with_tied_embedding_equals_unsplit(p, m, split_points):
     grads = {n: p_.grad for n, p_ in dense.named_parameters()}
     results = spawn(lambda b: _pipeline_run(b, lm, x, y, m, "1f1b", split_points, lm_loss), p)
     for rank_loss, rank_out, rank_grads in results:
-        assert rank_loss == pytest.approx(float(loss), rel=1e-12)
+        assert rank_loss == pytest.approx(float(loss.detach()), rel=1e-12)
         torch.testing.assert_close(rank_out, dense_out.detach(), rtol=1e-10, atol=1e-10)
         for name, grad in rank_grads.items():
             torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
