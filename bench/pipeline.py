@@ -11,7 +11,8 @@
 2. Bubble, real compute (the same gloo run): per-stage busy time from the runtime's timeline,
    idle = pipeline span - busy; the mean idle fraction against the formula.
 3. Bubble, schedule only (in-memory threads): stages whose compute is a fixed sleep (forward t,
-   backward 2t), so p = 4 stages do not compete for 2 cores; p = 4, m = 4, 8, 16.
+   backward 2t), so p = 4 stages do not compete for 2 cores; p = 4, m = 4, 8, 16; GPipe, 1F1B
+   and interleaved 1F1B with v = 2 chunks per rank (formula (p-1)/(v*m+p-1)).
 4. Memory (in-memory threads, p = 4, m = 8): peak bytes of storage saved for backward on each
    stage (``ActivationMemoryMeter``: saved_tensors_hooks, unique storages), GPipe vs 1F1B.
 """
@@ -170,15 +171,17 @@ def sleep_bubble(p, ms, seconds, steps):
     from distframe.models.pipeline_metrics import pipeline_bubble
     print(f"\n## Bubble, schedule only: in-memory threads, p={p}, stage compute = sleep "
           f"(forward {seconds * 1e3:.0f} ms, backward {2 * seconds * 1e3:.0f} ms per micro-batch)")
-    print("| schedule | m | measured bubble | (p-1)/(m+p-1) | relative difference |")
+    print("| schedule | m | measured bubble | (p-1)/(v*m+p-1) | relative difference |")
     print("|---|---|---|---|---|")
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in ms:
-            model = nn.Sequential(*[SleepStage(seconds) for _ in range(p)])
+            # Interleaving: p * v chunks of t / v each, so a rank's compute per micro-batch is t.
+            model = nn.Sequential(*[SleepStage(seconds / v) for _ in range(p * v)])
             x, y = torch.ones(m, 2), torch.zeros(m, 2)
 
             def run(b):
-                pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+                pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule,
+                                             virtual_stages=v)
                 out = []
                 for _ in range(steps):
                     b.barrier()
@@ -188,8 +191,8 @@ def sleep_bubble(p, ms, seconds, steps):
 
             per_rank = spawn(run, p)
             measured = statistics.median(pipeline_bubble([r[k] for r in per_rank]) for k in range(steps))
-            formula = (p - 1) / (m + p - 1)
-            print(f"| {schedule} | {m} | {measured:.3f} | {formula:.3f} | {(measured - formula) / formula:+.1%} |")
+            formula = (p - 1) / (v * m + p - 1)
+            print(f"| {schedule}{f' (v={v})' if v > 1 else ''} | {m} | {measured:.3f} | {formula:.3f} | {(measured - formula) / formula:+.1%} |")
 
 
 # ---- 4: activation memory ---------------------------------------------------------------------------
