@@ -8,8 +8,8 @@ are timed alternately in one loop (engine first on even repeats, raw first on od
 a barrier on its own group; a repeat's time is the slowest rank's, the figure the median over repeats. Tensors are
 float32 and ``size_bytes`` is the per-rank input. The raw calls are ``dist.all_reduce(t)``,
 ``dist.all_gather_into_tensor(out, t)`` and ``dist.reduce_scatter_tensor(out, t)`` on
-preallocated outputs; the engine call also allocates its output where the op returns a new tensor
-(all_gather, reduce_scatter), as its users see it.
+preallocated outputs; the engine call gets preallocated outputs too (``out=``). Sizes are the
+full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
 
     python bench/_gloo_collectives.py 2    # a quick table for 2 ranks
 """
@@ -80,11 +80,13 @@ def _calls(op: str, backend, elements: int):
     tensor = torch.zeros(elements)  # zeros: repeated in-place sums stay finite
     if op == "all_reduce":
         return (lambda: backend.all_reduce(tensor)), (lambda: dist.all_reduce(tensor))
-    if op == "all_gather":
-        out = torch.empty(elements * n)
-        return (lambda: backend.all_gather(tensor)), (lambda: dist.all_gather_into_tensor(out, tensor))
-    out = torch.empty(elements // n)
-    return (lambda: backend.reduce_scatter(tensor)), (lambda: dist.reduce_scatter_tensor(out, tensor))
+    if op == "all_gather":  # `elements` is the gathered size: each rank contributes 1/n of it
+        part, out, raw_out = torch.zeros(elements // n), torch.empty(elements), torch.empty(elements)
+        return ((lambda: backend.all_gather(part, out=out)),
+                (lambda: dist.all_gather_into_tensor(raw_out, part)))
+    out, raw_out = torch.empty(elements // n), torch.empty(elements // n)
+    return ((lambda: backend.reduce_scatter(tensor, out=out)),
+            (lambda: dist.reduce_scatter_tensor(raw_out, tensor)))
 
 
 def _time_alternately(backend, engine_call, raw_call, repeats: int) -> dict:

@@ -4,8 +4,8 @@ For each op and size the two are timed alternately in the same loop (engine firs
 repeats, raw first on odd ones), each call after a barrier; a repeat's time is the slowest rank's,
 and the figure is the median over repeats. Buffers are float32. The raw calls are the blocking
 in-place forms on preallocated NumPy buffers (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
-out)``, ``Reduce_scatter_block(buf, out)``); the engine call also allocates its output tensor where
-the op returns a new one (all_gather, reduce_scatter), as its users see it.
+out)``, ``Reduce_scatter_block(buf, out)``); the engine call gets preallocated outputs too
+(``out=``). Sizes are the full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
 
     python bench/_mpi_collectives.py 2    # a quick table for 2 ranks
 """
@@ -67,11 +67,14 @@ def _calls(op: str, backend, raw, MPI, elements: int):
     buf = np.ones(elements, dtype=np.float32)
     if op == "all_reduce":
         return (lambda: backend.all_reduce(tensor)), (lambda: raw.Allreduce(MPI.IN_PLACE, buf))
-    if op == "all_gather":
-        out = np.empty(elements * backend.world_size, dtype=np.float32)
-        return (lambda: backend.all_gather(tensor)), (lambda: raw.Allgather(buf, out))
-    out = np.empty(elements // backend.world_size, dtype=np.float32)
-    return (lambda: backend.reduce_scatter(tensor)), (lambda: raw.Reduce_scatter_block(buf, out))
+    n = backend.world_size
+    if op == "all_gather":  # `elements` is the gathered size: each rank contributes 1/n of it
+        part, part_buf = torch.ones(elements // n), np.ones(elements // n, dtype=np.float32)
+        out, raw_out = torch.empty(elements), np.empty(elements, dtype=np.float32)
+        return (lambda: backend.all_gather(part, out=out)), (lambda: raw.Allgather(part_buf, raw_out))
+    out, raw_out = torch.empty(elements // n), np.empty(elements // n, dtype=np.float32)
+    return ((lambda: backend.reduce_scatter(tensor, out=out)),
+            (lambda: raw.Reduce_scatter_block(buf, raw_out)))
 
 
 if __name__ == "__main__":

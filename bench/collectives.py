@@ -7,6 +7,7 @@ buffer, all_gather's output, reduce_scatter's input) and world size n, prints th
 repeated calls, algbw = S / time and busbw (nccl-tests convention: all_reduce x 2(n-1)/n, the
 others x (n-1)/n). Beside each engine: the raw library call it wraps, measured in the same run
 (mpi4py in place on NumPy buffers; torch.distributed gloo), and memcpy of S bytes on one thread.
+all_gather and reduce_scatter write into preallocated outputs (``out=``) on both sides.
 """
 from __future__ import annotations
 
@@ -56,11 +57,13 @@ def _inmemory_rank(backend, sizes, ops):
             elems = size // 4
             n = backend.world_size
             x = torch.ones(elems // n if op == "all_gather" else elems)
+            buffer = {"all_gather": torch.empty(elems), "reduce_scatter": torch.empty(elems // n)}.get(op)
+            kwargs = {} if buffer is None else {"out": buffer}
             times = []
             for _ in range(repeats_for(size)):
                 backend.barrier()
                 start = time.perf_counter()
-                getattr(backend, op)(x)
+                getattr(backend, op)(x, **kwargs)
                 times.append(time.perf_counter() - start)
             out.append((op, size, statistics.median(times)))
     return out

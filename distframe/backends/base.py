@@ -127,30 +127,38 @@ class CommunicationBackendBase(abc.ABC):
             return tensor
         return self._run("all_reduce", sig, tensor.nbytes, run, async_op)
 
-    def all_gather(self, tensor: torch.Tensor, *, async_op: bool = False) -> torch.Tensor | Work:
+    def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None,
+                   async_op: bool = False) -> torch.Tensor | Work:
         """Concatenation of every rank's ``tensor`` along dim 0 in rank order (a 0-dim tensor
-        counts as shape (1,)). Every rank must pass the same shape."""
+        counts as shape (1,)). Every rank must pass the same shape. ``out`` (optional, contiguous,
+        not overlapping ``tensor``) receives the result, saving an allocation per call."""
         self._check_tensor("all_gather", tensor)
         sig = partial(Signature, "all_gather", tuple(tensor.shape), tensor.dtype)
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-        return self._run("all_gather", sig, tensor.nbytes, lambda call: self._all_gather(flat, call), async_op)
+        if out is not None:
+            self._check_out("all_gather", out, (self._world_size * flat.shape[0], *flat.shape[1:]), tensor)
+        return self._run("all_gather", sig, tensor.nbytes,
+                         lambda call: _into(out, self._all_gather(flat, call, out)), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
-                       async_op: bool = False) -> torch.Tensor | Work:
-        """Reduces ``tensor`` across ranks and returns chunk ``rank`` of dim 0."""
+                       out: torch.Tensor | None = None, async_op: bool = False) -> torch.Tensor | Work:
+        """Reduces ``tensor`` across ranks and returns chunk ``rank`` of dim 0 (in ``out`` if given:
+        contiguous, not overlapping ``tensor``)."""
         op = ReduceOp.parse(op)
         self._check_tensor("reduce_scatter", tensor)
         if tensor.dim() == 0 or tensor.shape[0] % self._world_size:
             raise ValueError(
                 f"reduce_scatter needs dim 0 divisible by the world size {self._world_size}, got "
                 f"shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self._world_size}")
+        if out is not None:
+            self._check_out("reduce_scatter", out, (tensor.shape[0] // self._world_size, *tensor.shape[1:]), tensor)
         applied = effective_op(op, tensor.dtype)
         sig = partial(Signature, "reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            out = self._reduce_scatter(tensor.contiguous(),
-                                       ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
-            return out.div_(self._world_size) if applied is ReduceOp.AVG else out
+            result = _into(out, self._reduce_scatter(
+                tensor.contiguous(), ReduceOp.SUM if applied is ReduceOp.AVG else applied, call, out))
+            return result.div_(self._world_size) if applied is ReduceOp.AVG else result
         return self._run("reduce_scatter", sig, tensor.nbytes, run, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
@@ -245,7 +253,9 @@ class CommunicationBackendBase(abc.ABC):
         """In place; ``op`` is SUM, PRODUCT, MIN or MAX."""
 
     @abc.abstractmethod
-    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor: ...
+    def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the gathered tensor; engines write into ``out`` when given and convenient
+        (the base copies into ``out`` otherwise)."""
 
     @abc.abstractmethod
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None: ...
@@ -262,7 +272,8 @@ class CommunicationBackendBase(abc.ABC):
     def _shutdown(self) -> None:
         """Engine resources; called once."""
 
-    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         work = tensor.clone()
         self._all_reduce(work, op, call)
         return work.chunk(self._world_size)[self._rank].clone()
@@ -387,6 +398,15 @@ class CommunicationBackendBase(abc.ABC):
         if not isinstance(tag, int) or not 0 <= tag < _A2A_TAG:
             raise ValueError(f"{op}: tag must be an int in 0..{_A2A_TAG - 1}, got {tag!r}")
 
+    def _check_out(self, op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
+        self._check_tensor(op, out)
+        if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
+            raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
+                             f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
+                             f"{tuple(out.shape)}")
+        if out.device == like.device and out.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
+            raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
+
     def _check_chunks(self, op: str, chunks: object, *, same_shape: bool) -> list[torch.Tensor]:
         if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != self._world_size:
             raise ValueError(f"{op} needs a list of world_size={self._world_size} tensors, got {chunks!r:.80}")
@@ -415,6 +435,14 @@ class CommunicationBackendBase(abc.ABC):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
             raise ValueError(f"new_group: ranks {dup} are listed more than once; list each rank once")
         return ranks
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into ``out`` if the caller gave one and the engine did not use it."""
+    if out is None or result is out:
+        return result
+    out.copy_(result)
+    return out
 
 
 # Tag reserved for the composed all_to_all; user tags are below it.

@@ -84,14 +84,15 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
                 flat.copy_(reduced)
         self._collective(call, tensor, body)
 
-    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+    def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._collective(call, tensor, lambda slot: torch.cat(
-            [slot.inputs[r] for r in range(self._world_size)]))
+            [slot.inputs[r] for r in range(self._world_size)], out=out))
 
-    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         def body(slot: Slot) -> torch.Tensor:
             chunks = [slot.inputs[r].chunk(self._world_size)[self._rank] for r in range(self._world_size)]
-            return reduce_into(torch.empty_like(chunks[0]), chunks, op)
+            return reduce_into(torch.empty_like(chunks[0]) if out is None else out, chunks, op)
         return self._collective(call, tensor, body)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:

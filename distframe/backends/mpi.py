@@ -107,18 +107,21 @@ class MPICommunicationBackend(CommunicationBackendBase):
         write_back(host, work)
         write_back(tensor, host)
 
-    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+    def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
         stage = needs_staging(tensor, self._device_aware)
         host = stage_in(tensor, stage)
-        out = host.new_empty((self._world_size * host.shape[0], *host.shape[1:]))
+        if stage or out is None:  # a caller's buffer is used directly when no staging is needed
+            out = host.new_empty((self._world_size * host.shape[0], *host.shape[1:]))
         send, recv = wire(host), wire(out)
         self._complete(call, lambda: self._comm.Iallgather(send, recv), (send, recv))
         return stage_back(out, tensor, stage)
 
-    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         stage = needs_staging(tensor, self._device_aware)
         work = _upcast(stage_in(tensor, stage))
-        out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
+        if stage or out is None or out.dtype != work.dtype:  # else reduce straight into the caller's buffer
+            out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
         send, recv = wire(work), wire(out)
         self._complete(call, lambda: self._comm.Ireduce_scatter_block(
             send, recv, self._ops[op]), (send, recv))

@@ -120,22 +120,25 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if self._rank == dst:
             self._unstage(staged, tensor)
 
-    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> torch.Tensor:
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         self._arrive(call)
         staged = self._stage(tensor)
         plan = to_reducible(staged, op)
         if plan is None:
             return super()._reduce_scatter(tensor, op, call)
         wire, _ = plan
-        out = wire.new_empty((wire.shape[0] // self._world_size, *wire.shape[1:]))
+        if out is None or wire is not staged or staged is not tensor:  # else use the caller's buffer
+            out = wire.new_empty((wire.shape[0] // self._world_size, *wire.shape[1:]))
         self._complete(call, self._pg._reduce_scatter_base, out, wire,
                        _options(dist.ReduceScatterOptions, reduceOp=_TORCH_OPS[op]))
         return self._result(from_reducible(out, tensor.dtype), tensor)
 
-    def _all_gather(self, tensor: torch.Tensor, call: Call) -> torch.Tensor:
+    def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
         self._arrive(call)
         staged = self._stage(tensor)
-        out = staged.new_empty((self._world_size * staged.shape[0], *staged.shape[1:]))
+        if out is None or staged is not tensor:  # else gather straight into the caller's buffer
+            out = staged.new_empty((self._world_size * staged.shape[0], *staged.shape[1:]))
         self._complete(call, self._pg._allgather_base, movable(out), movable(staged))
         return self._result(out, tensor)
 

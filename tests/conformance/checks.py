@@ -241,3 +241,24 @@ def check_float_edge_shapes(backend) -> None:
 
 ALL_DTYPES = tuple(DTYPES)
 REDUCING_FLOATS = FLOAT_NAMES
+
+
+def check_out_buffers(backend, dtype_name: str) -> None:
+    """all_gather / reduce_scatter write into a caller's buffer and return it; bad buffers raise."""
+    n, r = backend.world_size, backend.rank
+    inputs = _inputs(n, (2, 3), dtype_name, seed=21)
+    out = torch.full((2 * n, 3), 7, dtype=DTYPES[dtype_name])
+    if backend.all_gather(inputs[r].clone(), out=out) is not out:
+        raise AssertionError("all_gather(out=...) must return out")
+    assert_matches(out, np.concatenate([as_numpy(t) for t in inputs]), dtype_name, "all_gather into out")
+    big = _inputs(n, (2 * n, 3), dtype_name, seed=22)
+    op = "MAX" if dtype_name == "bool" else "SUM"
+    chunk = torch.empty((2, 3), dtype=DTYPES[dtype_name])
+    if backend.reduce_scatter(big[r].clone(), op, out=chunk) is not chunk:
+        raise AssertionError("reduce_scatter(out=...) must return out")
+    full = reduce_oracle([as_numpy(t) for t in big], op, dtype_name)
+    assert_matches(chunk, full[2 * r:2 * r + 2], dtype_name, "reduce_scatter into out")
+    with pytest.raises(ValueError, match="shape"):
+        backend.all_gather(inputs[r], out=torch.empty((2 * n + 1, 3), dtype=DTYPES[dtype_name]))
+    with pytest.raises(ValueError, match="must not share storage"):
+        backend.reduce_scatter(big[r], op, out=big[r][:2])

@@ -92,3 +92,8 @@ def test_edge_shapes(runner):
 
 def test_float_dtypes_listed():
     assert set(FLOAT_NAMES) <= set(DTYPES)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "int32", "bool"])
+def test_out_buffers(runner, dtype_name):
+    runner.run(checks.check_out_buffers, dtype_name=dtype_name)
