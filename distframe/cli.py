@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train the dilated-attention language model",
         description="Train DilatedTransformerLM with a data-parallel strategy. With no flags: "
                     "the small preset on 2 in-memory ranks over the Python standard library's "
-                    "sources, a few minutes on a laptop CPU. Outputs go to --out.",
+                    "sources, a few minutes on a laptop CPU. Outputs go to --out: metrics.jsonl "
+                    "(peak_memory_bytes is the process's peak resident memory on CPU, shared by "
+                    "in-memory ranks, and torch.cuda.max_memory_allocated on a GPU), config.json, "
+                    "checkpoints/step-N and loss.png (with matplotlib).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_train_arguments(train)
     generate = commands.add_parser(

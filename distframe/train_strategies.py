@@ -2,9 +2,9 @@
 
 A strategy entry wraps the single-device model and builds its optimizer; to add one (a
 model-parallel strategy, a compressed or elastic optimizer) write a ``build`` function and add a
-line to ``STRATEGIES``. Model-parallel entries also say which data-parallel slice a rank trains
-on (``data_parallel``) and, when ``model(inputs)`` is not the logits on every rank, how a rank
-computes the validation loss (``validation_loss``). Imports of the strategies happen inside the
+line to ``STRATEGIES``. Which data-parallel slice a rank trains on and how it computes the
+validation loss come from the wrapped model's ``data_parallel_coordinates()`` and
+``validation_loss()`` when it has them (model-parallel strategies), or from the entry. Imports of the strategies happen inside the
 build functions, so ``distframe --help`` stays fast.
 """
 from __future__ import annotations
@@ -21,14 +21,20 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Build = Callable[[nn.Module, Any, type, dict], tuple[Any, Any]]
 
 
-def whole_world(model: Any, backend: Any) -> tuple[int, int]:  # noqa: ARG001
-    """Pure data parallelism: every rank is its own data-parallel replica."""
+def model_data_parallel(model: Any, backend: Any) -> tuple[int, int]:
+    """``model.data_parallel_coordinates()`` where the model has it (model-parallel strategies:
+    ranks of one pipeline or tensor group share a slice); else every rank is its own replica."""
+    if hasattr(model, "data_parallel_coordinates"):
+        return model.data_parallel_coordinates()
     return backend.world_size, backend.rank
 
 
-def plain_validation_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor,
+def model_validation_loss(model: Any, inputs: torch.Tensor, targets: torch.Tensor,
                           loss_fn: LossFn) -> torch.Tensor:
-    """Forward on this rank's slice; returns its mean loss (the same call on every rank)."""
+    """This slice's mean loss, on every rank: ``model.validation_loss(...)`` where the model has
+    it (a pipeline's logits exist on its last stage only), else ``loss_fn(model(inputs), targets)``."""
+    if hasattr(model, "validation_loss"):
+        return model.validation_loss(inputs, targets, loss_fn)
     return loss_fn(model(inputs), targets)
 
 
@@ -41,9 +47,9 @@ class Strategy:
 
     help: str
     build: Build
-    data_parallel: Callable[[Any, Any], tuple[int, int]] = whole_world
+    data_parallel: Callable[[Any, Any], tuple[int, int]] = model_data_parallel
     validation_loss: Callable[[Any, torch.Tensor, torch.Tensor, LossFn], torch.Tensor] = \
-        plain_validation_loss
+        model_validation_loss
 
 
 def _ddp(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distframe.cli import main
-from tests.train.conftest import read_metrics, train
+from tests.train.conftest import train
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 STEPS = 30
