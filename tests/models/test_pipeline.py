@@ -224,7 +224,7 @@ def test_train_step_returns_global_mean_on_every_stage():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        expected.append(float(loss))
+        expected.append(float(loss.detach()))
 
     def run(b):
         pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4)
