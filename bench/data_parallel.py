@@ -195,8 +195,11 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="", help="comma-separated subset of the rows")
     args = parser.parse_args(argv)
     from distframe.launch import spawn
-    rows = [(f"{e}:{s}", e, s) for e in ("inmemory", "gloo") for s in FORMULA]
-    rows += [("gloo:torch-ddp", "torch", "torch-ddp"), ("gloo:torch-fsdp2", "torch", "torch-fsdp2")]
+    # Each torch baseline runs right beside its counterpart, so load changes hit both alike.
+    rows = [("gloo:torch-ddp", "torch", "torch-ddp"), ("gloo:ddp", "gloo", "ddp"),
+            ("inmemory:ddp", "inmemory", "ddp"), ("gloo:torch-fsdp2", "torch", "torch-fsdp2"),
+            ("gloo:fsdp", "gloo", "fsdp"), ("inmemory:fsdp", "inmemory", "fsdp")]
+    rows += [(f"{e}:{s}", e, s) for s in ("zero1", "zero2", "zero3") for e in ("gloo", "inmemory")]
     only = set(filter(None, args.only.split(",")))
     params = sum(p.numel() for p in build().parameters())
     print(f"model: {params / 1e6:.2f}M parameters, seq {SEQ}, batch {BATCH}/rank, world {WORLD}, "
