@@ -16,6 +16,28 @@ from distframe.errors import (
     RankFailedError,
 )
 from distframe.launch import init_backend, spawn
+from distframe.mesh import ParallelDims
+from distframe.models import (
+    DDPModel,
+    FSDPModel,
+    HybridShardedModel,
+    PipelineParallelModel,
+    ShardedModelBase,
+    ShardingConfig,
+    TensorParallelModel,
+    ZeRO1Model,
+    ZeRO2Model,
+    ZeRO3Model,
+)
+from distframe.optimizers import (
+    DDPOptimizer,
+    FSDPOptimizer,
+    ShardedOptimizerBase,
+    ZeRO1Optimizer,
+    ZeRO2Optimizer,
+    ZeRO3Optimizer,
+)
+from distframe.precision import MixedPrecisionPolicy
 
 __version__ = "0.1.0"
 
@@ -26,12 +48,30 @@ __all__ = [
     "CommStats",
     "CommunicationBackendBase",
     "ConfigError",
+    "DDPModel",
+    "DDPOptimizer",
     "DistFrameError",
+    "FSDPModel",
+    "FSDPOptimizer",
+    "HybridShardedModel",
     "ICommunicationBackend",
     "InMemoryCommunicationBackend",
+    "MixedPrecisionPolicy",
+    "ParallelDims",
+    "PipelineParallelModel",
     "RankFailedError",
     "ReduceOp",
+    "ShardedModelBase",
+    "ShardedOptimizerBase",
+    "ShardingConfig",
+    "TensorParallelModel",
     "Work",
+    "ZeRO1Model",
+    "ZeRO1Optimizer",
+    "ZeRO2Model",
+    "ZeRO2Optimizer",
+    "ZeRO3Model",
+    "ZeRO3Optimizer",
     "init_backend",
     "spawn",
 ]

@@ -136,18 +136,13 @@ def _all_gather_json(backend: ICommunicationBackend, obj: Any) -> list[Any]:
 
 def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any],
               tables: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
-    dtypes = {seg.name: str(shard.dtype).removeprefix("torch.")
-              for shard, segs in zip(model.shard_layout().shards, model.shard_layout().segments)
-              for seg in segs}
-    fallback = str(model.local_parameter_shard()[0].dtype).removeprefix("torch.")
-    trainable = [(n, p) for n, p in model.wrapped_model.named_parameters() if p.requires_grad]
     scalars: dict[str, Any] = {}
     for table in tables:
         scalars.update(table.pop("scalars"))
     return {
         "format_version": FORMAT_VERSION, "strategy": type(model).__name__,
         "world_size": model.backend.world_size, "step": step,
-        "parameters": {n: {"shape": list(p.shape), "dtype": dtypes.get(n, fallback)} for n, p in trainable},
+        "parameters": model.parameter_metadata(),
         "replicated": [n for n, _ in model.replicated_tensors()],
         "files": tables,
         "optimizer": None if optimizer is None else {
@@ -178,12 +173,10 @@ def _existing(path: Path) -> Path:
 
 def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
     saved = meta["parameters"]
-    for name, p in model.wrapped_model.named_parameters():
-        if not p.requires_grad:
-            continue
+    for name, info in model.parameter_metadata().items():
         if name not in saved:
             raise CheckpointError(f"parameter {name!r} is not in the checkpoint; it holds "
                                   f"{sorted(saved)[:5]}...")
-        if list(p.shape) != saved[name]["shape"]:
-            raise CheckpointError(f"parameter {name!r} has shape {list(p.shape)} here but "
+        if info["shape"] != saved[name]["shape"]:
+            raise CheckpointError(f"parameter {name!r} has shape {info['shape']} here but "
                                   f"{saved[name]['shape']} in the checkpoint")

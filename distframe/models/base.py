@@ -181,6 +181,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 state[f"buffer/{name}"] = tensor.detach().clone()
         return state
 
+    def parameter_metadata(self) -> dict[str, dict[str, Any]]:
+        """Name, full shape and stored dtype of every trainable parameter of the unwrapped model,
+        the same on every rank: what a checkpoint records. Model-parallel strategies, whose
+        ``wrapped_model`` holds only this rank's part, override it with the dense model's."""
+        layout = self.shard_layout()
+        dtypes = {seg.name: shard.dtype for shard, segs in zip(layout.shards, layout.segments) for seg in segs}
+        fallback = self.local_parameter_shard()[0].dtype
+        return {n: {"shape": list(p.shape), "dtype": str(dtypes.get(n, fallback)).removeprefix("torch.")}
+                for n, p in self.wrapped_model.named_parameters() if p.requires_grad}
+
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Buffers and frozen parameters: identical on every rank, saved once by rank 0."""
         frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
