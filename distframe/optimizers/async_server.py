@@ -17,6 +17,8 @@ waits"). s = 0 is sequential SGD; s >= number of workers - 1 never throttles rou
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
 
 import torch
@@ -57,7 +59,7 @@ class ParameterServer:
 
     ``deterministic``: serve pushes in a fixed round-robin order of the computing workers
     (blocking receives), so a run equals a sequential replay; otherwise the first header to
-    arrive is served (polling). ``on_worker_failure``: "continue" (drop the worker) or "stop"
+    arrive is served. ``on_worker_failure``: "continue" (drop the worker) or "stop"
     (tell every other worker to stop). ``worker_timeout``: seconds without a message from a
     computing worker before it is declared dead.
     """
@@ -65,23 +67,22 @@ class ParameterServer:
     def __init__(self, backend: ICommunicationBackend, flat: FlatParameters,
                  optimizer: torch.optim.Optimizer, workers: list[int], *, max_staleness: int,
                  staleness_lr: bool, deterministic: bool, on_worker_failure: str,
-                 worker_timeout: float, poll_interval: float = 2e-4) -> None:
+                 worker_timeout: float) -> None:
         self.backend, self.flat, self.optimizer = backend, flat, optimizer
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.deterministic = deterministic
         self.on_worker_failure = on_worker_failure
         self.worker_timeout = worker_timeout
-        self.poll_interval = poll_interval
         self.version = 0
         self.pulled: dict[int, int] = {}           # pending worker -> version it computes on
-        self.started_at: dict[int, float] = {}     # pending worker -> when it was released
         self.waiting: list[int] = list(workers)    # workers waiting for parameters, in order
         self.clock = {w: 0 for w in workers}
         self.stopping = False
         self.report = AsyncReport(updates_per_worker={w: 0 for w in workers})
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self._headers: dict[int, tuple[torch.Tensor, object]] = {}
+        self._arrivals: queue.Queue = queue.Queue()
+        self._listening: set[int] = set()
         self._rotation = list(workers)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -98,42 +99,50 @@ class ParameterServer:
 
     def _next_message(self) -> tuple[int, torch.Tensor] | None:
         """(worker, header) of the next message to serve; None when a worker was dropped."""
-        for w in list(self.pulled):
-            if w not in self._headers:
-                self._headers[w] = post_header(self.backend, w)
         if self.deterministic:
             w = next(r for r in self._rotation if r in self.pulled)
             self._rotation.remove(w)
             self._rotation.append(w)
-            header, work = self._headers[w]
+            header, work = post_header(self.backend, w)
             try:
                 work.wait(timeout=self.worker_timeout)
             except CollectiveTimeoutError:
                 self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
                 return None
-            del self._headers[w]
             return w, header
-        while True:
-            for w in sorted(self.pulled):
-                header, work = self._headers[w]
-                if work.is_completed():
-                    work.wait()
-                    del self._headers[w]
-                    return w, header
-            now = time.monotonic()
-            silent = [w for w in sorted(self.pulled) if now - self.started_at[w] > self.worker_timeout]
-            if silent:
-                for w in silent:
-                    self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
-                return None
-            time.sleep(self.poll_interval)
+        # [Note: waiting for any worker] The backends have no receive-from-any-source, and a
+        # posted receive's is_completed() is only trustworthy on some engines (Gloo reports
+        # completion when waited for), so each pending worker's header is waited for on a
+        # thread of its own, and the first to arrive is served.
+        for w in self.pulled:
+            if w not in self._listening:
+                self._listen(w)
+        w, header, error = self._arrivals.get()
+        self._listening.discard(w)
+        if isinstance(error, CollectiveTimeoutError):
+            self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
+            return None
+        if error is not None:
+            raise error
+        return w, header
+
+    def _listen(self, worker: int) -> None:
+        header, work = post_header(self.backend, worker)
+
+        def wait() -> None:
+            try:
+                work.wait(timeout=self.worker_timeout)
+                self._arrivals.put((worker, header, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
+                self._arrivals.put((worker, None, exc))
+        self._listening.add(worker)
+        threading.Thread(target=wait, name=f"distframe-ps-listen-{worker}", daemon=True).start()
 
     def _handle(self, worker: int, header: torch.Tensor) -> None:
         kind = Kind(int(header[0]))
         if kind is Kind.PUSH:
             grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
             pulled = self.pulled.pop(worker)
-            self.started_at.pop(worker)
             if self.stopping:
                 send_header(self.backend, worker, Kind.STOP, self.version)
                 return
@@ -141,7 +150,6 @@ class ParameterServer:
             self.waiting.append(worker)
         elif kind is Kind.DONE:
             self.pulled.pop(worker)
-            self.started_at.pop(worker)
         elif kind is Kind.FAILED:
             self._drop(worker, recv_text(self.backend, worker))
         else:
@@ -180,13 +188,10 @@ class ParameterServer:
             send_header(self.backend, w, Kind.PARAMS, self.version)
             self.backend.send(self.flat.values(), w, BODY_TAG)
             self.pulled[w] = self.version
-            self.started_at[w] = time.monotonic()
 
     def _drop(self, worker: int, reason: str) -> None:
         """A worker failed or went silent: forget it; stop the others if so configured."""
         self.pulled.pop(worker, None)
-        self.started_at.pop(worker, None)
-        self._headers.pop(worker, None)
         if worker in self.waiting:
             self.waiting.remove(worker)
         self.report.failed_workers[worker] = reason

@@ -278,3 +278,26 @@ def test_misuse_is_a_config_error():
     spawn(fn, 2, timeout=30)
     with pytest.raises(ConfigError, match="at least 2 ranks"):
         spawn(lambda b: AsyncSGDOptimizer(DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1), 1)
+
+
+def _gloo_rank(b, max_staleness, deterministic):
+    model = DDPModel(copy.deepcopy(MLP), b)
+    opt = AsyncSGDOptimizer(model, torch.optim.SGD, lr=LR, max_staleness=max_staleness,
+                            deterministic=deterministic, worker_timeout=30)
+    if opt.is_server:
+        return opt.serve(), model.gather_full_parameters()
+    for k in range(4):
+        opt.train_step(_batch(b.rank, k), nn.functional.mse_loss)
+    opt.finish()
+    return None
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(120)
+def test_gloo_processes_match_the_in_memory_run_and_free_running_works():
+    import functools
+    det = spawn(functools.partial(_gloo_rank, max_staleness=2, deterministic=True), 3, "gloo", timeout=30)
+    threads = spawn(functools.partial(_gloo_rank, max_staleness=2, deterministic=True), 3, timeout=30)
+    assert _equal(det[0][1], threads[0][1]) and det[0][0].updates == 8
+    free = spawn(functools.partial(_gloo_rank, max_staleness=1, deterministic=False), 3, "gloo", timeout=30)
+    assert free[0][0].updates == 8 and free[0][0].max_staleness_seen <= 1
