@@ -160,3 +160,40 @@ def test_spawn_rejects_bad_arguments():
         spawn(lambda b: None, 0)
     with pytest.raises(ValueError, match="timeout"):
         spawn(lambda b: None, 2, timeout=0)
+
+
+def test_a_completed_collective_is_not_failed_by_a_later_peer_failure():
+    """Rank 1 fails right after a barrier completes; the barrier still returns on rank 0, and rank
+    0's next collective reports the failure."""
+    import threading as th
+    done = th.Event()
+    outcome = {}
+
+    def fn(b):
+        if b.rank == 1:
+            b.barrier()
+            raise RuntimeError("after the barrier")
+        b.barrier()
+        outcome["barrier"] = "returned"
+        done.set()
+        try:
+            b.barrier()
+        except RankFailedError as exc:
+            outcome["next"] = exc.failed_rank
+    with pytest.raises(RuntimeError, match="after the barrier"):
+        spawn(fn, 2, timeout=30)
+    assert outcome == {"barrier": "returned", "next": 1}
+
+
+def test_ready_wait_survives_a_failure_but_new_calls_stop():
+    """Deterministic form of the above: a wait whose condition already holds returns although a
+    peer has failed; a call that starts after the failure raises RankFailedError at once."""
+    from distframe.backends.rendezvous import Rendezvous, World
+    from distframe.backends.signature import Signature
+    world = World()
+    rdv = Rendezvous(world, [0, 1])
+    world.abort(1, RuntimeError("peer died"))
+    with rdv.cond:
+        rdv._wait(lambda: True, time.monotonic() + 1, 1.0, "barrier", 1, set)
+    with pytest.raises(RankFailedError, match="rank 1"):
+        rdv.arrive(0, 1, Signature("barrier"), None, 1.0)
