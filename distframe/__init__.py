@@ -30,8 +30,11 @@ from distframe.models import (
     ZeRO3Model,
 )
 from distframe.optimizers import (
+    AsyncSGDOptimizer,
     DDPOptimizer,
+    ElasticOptimizer,
     FSDPOptimizer,
+    GradientCompressionOptimizer,
     ShardedOptimizerBase,
     ZeRO1Optimizer,
     ZeRO2Optimizer,
@@ -42,6 +45,7 @@ from distframe.precision import MixedPrecisionPolicy
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSGDOptimizer",
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -51,8 +55,10 @@ __all__ = [
     "DDPModel",
     "DDPOptimizer",
     "DistFrameError",
+    "ElasticOptimizer",
     "FSDPModel",
     "FSDPOptimizer",
+    "GradientCompressionOptimizer",
     "HybridShardedModel",
     "ICommunicationBackend",
     "InMemoryCommunicationBackend",

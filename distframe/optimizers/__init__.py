@@ -1,8 +1,12 @@
 """Optimizers: ShardedOptimizerBase and one optimizer per data-parallel strategy.
 
-(Gradient compression, asynchronous SGD and elastic optimizers live in their own modules.)
+Beyond data parallelism: GradientCompressionOptimizer (compressors in
+``distframe.optimizers.compression``), AsyncSGDOptimizer (parameter server) and ElasticOptimizer.
 """
+from distframe.optimizers.async_server import AsyncReport
+from distframe.optimizers.async_sgd import AsyncConfig, AsyncSGDOptimizer
 from distframe.optimizers.base import ShardedOptimizerBase, build_optimizer
+from distframe.optimizers.compressed import GradientCompressionOptimizer, make_optimizer
 from distframe.optimizers.data_parallel import (
     DDPOptimizer,
     FSDPOptimizer,
@@ -10,13 +14,24 @@ from distframe.optimizers.data_parallel import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
+from distframe.optimizers.elastic import Commit, ElasticMember, ElasticOptimizer
+from distframe.optimizers.elastic_membership import ElasticController
 
 __all__ = [
+    "AsyncConfig",
+    "AsyncReport",
+    "AsyncSGDOptimizer",
+    "Commit",
     "DDPOptimizer",
+    "ElasticController",
+    "ElasticMember",
+    "ElasticOptimizer",
     "FSDPOptimizer",
+    "GradientCompressionOptimizer",
     "ShardedOptimizerBase",
     "ZeRO1Optimizer",
     "ZeRO2Optimizer",
     "ZeRO3Optimizer",
     "build_optimizer",
+    "make_optimizer",
 ]
