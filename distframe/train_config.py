@@ -59,9 +59,9 @@ class TrainConfig:
     seq_len: int | None = None
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
-    steps: int = 60
+    steps: int = 200
     batch_size: int = 4
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
     optimizer: str = "adamw"
@@ -71,9 +71,9 @@ class TrainConfig:
     token_dtype: str = "uint8"
     out: str = "runs/train"
     resume: bool = False
-    checkpoint_every: int = 20
-    eval_every: int = 20
-    eval_batches: int = 4
+    checkpoint_every: int = 50
+    eval_every: int = 25
+    eval_batches: int = 2
 
     def __post_init__(self) -> None:
         for name in ("segment_lengths", "dilation_rates"):

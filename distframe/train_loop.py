@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -173,7 +174,10 @@ class _Job:
         self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT
         if self.is_writer:
             os.makedirs(out, exist_ok=True)
-            if not self.config.resume:
+            if not self.config.resume and (os.path.exists(self.log.path)
+                                           or train_checkpoint.latest_checkpoint(out)):
+                print(f"distframe train: replacing the earlier run in {out} (--resume continues "
+                      "it instead)", file=sys.stderr)
                 train_checkpoint.remove_checkpoints(out)
                 self.log.clear()
             with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
