@@ -86,7 +86,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint directory (OUT/checkpoints/step-N) or a run's OUT "
                              "(its latest checkpoint)")
     parser.add_argument("--prompt", default="def ", help="text to continue")
-    parser.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    parser.add_argument("--tokens", type=int, default=120, help="bytes to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy")
     parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
