@@ -11,12 +11,10 @@ batches (gradients) per second; the held-out loss is measured afterwards on 16 s
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import importlib
 import pathlib
 import sys
-import threading
 import time
 
 import torch
@@ -26,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM  # noqa: E402
+from _tiny_lm import tiny_lm  # noqa: E402
 from distframe import spawn  # noqa: E402
 from distframe.models import DDPModel  # noqa: E402
 from distframe.optimizers import DDPOptimizer  # noqa: E402
@@ -35,19 +33,8 @@ from distframe.optimizers.async_sgd import AsyncSGDOptimizer  # noqa: E402
 SEQ, LOCAL_BATCH = 32, 2
 
 
-_TEMPLATE: list[nn.Module] = []
-_TEMPLATE_LOCK = threading.Lock()
-
-
 def _model() -> nn.Module:
-    # In-memory ranks are threads sharing torch's global generator: build the seeded model once
-    # (under a lock) and give each rank a copy, or concurrent initialisations would interleave.
-    with _TEMPLATE_LOCK:
-        if not _TEMPLATE:
-            torch.manual_seed(0)
-            _TEMPLATE.append(DilatedTransformerLM(DilatedTransformerConfig.preset(
-                "tiny", seq_len=SEQ, segment_lengths=(8, 16, SEQ))))
-        return copy.deepcopy(_TEMPLATE[0])
+    return tiny_lm(SEQ)
 
 
 def _batch(seed: int, size: int = LOCAL_BATCH):

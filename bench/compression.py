@@ -11,10 +11,8 @@ the loss all_reduce excluded); "wire/step" estimates what one rank receives: rin
 from __future__ import annotations
 
 import argparse
-import copy
 import pathlib
 import sys
-import threading
 import time
 
 import torch
@@ -24,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM  # noqa: E402
+from _tiny_lm import tiny_lm  # noqa: E402
 from distframe import spawn  # noqa: E402
 from distframe.models import DDPModel  # noqa: E402
 from distframe.optimizers import DDPOptimizer  # noqa: E402
@@ -39,19 +37,8 @@ CONFIGS = [("ddp", None, {}), ("none", "none", {}), ("fp16", "fp16", {}), ("bf16
            ("powersgd-r1", "powersgd", {"rank": 1, "start_iter": 10})]
 
 
-_TEMPLATE: list[nn.Module] = []
-_TEMPLATE_LOCK = threading.Lock()
-
-
 def _model() -> nn.Module:
-    # In-memory ranks are threads sharing torch's global generator: build the seeded model once
-    # (under a lock) and give each rank a copy, or concurrent initialisations would interleave.
-    with _TEMPLATE_LOCK:
-        if not _TEMPLATE:
-            torch.manual_seed(0)
-            _TEMPLATE.append(DilatedTransformerLM(DilatedTransformerConfig.preset(
-                "tiny", seq_len=SEQ, segment_lengths=(8, 16, SEQ))))
-        return copy.deepcopy(_TEMPLATE[0])
+    return tiny_lm(SEQ)
 
 
 def _text() -> torch.Tensor:

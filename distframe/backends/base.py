@@ -74,6 +74,7 @@ class CommunicationBackendBase(abc.ABC):
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._p2p_seq: dict[tuple[str, int, int], int] = {}
 
     # ---- identity and life cycle -------------------------------------------------------------
     @property
@@ -246,6 +247,12 @@ class CommunicationBackendBase(abc.ABC):
         self._check_p2p("irecv", tensor, src, tag)
         self.stats.record("recv", tensor.nbytes)
         return self._irecv(tensor, src, tag)
+
+    def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
+        """Number of this message on its (direction, peer, tag) channel, for error messages."""
+        key = (direction, peer, tag)
+        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
+        return self._p2p_seq[key]
 
     # ---- engine interface ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -38,7 +38,6 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         if rendezvous.size != world_size:
             raise ValueError(f"rendezvous is for {rendezvous.size} ranks, not {world_size}")
         self._rdv = rendezvous
-        self._p2p_seq: dict[tuple[str, int, int], int] = {}
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
@@ -134,11 +133,6 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
                           debug=self.debug)
 
     # ---- point to point ------------------------------------------------------------------------
-    def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
-        key = (direction, peer, tag)
-        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
-        return self._p2p_seq[key]
-
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         seq = self._next_p2p_seq("send", dst, tag)
         # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once.

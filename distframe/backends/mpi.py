@@ -64,7 +64,6 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._device_aware = device_aware(MPI)
         self._ops = mpi_ops(MPI)
         self._board = ProgressBoard(comm, MPI)
-        self._p2p_seq: dict[tuple[str, int, int], int] = {}
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
 
@@ -211,11 +210,6 @@ class MPICommunicationBackend(CommunicationBackendBase):
         return type(self)._adopt(sub, self._MPI, self.timeout, self.debug)
 
     # ---- point to point ------------------------------------------------------------------------
-    def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
-        key = (direction, peer, tag)
-        self._p2p_seq[key] = self._p2p_seq.get(key, 0) + 1
-        return self._p2p_seq[key]
-
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         seq = self._next_p2p_seq("send", dst, tag)
         host = stage_in(tensor, needs_staging(tensor, self._device_aware))
