@@ -8,9 +8,13 @@ threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
 Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
 (parameters, gradients, optimizer state, buffers) with the ZeRO formula beside it; ``peak MiB`` =
 the process's peak RSS (VmHWM, reset just before the model is built) minus its RSS then (process engines only: the
-in-memory ranks share one process).
+in-memory ranks share one process). Every process engine row, torch's included, starts its ranks
+with multiprocessing's "spawn": a forked rank (distframe's default forkserver) starts with few
+of the shared libraries' pages mapped, faults them in during the first step and so shows ~10-40
+MiB more "peak" for the same allocations.
 
     python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp]
+    python bench/data_parallel.py --only gloo:torch-fsdp2,gloo:fsdp    # just the FSDP pair
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
+
+# Run as a script, this folder comes first on sys.path and its attention.py would shadow the
+# top-level ``attention`` package that distframe imports.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH, WORLD = 4096, 256, 4, 4, 256, 8, 2
 FORMULA = {"ddp": 16, "zero1": 8 + 8 / WORLD, "zero2": 4 + 12 / WORLD, "zero3": 16 / WORLD,
@@ -131,9 +140,7 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
     for s in range(steps):
         model.train_step(batch_for(backend.rank, warmup + s), lm_loss, opt)
     elapsed = time.perf_counter() - start
-    params = sum(p.numel() for p in build().parameters())
-    return {"steps_per_s": steps / elapsed, "state": state, "params": params,
-            "peak": peak_rss_mib() - before}
+    return {"steps_per_s": steps / elapsed, "state": state, "peak": peak_rss_mib() - before}
 
 
 # ---- torch baselines (own process group) ---------------------------------------------------------
@@ -211,8 +218,9 @@ def main(argv=None) -> None:
         if engine == "torch":
             results = run_torch(kind, args.steps, args.warmup)
         else:
+            start_method = {} if engine == "inmemory" else {"start_method": "spawn"}
             results = spawn(functools.partial(run_distframe, strategy=kind, steps=args.steps,
-                                              warmup=args.warmup), WORLD, engine, timeout=600)
+                                              warmup=args.warmup), WORLD, engine, timeout=600, **start_method)
         r = results[0]
         state = f"{r['state'] / 2**20:10.2f}" if r["state"] is not None else f"{'-':>10}"
         formula = f"{FORMULA[kind] * params / 2**20:12.2f}" if kind in FORMULA else f"{'-':>12}"
