@@ -29,7 +29,7 @@ from distframe import train  # noqa: E402
 from distframe.data import BatchSampler, load_corpus, validation_offsets  # noqa: E402
 from distframe.train_config import TrainConfig  # noqa: E402
 from distframe.train_loop import initial_model_state, learning_rate, next_token_loss  # noqa: E402
-from distframe.train_strategies import OPTIMIZERS  # noqa: E402
+from distframe.train_strategies import BASE_OPTIMIZERS  # noqa: E402
 
 
 def plain_loop(config: TrainConfig) -> dict:
@@ -37,7 +37,7 @@ def plain_loop(config: TrainConfig) -> dict:
     corpus = load_corpus(config.data)
     model = DilatedTransformerLM(config.model_config(vocab_size=corpus.vocab_size))
     model.load_state_dict(initial_model_state(config, corpus.vocab_size))
-    optimizer_cls, settings = OPTIMIZERS[config.optimizer]
+    optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
     optimizer = optimizer_cls(model.parameters(), **settings(config.lr, config.weight_decay))
     seq_len = model.config.seq_len
     data = BatchSampler(corpus.train, batch_size=config.batch_size, seq_len=seq_len, seed=config.seed)

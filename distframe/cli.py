@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.required = True
     train = commands.add_parser(
         "train", help="train the dilated-attention language model",
-        description="Train DilatedTransformerLM with a data-parallel strategy. With no flags: "
+        description="Train DilatedTransformerLM with a data- or model-parallel strategy. With no flags: "
                     "the small preset on 2 in-memory ranks over the Python standard library's "
                     "sources, a few minutes on a laptop CPU. Outputs go to --out: metrics.jsonl "
                     "(peak_memory_bytes is the process's peak resident memory on CPU, shared by "

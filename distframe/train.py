@@ -2,9 +2,10 @@
 
 ``run(config)`` either spawns ``config.world_size`` ranks itself (in-memory threads, Gloo or NCCL
 processes, or an mpiexec job) or, in a process that mpiexec/mpirun or torchrun started, joins the
-launcher's world; every rank then runs ``distframe.train_loop.train_on_rank``. Problems a user
-can fix (an engine that cannot run here, unusable data) are raised as ConfigError or
-BackendUnavailableError before any rank starts.
+launcher's world; every rank then runs ``distframe.train_loop.train_on_rank``.
+``--optimizer elastic`` runs ``distframe.train_elastic.run_elastic`` instead, which starts and
+restarts in-memory workers itself. Problems a user can fix (an engine that cannot run here,
+unusable data) are raised as ConfigError or BackendUnavailableError before any rank starts.
 """
 from __future__ import annotations
 
@@ -29,11 +30,18 @@ def run(config: TrainConfig) -> TrainResult:
     """Trains as ``config`` says and returns rank 0's result."""
     launcher = detect_launcher()
     if launcher is not None:
+        if config.optimizer == "elastic":
+            raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
+                              f"workers; run it without {launcher}")
         return _run_launched(config, launcher)
     config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    if config.optimizer == "elastic":
+        from distframe.train_elastic import run_elastic
+        with _threads_per_rank(config.world_size):
+            return run_elastic(config, corpus)
     if name == "inmemory":
         fn = functools.partial(train_on_rank, config=config, backend_name=name, corpus=corpus,
                                initial_state=initial_model_state(config, corpus.vocab_size))

@@ -9,9 +9,9 @@ import argparse
 import sys
 from typing import Any
 
-from distframe.train_config import (BACKENDS, DEFAULT_WORLD_SIZE, DTYPES, PRESETS, TOKEN_DTYPES,
-                                    TrainConfig, resolve_config)
-from distframe.train_strategies import OPTIMIZERS, STRATEGIES
+from distframe.train_config import (BACKENDS, COMPRESSORS, DEFAULT_WORLD_SIZE, DTYPES, PRESETS,
+                                    SCHEDULES, TOKEN_DTYPES, TrainConfig, resolve_config)
+from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 EXIT_INTERRUPTED = 130
 
@@ -35,6 +35,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--world-size", group=run, type=int, metavar="N",
         help=f"ranks to start: in-memory threads or spawned processes (default: {DEFAULT_WORLD_SIZE}); "
              "under mpiexec or torchrun the launcher decides")
+    add("--dp", group=run, type=int, metavar="N", help="data-parallel degree of pipeline, "
+        "tensor or hybrid (dp*tp*pp = world size; one left out is inferred)")
+    add("--tp", group=run, type=int, metavar="N", help="tensor-parallel degree (tensor, hybrid); "
+        "must divide --heads")
+    add("--pp", group=run, type=int, metavar="N", help="pipeline stages (pipeline, hybrid)")
+    add("--micro-batches", group=run, type=int, metavar="N", help="micro-batches per step through "
+        "the pipeline; must divide --batch-size / --dp" + _default("micro_batches"))
+    add("--schedule", group=run, metavar="{" + ",".join(SCHEDULES) + "}", help="pipeline "
+        "schedule" + _default("schedule"))
+    _add_optimizer_arguments(parser, add)
     model = parser.add_argument_group("model (a preset, then overrides)")
     add("--preset", group=model, metavar="{" + ",".join(PRESETS) + "}", help="model shape" + _default("preset"))
     add("--layers", group=model, type=int, help="transformer blocks")
@@ -54,8 +64,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "tenth)" + _default("lr"))
     add("--warmup-steps", group=opt, type=int, help="warm-up steps" + _default("warmup_steps"))
     add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
-    add("--optimizer", group=opt, metavar="{" + ",".join(OPTIMIZERS) + "}", help="torch optimizer"
-        + _default("optimizer"))
+    add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
+        help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
     add("--seed", group=opt, type=int, help="seed of the initial model and the batches" + _default("seed"))
     data = parser.add_argument_group("data and outputs")
     add("--data", group=data, metavar="PATH", help="a text file, a directory of text files or a "
@@ -72,6 +82,32 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "at the end" + _default("eval_every"))
     add("--eval-batches", group=data, type=int, help="global batches per validation" + _default("eval_batches"))
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_optimizer_arguments(parser: argparse.ArgumentParser, add: Any) -> None:
+    group = parser.add_argument_group("distributed optimizer (--optimizer and its settings)")
+    add("--optimizer", group=group, metavar="{" + ",".join(OPTIMIZERS) + "}",
+        help="; ".join(f"{k}: {c.help}" for k, c in OPTIMIZERS.items()) + _default("optimizer"))
+    add("--compressor", group=group, metavar="{" + ",".join(COMPRESSORS) + "}",
+        help="gradient compression of --optimizer compressed (error feedback for the lossy "
+             "ones)" + _default("compressor"))
+    add("--topk-ratio", group=group, type=float, metavar="F", help="fraction of the gradient "
+        "--compressor topk sends" + _default("topk_ratio"))
+    add("--powersgd-rank", group=group, type=int, metavar="R", help="rank of --compressor "
+        "powersgd" + _default("powersgd_rank"))
+    add("--powersgd-start", group=group, type=int, metavar="STEPS", help="uncompressed steps "
+        "before powersgd starts" + _default("powersgd_start"))
+    add("--max-staleness", group=group, type=int, metavar="N", help="--optimizer async: most "
+        "updates between a worker's pull and its gradient's use" + _default("max_staleness"))
+    add("--round-robin", group=group, action="store_true", help="--optimizer async: serve the "
+        "workers in a fixed order (a reproducible run)")
+    add("--commit-every", group=group, type=int, metavar="STEPS", help="--optimizer elastic: "
+        "steps between in-memory commits (a failure rolls back to the last)"
+        + _default("commit_every"))
+    add("--elastic-schedule", group=group, metavar="STEP:WORLD,...", help="--optimizer elastic: "
+        "after STEP steps the world becomes WORLD workers (e.g. 4:3,8:2)")
+    add("--fail-at", group=group, type=int, metavar="STEP", help="--optimizer elastic: the last "
+        "worker fails after STEP steps (once); the others go on without it")
 
 
 def _adder(parser: argparse.ArgumentParser):

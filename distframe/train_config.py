@@ -15,16 +15,22 @@ from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.errors import ConfigError
-from distframe.train_strategies import OPTIMIZERS, STRATEGIES
+from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "float64", "bfloat16")
 TOKEN_DTYPES = ("uint8", "uint16")
+SCHEDULES = ("gpipe", "1f1b")
+COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 DEFAULT_WORLD_SIZE = 2
 # How a run is launched, not what it trains: a resumed run does not take these from its saved
 # configuration (it may continue at another world size or on another engine).
 LAUNCH_SETTINGS = ("world_size", "backend", "resume")
+# Settings of one kind of strategy: left at their defaults under the others.
+PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
+                     "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
+                     "schedule": ("pipeline", "hybrid")}
 # DilatedTransformerConfig field for each model flag of the command line.
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
@@ -44,9 +50,18 @@ class TrainConfig:
     ``segment_lengths`` and ``dilation_rates`` override it when not None. ``batch_size`` is the
     global batch in sequences; each data-parallel rank trains on ``batch_size / world size`` of
     them; ``world_size`` None means DEFAULT_WORLD_SIZE when ranks are spawned and the launcher's
-    world under mpiexec or torchrun. The learning rate warms up linearly over ``warmup_steps`` and then follows a cosine
-    down to a tenth of ``lr`` at ``steps``. ``data`` None is the default corpus (the Python
-    standard library's sources). ``checkpoint_every``/``eval_every`` 0 mean only at the end.
+    world under mpiexec or torchrun. The learning rate warms up linearly over ``warmup_steps``
+    and then follows a cosine down to a tenth of ``lr`` at ``steps``. ``data`` None is the default
+    corpus (the Python standard library's sources). ``checkpoint_every``/``eval_every`` 0 mean
+    only at the end.
+
+    Model-parallel strategies (pipeline, tensor, hybrid): ``dp * tp * pp`` must be the world
+    size; degrees left None are inferred (``distframe.models.build_model_parallel``). Each of the
+    ``dp`` data-parallel groups trains on ``batch_size / dp`` sequences, in ``micro_batches``
+    pieces through the pipeline. ``base_optimizer`` is the torch optimizer; ``optimizer`` (none,
+    compressed, async, elastic) the distframe optimizer around it, with its own settings
+    (``OPTIMIZERS[name].settings``), which must stay at their defaults under the others.
+    ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD.
     """
 
     strategy: str = "ddp"
@@ -64,7 +79,22 @@ class TrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
-    optimizer: str = "adamw"
+    base_optimizer: str = "adamw"
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    optimizer: str = "none"
+    compressor: str = "none"
+    topk_ratio: float = 0.01
+    powersgd_rank: int = 1
+    powersgd_start: int = 10
+    max_staleness: int = 4
+    round_robin: bool = False
+    commit_every: int = 1
+    elastic_schedule: str | None = None
+    fail_at: int | None = None
     seed: int = 0
     dtype: str = "float32"
     data: str | None = None
@@ -83,6 +113,8 @@ class TrainConfig:
         self._check_choices()
         self._check_numbers()
         self._check_model()
+        self._check_optimizer()
+        self._check_parallel()
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory; pass a text file, "
                               "a directory of text files or a .bin token file (or leave --data out "
@@ -90,20 +122,27 @@ class TrainConfig:
 
     def _check_choices(self) -> None:
         choices = {"strategy": tuple(STRATEGIES), "backend": BACKENDS, "preset": PRESETS,
-                   "dtype": DTYPES, "token_dtype": TOKEN_DTYPES, "optimizer": tuple(OPTIMIZERS)}
+                   "dtype": DTYPES, "token_dtype": TOKEN_DTYPES,
+                   "base_optimizer": tuple(BASE_OPTIMIZERS), "optimizer": tuple(OPTIMIZERS),
+                   "schedule": SCHEDULES, "compressor": COMPRESSORS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
+                hint = (f" (the torch optimizer is --base-optimizer {self.optimizer})"
+                        if name == "optimizer" and self.optimizer in BASE_OPTIMIZERS else "")
                 raise ConfigError(f"{flag(name)} {getattr(self, name)!r} is unknown; choose one of "
-                                  f"{', '.join(allowed)}")
+                                  f"{', '.join(allowed)}{hint}")
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "eval_batches"):
             _check_int(name, getattr(self, name), minimum=1)
         if self.world_size is not None:
             _check_int("world_size", self.world_size, minimum=1)
-        for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed"):
+        for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
+                     "max_staleness"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("layers", "d_model", "heads", "seq_len"):
+        for name in ("micro_batches", "powersgd_rank", "commit_every"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         for name in ("lr", "weight_decay"):
@@ -112,10 +151,12 @@ class TrainConfig:
                     name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
-        if self.world_size is not None and self.batch_size % self.world_size != 0:
-            raise ConfigError(f"--world-size {self.world_size} does not divide --batch-size "
-                              f"{self.batch_size} (the global batch); use a world size that divides "
-                              f"it, or a batch size that is a multiple of {self.world_size}")
+        if not isinstance(self.round_robin, bool):
+            raise ConfigError(f"--round-robin {self.round_robin!r}: use true or false")
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or \
+                not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"--topk-ratio {self.topk_ratio!r}: use a fraction in (0, 1], for "
+                              "example 0.01 to send 1% of the gradient")
 
     def _check_model(self) -> None:
         shape = self.model_config(vocab_size=256, checked=False)
@@ -129,6 +170,99 @@ class TrainConfig:
             self.model_config(vocab_size=256)
         except ConfigError as exc:
             raise ConfigError(f"model shape ({self.describe_model()}): {exc}") from None
+
+    def _check_optimizer(self) -> None:
+        choice = OPTIMIZERS[self.optimizer]
+        if choice.strategies is not None and self.strategy not in choice.strategies:
+            raise ConfigError(f"--optimizer {self.optimizer} runs on --strategy "
+                              f"{' or '.join(choice.strategies)}, not {self.strategy}; change "
+                              "--strategy or use --optimizer none")
+        _check_unused(self, {name: (opt,) for opt, c in OPTIMIZERS.items() for name in c.settings},
+                      "optimizer")
+        if self.optimizer == "elastic" and self.backend not in ("auto", "inmemory"):
+            raise ConfigError(f"--optimizer elastic is an in-memory demo (workers are threads that "
+                              f"leave and join); use --backend inmemory, not {self.backend}")
+        if self.optimizer == "async" and self.world_size == 1:
+            raise ConfigError("--optimizer async needs --world-size >= 2: rank 0 serves the "
+                              "parameters and the other ranks train")
+        self.elastic_world_sizes()  # parses --elastic-schedule
+
+    def _check_parallel(self) -> None:
+        _check_unused(self, PARALLEL_SETTINGS, "strategy")
+        if self.world_size is None:
+            return
+        if STRATEGIES[self.strategy].model_parallel:
+            self._check_model_parallel(self.world_size)
+        elif self.optimizer == "elastic":
+            for world in self.elastic_world_sizes():
+                _check_divides(self.batch_size, world, "--batch-size", "elastic world size "
+                               f"{world} (every world of --world-size, --elastic-schedule, "
+                               "--fail-at)")
+        elif self.optimizer != "async" and self.batch_size % self.world_size:
+            # (async: every worker trains on whole batches)
+            raise ConfigError(f"--world-size {self.world_size} does not divide --batch-size "
+                              f"{self.batch_size} (the global batch); use a world size that divides "
+                              f"it, or a batch size that is a multiple of {self.world_size}")
+
+    def _check_model_parallel(self, world: int) -> None:
+        dp, tp, pp = self.parallel_degrees(world)
+        if dp * tp * pp != world:
+            raise ConfigError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the world "
+                              f"has {world} ranks; choose degrees whose product is {world} (or "
+                              "leave one out to infer it)")
+        _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
+                       "group trains on an equal share)")
+        _check_divides(self.batch_size // dp, self.micro_batches, f"the per-group batch "
+                       f"(--batch-size {self.batch_size} / --dp {dp})",
+                       f"--micro-batches {self.micro_batches}")
+        shape = self.model_config(vocab_size=256)
+        if shape.num_heads % tp:
+            raise ConfigError(f"--tp {tp} does not divide the {shape.num_heads} attention heads; "
+                              f"use a --tp that divides them, or --heads a multiple of {tp}")
+        if pp > shape.num_layers + 2:
+            raise ConfigError(f"--pp {pp} stages for {shape.num_layers} blocks (plus embedding "
+                              f"and head); use --pp at most {shape.num_layers + 2} or more --layers")
+
+    def parallel_degrees(self, world: int) -> tuple[int, int, int]:
+        """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does."""
+        tp, pp = self.tp or 1, self.pp or 1
+        if self.strategy == "pipeline":
+            dp = self.dp or 1
+            pp = self.pp or _inferred(world, dp * tp, "pp")
+        elif self.strategy == "tensor":
+            dp = self.dp or 1
+            tp = self.tp or _inferred(world, dp * pp, "tp")
+        else:
+            dp = self.dp or _inferred(world, tp * pp, "dp")
+        return dp, tp, pp
+
+    def elastic_schedule_steps(self) -> dict[int, int]:
+        """``--elastic-schedule "STEP:WORLD,..."`` as {step: world size}."""
+        if not self.elastic_schedule:
+            return {}
+        schedule = {}
+        for entry in str(self.elastic_schedule).replace(" ", "").split(","):
+            step, _, world = entry.partition(":")
+            if not (step.isdigit() and world.isdigit() and int(step) > 0 and int(world) > 0):
+                raise ConfigError(f"--elastic-schedule {self.elastic_schedule!r}: use STEP:WORLD "
+                                  "pairs such as 4:3,8:2 (after step 4 the world becomes 3)")
+            schedule[int(step)] = int(world)
+        return schedule
+
+    def elastic_world_sizes(self) -> list[int]:
+        """Every world size an elastic run passes through: the first, each scheduled one, and
+        the one left after the ``fail_at`` failure (one fewer than the world at that step)."""
+        schedule = self.elastic_schedule_steps()
+        first = self.world_size or DEFAULT_WORLD_SIZE
+        sizes = [first, *schedule.values()]
+        if self.fail_at is not None:
+            at_failure = next((w for s, w in sorted(schedule.items(), reverse=True)
+                               if s <= self.fail_at), first)
+            if at_failure < 2:
+                raise ConfigError(f"--fail-at {self.fail_at}: the world has {at_failure} worker "
+                                  "then and none would be left; fail at a step with 2 or more")
+            sizes.append(at_failure - 1)
+        return sizes
 
     def model_config(self, *, vocab_size: int, checked: bool = True) -> DilatedTransformerConfig:
         """The DilatedTransformerConfig of the preset with this run's overrides applied."""
@@ -167,10 +301,10 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> Tr
     file_settings = load_toml(toml_path) if toml_path else {}
     resume = flags.get("resume", file_settings.get("resume", False))
     out = flags.get("out", file_settings.get("out", TrainConfig.out))
+    given = {**file_settings, **flags}
     if resume:
-        settings.update(_saved_settings(out))
-    settings.update(file_settings)
-    settings.update(flags)
+        settings.update(_saved_settings(out, given))
+    settings.update(given)
     settings["resume"] = bool(resume)
     return TrainConfig(**settings)
 
@@ -195,14 +329,25 @@ def load_toml(path: str) -> dict[str, Any]:
     return _known_settings(raw, f"--config {path}")
 
 
-def _saved_settings(out: str) -> dict[str, Any]:
+def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved run's settings, less how it was launched and, where ``given`` changes the
+    strategy or the optimizer, the old one's own settings (a hybrid run resumed under ddp drops
+    its --tp)."""
     path = os.path.join(out, "config.json")
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    settings = _known_settings(saved.get("train", saved), path)
-    return {k: v for k, v in settings.items() if k not in LAUNCH_SETTINGS}
+        raw = json.load(f)
+    saved = dict(raw.get("train", raw))
+    if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
+        saved["base_optimizer"] = saved.pop("optimizer")
+    settings = _known_settings(saved, path)
+    dropped = set(LAUNCH_SETTINGS)
+    if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
+        dropped.update(PARALLEL_SETTINGS)
+    if given.get("optimizer", settings.get("optimizer")) != settings.get("optimizer"):
+        dropped.update(name for choice in OPTIMIZERS.values() for name in choice.settings)
+    return {k: v for k, v in settings.items() if k not in dropped}
 
 
 def _known_settings(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -228,6 +373,27 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     if not items or any(v <= 0 for v in items):
         raise ConfigError(f"{flag(name)} {value!r}: use one or more positive integers")
     return items
+
+
+def _check_unused(config: TrainConfig, applies: Mapping[str, tuple[str, ...]], owner: str) -> None:
+    """ConfigError for a setting changed from its default that ``--<owner>`` does not use."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name, owners in applies.items():
+        if getattr(config, name) != defaults[name] and getattr(config, owner) not in owners:
+            raise ConfigError(f"{flag(name)} applies to --{owner} {' or '.join(owners)}, not "
+                              f"{getattr(config, owner)}; drop {flag(name)} or change --{owner}")
+
+
+def _check_divides(value: int, divisor: int, what: str, by: str) -> None:
+    if value % divisor:
+        raise ConfigError(f"{what} {value} is not divisible by {by}; use a multiple of {divisor}")
+
+
+def _inferred(world: int, divisor: int, axis: str) -> int:
+    if world % divisor:
+        raise ConfigError(f"cannot infer --{axis}: the world size {world} is not divisible by "
+                          f"{divisor} (the other degrees); pass --{axis} explicitly")
+    return world // divisor
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -1,6 +1,10 @@
 """The training loop one rank runs: build the model and its strategy, resume, train, evaluate,
 log and checkpoint. Every rank runs the same calls (the collectives inside ``train_step``,
 validation and checkpointing need all of them); only rank 0 writes the logs and the plot.
+
+``--optimizer async`` runs ``train_async.AsyncJob`` instead of ``Job`` (the server and the workers
+do different things); ``--optimizer elastic`` runs ``Job`` once per group of workers
+(``train_elastic``).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from distframe.data import BatchSampler, TokenCorpus, load_corpus, validation_of
 from distframe.errors import ConfigError, DistFrameError
 from distframe.train_config import TrainConfig
 from distframe.train_metrics import MetricsLog, ProgressBar, peak_memory_bytes, plot_losses
-from distframe.train_strategies import OPTIMIZERS, STRATEGIES
+from distframe.train_strategies import BASE_OPTIMIZERS, STRATEGIES, compressed_settings
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -86,17 +90,38 @@ def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
     module = DilatedTransformerLM(config.model_config(vocab_size=corpus.vocab_size))
     module.load_state_dict(initial_state)
     module.to(device=device, dtype=DTYPES[config.dtype])
-    strategy = STRATEGIES[config.strategy]
-    optimizer_cls, settings = OPTIMIZERS[config.optimizer]
-    model, optimizer = strategy.build(module, backend, optimizer_cls,
-                                      settings(config.lr, config.weight_decay))
-    dp_size, dp_rank = strategy.data_parallel(model, backend)
+    model, optimizer = build_model_and_optimizer(module, backend, config)
+    info = run_info(config, corpus, backend.world_size, backend_name)
+    if config.optimizer == "async":  # every worker trains on whole batches
+        from distframe.train_async import AsyncJob
+        return AsyncJob(backend, config, model, optimizer, corpus, device, info).run()
+    dp_size, dp_rank = STRATEGIES[config.strategy].data_parallel(model, backend)
     if config.batch_size % dp_size:
         raise ConfigError(f"--batch-size {config.batch_size} is not divisible by the {dp_size} "
                           "data-parallel ranks; use a multiple of them")
-    job = _Job(backend, config, model, optimizer, corpus, device, dp_size, dp_rank,
-               run_info(config, corpus, backend.world_size, backend_name))
-    return job.run()
+    return Job(backend, config, model, optimizer, corpus, device, dp_size, dp_rank, info).run()
+
+
+def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: TrainConfig,
+                              **optimizer_settings: Any) -> tuple[Any, Any]:
+    """The strategy's wrapped model and, for ``--optimizer none``, its own optimizer, else
+    ``make_optimizer(config.optimizer, ...)`` around ``--base-optimizer``; collective.
+    ``optimizer_settings`` go to make_optimizer (the elastic run passes its member)."""
+    strategy = STRATEGIES[config.strategy]
+    optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
+    kwargs = settings(config.lr, config.weight_decay)
+    if config.optimizer == "none":
+        return strategy.build(module, backend, config, optimizer_cls, kwargs)
+    from distframe.optimizers import make_optimizer
+    if config.optimizer == "compressed":
+        kwargs.update(compressed_settings(config))
+    elif config.optimizer == "async":
+        kwargs.update(max_staleness=config.max_staleness, deterministic=config.round_robin)
+    elif config.optimizer == "elastic":
+        kwargs.update(commit_every=config.commit_every)
+    model = strategy.wrap(module, backend, config)
+    return model, make_optimizer(config.optimizer, model, optimizer_cls, **kwargs,
+                                 **optimizer_settings)
 
 
 def _device(backend_name: str, backend: Any) -> torch.device:
@@ -106,8 +131,23 @@ def _device(backend_name: str, backend: Any) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-class _Job:
-    """One rank's run; methods are the phases of ``run``."""
+def prepare_out(config: TrainConfig, info: dict, log: MetricsLog) -> None:
+    """Creates OUT, clears an earlier run's metrics and checkpoints there unless ``--resume``,
+    and writes ``OUT/config.json``; one writer calls it."""
+    out = config.out
+    os.makedirs(out, exist_ok=True)
+    if not config.resume and (os.path.exists(log.path) or train_checkpoint.latest_checkpoint(out)):
+        print(f"distframe train: replacing the earlier run in {out} (--resume continues it "
+              "instead)", file=sys.stderr)
+        train_checkpoint.remove_checkpoints(out)
+        log.clear()
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+
+
+class Job:
+    """One rank's run; methods are the phases of ``run`` (the elastic run overrides
+    ``_start``, ``_stop_before`` and ``_train_step``)."""
 
     def __init__(self, backend: Any, config: TrainConfig, model: Any, optimizer: Any,
                  corpus: TokenCorpus, device: torch.device, dp_size: int, dp_rank: int,
@@ -137,6 +177,8 @@ class _Job:
         step_tokens, step_seconds, checkpoint = 0, 0.0, None
         try:
             for step in range(start_step + 1, self.config.steps + 1):
+                if self._stop_before(step):
+                    break
                 loss, seconds = self._train_step(step)
                 step_tokens, step_seconds = step_tokens + self.tokens_per_step, step_seconds + seconds
                 val_loss = self._validate() if self._due(step, self.config.eval_every) else None
@@ -156,6 +198,10 @@ class _Job:
         self._finish()
         return self._result(last, last_val, step_tokens, step_seconds, checkpoint)
 
+    def _stop_before(self, step: int) -> bool:  # noqa: ARG002 - the elastic run's hook
+        """True to end this run before ``step`` (the elastic run: its membership changes)."""
+        return False
+
     def _due(self, step: int, every: int) -> bool:
         return step == self.config.steps or (every > 0 and step % every == 0)
 
@@ -173,15 +219,7 @@ class _Job:
             history = self.log.keep_until(start_step) if self.is_writer else self.log.records()
         self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT
         if self.is_writer:
-            os.makedirs(out, exist_ok=True)
-            if not self.config.resume and (os.path.exists(self.log.path)
-                                           or train_checkpoint.latest_checkpoint(out)):
-                print(f"distframe train: replacing the earlier run in {out} (--resume continues "
-                      "it instead)", file=sys.stderr)
-                train_checkpoint.remove_checkpoints(out)
-                self.log.clear()
-            with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(self.info, f, indent=2)
+            prepare_out(self.config, self.info, self.log)
         self.backend.barrier()
         return start_step, [r for r in history if r["step"] <= start_step]
 

@@ -1,11 +1,15 @@
-"""What ``--strategy`` and ``--optimizer`` may name: two small tables the trainer reads.
+"""What ``--strategy``, ``--base-optimizer`` and ``--optimizer`` may name: small tables the
+trainer reads.
 
-A strategy entry wraps the single-device model and builds its optimizer; to add one (a
-model-parallel strategy, a compressed or elastic optimizer) write a ``build`` function and add a
-line to ``STRATEGIES``. Which data-parallel slice a rank trains on and how it computes the
-validation loss come from the wrapped model's ``data_parallel_coordinates()`` and
-``validation_loss()`` when it has them (model-parallel strategies), or from the entry. Imports of the strategies happen inside the
-build functions, so ``distframe --help`` stays fast.
+A strategy entry wraps the single-device model (``wrap``) and builds the optimizer that belongs
+with it (``optimizer``); to add one write those two functions and add a line to ``STRATEGIES``.
+``--base-optimizer`` names the torch.optim class every strategy wraps (``BASE_OPTIMIZERS``).
+``--optimizer`` (``OPTIMIZERS``) replaces the strategy's optimizer with one of
+``distframe.optimizers.make_optimizer``'s (compressed, async, elastic); ``none`` keeps it.
+Which data-parallel slice a rank trains on and how it computes the validation loss come from the
+wrapped model's ``data_parallel_coordinates()`` and ``validation_loss()`` when it has them
+(model-parallel strategies), or from the entry. Imports of the strategies happen inside the
+functions, so ``distframe --help`` stays fast.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import torch
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# build(module, backend, optimizer_cls, optimizer_kwargs) -> (wrapped model, optimizer)
-Build = Callable[[nn.Module, Any, type, dict], tuple[Any, Any]]
+# wrap(module, backend, config) -> wrapped model (config: a TrainConfig)
+Wrap = Callable[[nn.Module, Any, Any], Any]
+# optimizer(model, optimizer_cls, optimizer_kwargs) -> the optimizer that belongs with the model
+BuildOptimizer = Callable[[Any, type, dict], Any]
 
 
 def model_data_parallel(model: Any, backend: Any) -> tuple[int, int]:
@@ -40,61 +46,110 @@ def model_validation_loss(model: Any, inputs: torch.Tensor, targets: torch.Tenso
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """``build`` wraps the model; ``data_parallel(model, backend) -> (dp_size, dp_rank)`` says
-    which slice of the global batch this rank trains on (ranks of one pipeline or tensor group
-    share one); ``validation_loss(model, inputs, targets, loss_fn)`` is called on every rank and
-    returns this data-parallel slice's mean loss."""
+    """``wrap`` wraps the model; ``optimizer`` builds its optimizer; ``data_parallel(model,
+    backend) -> (dp_size, dp_rank)`` says which slice of the global batch this rank trains on
+    (ranks of one pipeline or tensor group share one); ``validation_loss(model, inputs, targets,
+    loss_fn)`` is called on every rank and returns this data-parallel slice's mean loss.
+    ``model_parallel``: the strategy splits the model (``--dp/--tp/--pp`` apply to it)."""
 
     help: str
-    build: Build
+    wrap: Wrap
+    optimizer: BuildOptimizer
+    model_parallel: bool = False
     data_parallel: Callable[[Any, Any], tuple[int, int]] = model_data_parallel
     validation_loss: Callable[[Any, torch.Tensor, torch.Tensor, LossFn], torch.Tensor] = \
         model_validation_loss
 
+    def build(self, module: nn.Module, backend: Any, config: Any, optimizer_cls: type,
+              optimizer_kwargs: dict) -> tuple[Any, Any]:
+        """(wrapped model, its optimizer); collective on ``backend``."""
+        model = self.wrap(module, backend, config)
+        return model, self.optimizer(model, optimizer_cls, optimizer_kwargs)
 
-def _ddp(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:
+
+def _ddp(module: nn.Module, backend: Any, config: Any) -> Any:
     from distframe.models import DDPModel
+    return DDPModel(module, backend)
+
+
+def _ddp_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
     from distframe.optimizers import DDPOptimizer
-    model = DDPModel(module, backend)
-    return model, DDPOptimizer(model, optimizer_cls, **kwargs)
+    return DDPOptimizer(model, optimizer_cls, **kwargs)
 
 
-def _zero1(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:
+def _zero1(module: nn.Module, backend: Any, config: Any) -> Any:
     from distframe.models import ZeRO1Model
+    return ZeRO1Model(module, backend)
+
+
+def _zero1_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
     from distframe.optimizers import ZeRO1Optimizer
-    model = ZeRO1Model(module, backend)
-    return model, ZeRO1Optimizer(model, optimizer_cls, **kwargs)
+    return ZeRO1Optimizer(model, optimizer_cls, **kwargs)
 
 
-def _zero2(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:
+def _zero2(module: nn.Module, backend: Any, config: Any) -> Any:
     from distframe.models import ZeRO2Model
+    return ZeRO2Model(module, backend)
+
+
+def _zero2_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
     from distframe.optimizers import ZeRO2Optimizer
-    model = ZeRO2Model(module, backend)
-    return model, ZeRO2Optimizer(model, optimizer_cls, **kwargs)
+    return ZeRO2Optimizer(model, optimizer_cls, **kwargs)
 
 
-def _zero3(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:
+def _zero3(module: nn.Module, backend: Any, config: Any) -> Any:
     from distframe.models import ZeRO3Model
+    return ZeRO3Model(module, backend)
+
+
+def _zero3_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
     from distframe.optimizers import ZeRO3Optimizer
-    model = ZeRO3Model(module, backend)
-    return model, ZeRO3Optimizer(model, optimizer_cls, **kwargs)
+    return ZeRO3Optimizer(model, optimizer_cls, **kwargs)
 
 
-def _fsdp(module: nn.Module, backend: Any, optimizer_cls: type, kwargs: dict) -> tuple[Any, Any]:
+def _fsdp(module: nn.Module, backend: Any, config: Any) -> Any:
     from distframe.models import FSDPModel
+    return FSDPModel(module, backend)
+
+
+def _fsdp_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
     from distframe.optimizers import FSDPOptimizer
-    model = FSDPModel(module, backend)
-    return model, FSDPOptimizer(model, optimizer_cls, **kwargs)
+    return FSDPOptimizer(model, optimizer_cls, **kwargs)
+
+
+def _model_parallel(strategy: str) -> Wrap:
+    def wrap(module: nn.Module, backend: Any, config: Any) -> Any:
+        from distframe.models import build_model_parallel
+        return build_model_parallel(strategy, module, backend, dp=config.dp, tp=config.tp,
+                                    pp=config.pp, micro_batches=config.micro_batches,
+                                    schedule=config.schedule)
+    return wrap
+
+
+def _plain_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
+    """Model-parallel models synchronise their own gradients: a torch.optim optimizer over this
+    rank's parameters (its stage, its tensor shards) is all they need."""
+    return optimizer_cls(model.parameters(), **kwargs)
 
 
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(help="replicated parameters and optimizer state, gradients all-reduced",
-                    build=_ddp),
-    "zero1": Strategy(help="optimizer state sharded", build=_zero1),
-    "zero2": Strategy(help="optimizer state and gradients sharded", build=_zero2),
+                    wrap=_ddp, optimizer=_ddp_optimizer),
+    "zero1": Strategy(help="optimizer state sharded", wrap=_zero1, optimizer=_zero1_optimizer),
+    "zero2": Strategy(help="optimizer state and gradients sharded", wrap=_zero2,
+                      optimizer=_zero2_optimizer),
     "zero3": Strategy(help="parameters, gradients and optimizer state sharded per module",
-                      build=_zero3),
-    "fsdp": Strategy(help="flat parameter shards per wrapped unit", build=_fsdp),
+                      wrap=_zero3, optimizer=_zero3_optimizer),
+    "fsdp": Strategy(help="flat parameter shards per wrapped unit", wrap=_fsdp,
+                     optimizer=_fsdp_optimizer),
+    "pipeline": Strategy(help="layers split into --pp stages, --micro-batches per step",
+                         wrap=_model_parallel("pipeline"), optimizer=_plain_optimizer,
+                         model_parallel=True),
+    "tensor": Strategy(help="attention heads and MLP split over --tp ranks",
+                       wrap=_model_parallel("tensor"), optimizer=_plain_optimizer,
+                       model_parallel=True),
+    "hybrid": Strategy(help="--dp x --tp x --pp", wrap=_model_parallel("hybrid"),
+                       optimizer=_plain_optimizer, model_parallel=True),
 }
 
 
@@ -107,7 +162,46 @@ def _sgd_settings(lr: float, weight_decay: float) -> dict[str, Any]:
 
 
 # name -> (torch.optim class, settings(lr, weight_decay) -> keyword arguments)
-OPTIMIZERS: dict[str, tuple[type, Callable[[float, float], dict[str, Any]]]] = {
+BASE_OPTIMIZERS: dict[str, tuple[type, Callable[[float, float], dict[str, Any]]]] = {
     "adamw": (torch.optim.AdamW, _adamw_settings),
     "sgd": (torch.optim.SGD, _sgd_settings),
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerChoice:
+    """An ``--optimizer`` entry: ``strategies`` it runs on (None: the strategy's own optimizer,
+    any strategy) and ``settings`` its flags (TrainConfig fields, checked to be left at their
+    defaults under any other --optimizer)."""
+
+    help: str
+    strategies: tuple[str, ...] | None
+    settings: tuple[str, ...] = ()
+
+
+DATA_PARALLEL_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+OPTIMIZERS: dict[str, OptimizerChoice] = {
+    "none": OptimizerChoice(help="the strategy's own optimizer", strategies=None),
+    "compressed": OptimizerChoice(
+        help="DDP with compressed gradient exchange (--compressor)", strategies=("ddp",),
+        settings=("compressor", "topk_ratio", "powersgd_rank", "powersgd_start")),
+    "async": OptimizerChoice(
+        help="parameter server on rank 0, the other ranks train asynchronously "
+             "(--max-staleness)", strategies=("ddp",), settings=("max_staleness", "round_robin")),
+    "elastic": OptimizerChoice(
+        help="in-memory demo: workers leave, join (--elastic-schedule) and fail (--fail-at) "
+             "during the run", strategies=DATA_PARALLEL_STRATEGIES,
+        settings=("commit_every", "elastic_schedule", "fail_at")),
+}
+
+
+def compressed_settings(config: Any) -> dict[str, Any]:
+    """make_optimizer("compressed", ...) keywords for ``config``'s compressor flags."""
+    settings: dict[str, Any] = {"compressor": config.compressor}
+    if config.compressor == "topk":
+        settings["ratio"] = config.topk_ratio
+    elif config.compressor == "powersgd":
+        settings.update(rank=config.powersgd_rank, start_iter=config.powersgd_start,
+                        seed=config.seed)
+    return settings
