@@ -1,0 +1,163 @@
+"""``distframe train --optimizer async``: rank 0 serves the parameters, the other ranks train.
+
+The server runs ``AsyncSGDOptimizer.serve()`` until every worker is done; each worker trains its
+share of the ``--steps`` updates (worker i of W takes updates i+1, i+1+W, ..., each on the whole
+``--batch-size`` global batch of that update's step) and pushes one gradient per update. The
+server applies them at the constant ``--lr`` (it steps whenever a gradient arrives, so there is
+no per-step schedule). Nothing collective can run while the server serves, so:
+
+* metrics are collected after the run: every worker's losses are gathered to rank 0 and logged
+  in the order the workers reported them, one record per update; ``tokens_per_s`` of a record
+  is that worker's own rate (one batch over its step time) and the result's tokens/s is the
+  whole run's (every worker's tokens over the server's wall time);
+* validation (``val_loss`` of the last record) and the checkpoint happen once, at the end: the
+  server's parameters and optimizer state are broadcast to every rank first, so the checkpoint
+  is an ordinary DDP one (``--resume`` under any strategy reads it); ``--eval-every`` and
+  ``--checkpoint-every`` do not apply.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from distframe import train_checkpoint
+from distframe.data import TokenCorpus
+from distframe.errors import DistFrameError
+from distframe.optimizers.elastic import Commit
+from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
+from distframe.train_config import TrainConfig
+from distframe.train_loop import Job, TrainResult, next_token_loss
+from distframe.train_metrics import ProgressBar, peak_memory_bytes
+
+SERVER_RANK = 0
+
+
+class AsyncJob(Job):
+    """One rank's part of an asynchronous run: ``run`` serves on rank 0 and trains elsewhere."""
+
+    def __init__(self, backend: Any, config: TrainConfig, model: Any, optimizer: Any,
+                 corpus: TokenCorpus, device: torch.device, info: dict) -> None:
+        super().__init__(backend, config, model, optimizer, corpus, device, 1, 0, info)
+
+    def run(self) -> TrainResult:
+        start_step, history = self._start()
+        wall_before = history[-1]["wall_s"] if history else 0.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
+        self.backend.barrier()
+        started = time.time()
+        if self.backend.rank == SERVER_RANK:
+            report = self.optimizer.serve()
+            reports = torch.empty(0, 3, dtype=torch.float64)
+        else:
+            report, reports = None, self._work(start_step)
+        serve_seconds = time.time() - started
+        records = self._gather(reports)  # (updates, 3): loss, step seconds, time reported
+        self._share_server_state()
+        val_loss = self._server_validate()
+        last = None
+        if self.is_writer:
+            last = self._log(records, start_step, started, wall_before, val_loss)
+            self.notes.append(f"async: {report.updates} updates, mean staleness "
+                              f"{report.mean_staleness:.2f} (max {report.max_staleness_seen})"
+                              + (f", failed workers {report.failed_workers}"
+                                 if report.failed_workers else ""))
+        step = start_step + records.shape[0]
+        checkpoint = train_checkpoint.save(self.config.out, step, self.model, self.optimizer)
+        self._finish()
+        tokens = records.shape[0] * self.tokens_per_step
+        return self._result(last, val_loss, tokens, serve_seconds, checkpoint)
+
+    def _work(self, start_step: int) -> torch.Tensor:
+        """This worker's updates; returns one row (loss, seconds, time reported) per update."""
+        workers = self.backend.world_size - 1
+        index = self.backend.rank - 1 if self.backend.rank > SERVER_RANK else self.backend.rank
+        updates = range(start_step + 1 + index, self.config.steps + 1, workers)
+        bar = ProgressBar(total=len(updates), initial=0, enabled=index == 0)
+        rows = []
+        try:
+            for step in updates:
+                inputs, targets = self.train_data.slice(step, 0, 1)
+                began = time.perf_counter()
+                loss = self.optimizer.train_step((inputs.to(self.device), targets.to(self.device)),
+                                                 next_token_loss)
+                if self.optimizer.stopped:
+                    break
+                seconds = time.perf_counter() - began
+                if not math.isfinite(loss):
+                    raise DistFrameError(f"the training loss became {loss} at update {step}; "
+                                         f"lower --lr (now {self.config.lr:g})")
+                rows.append((loss, seconds, time.time()))
+                bar.update({"train_loss": loss, "val_loss": None, "peak_memory_bytes":
+                            peak_memory_bytes(self.device),
+                            "tokens_per_s": self.tokens_per_step / seconds})
+            self.optimizer.finish()
+        finally:
+            bar.close()
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, on every rank (padded all_gather), sorted by time reported."""
+        counts = self.backend.all_gather(torch.tensor([rows.shape[0]], dtype=torch.int64))
+        padded = torch.zeros(int(counts.max()), 3, dtype=torch.float64)
+        padded[:rows.shape[0]] = rows
+        gathered = self.backend.all_gather(padded).view(self.backend.world_size, -1, 3)
+        merged = torch.cat([gathered[r, :int(counts[r])] for r in range(self.backend.world_size)])
+        return merged[merged[:, 2].argsort()]
+
+    def _share_server_state(self) -> None:
+        """The server's parameters and optimizer state onto every rank (broadcasts), so every
+        rank holds the trained model for validation and the checkpoint."""
+        for p in self.model.local_parameter_shard():
+            self.backend.broadcast(p.data, SERVER_RANK)
+        blob = b""
+        if self.backend.rank == SERVER_RANK:
+            wrapped = self.optimizer.wrapped_optimizer
+            tensors, scalars = optimizer_pieces(self.model.shard_layout(), wrapped, 0, 1)
+            state = {"tensors": tensors, "scalars": scalars,
+                     "param_groups": hyperparameters(wrapped)}
+            blob = Commit(0, {}, state, 1).to_bytes()
+        shared = Commit.from_bytes(_broadcast_bytes(self.backend, blob, SERVER_RANK))
+        self.optimizer.load_state_dict(shared.optimizer)
+
+    def _server_validate(self) -> float:
+        """Mean validation loss of the server's model over every validation batch, computed on
+        the server and broadcast."""
+        mean = torch.zeros(1, dtype=torch.float64)
+        if self.backend.rank == SERVER_RANK:
+            self.model.eval()
+            with torch.no_grad():
+                losses = [float(self.strategy.validation_loss(
+                    self.model, inputs.to(self.device), targets.to(self.device), next_token_loss))
+                    for inputs, targets in (self.val_data.windows(o, 0, 1)
+                                            for o in self.val_offsets)]
+            self.model.train()
+            mean[0] = sum(losses) / len(losses)
+        self.backend.broadcast(mean, SERVER_RANK)
+        return float(mean)
+
+    def _log(self, records: torch.Tensor, start_step: int, started: float, wall_before: float,
+             val_loss: float) -> dict | None:
+        last = None
+        for i, (loss, seconds, reported) in enumerate(records.tolist()):
+            last = {"step": start_step + i + 1, "train_loss": loss,
+                    "val_loss": val_loss if i == records.shape[0] - 1 else None,
+                    "tokens_per_s": self.tokens_per_step / seconds,
+                    "peak_memory_bytes": peak_memory_bytes(self.device),
+                    "wall_s": wall_before + reported - started}
+            self.log.append(last)
+        return last
+
+
+def _broadcast_bytes(backend: Any, blob: bytes, src: int) -> bytes:
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    backend.broadcast(size, src)
+    buf = torch.zeros(int(size), dtype=torch.uint8)
+    if backend.rank == src:
+        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    backend.broadcast(buf, src)
+    return buf.numpy().tobytes()
+
