@@ -348,7 +348,10 @@ class CommunicationBackendBase(abc.ABC):
         future = self._communication_thread().submit(execute)
         with self._lock:
             self._pending.append(future)
-        return FutureWork(future, op, call.seq)
+        # A call that succeeded has nothing left for _drain to re-raise: forget it at once, so
+        # its result (a gathered tensor, say) lives only as long as the caller keeps it.
+        future.add_done_callback(self._forget_if_succeeded)
+        return FutureWork(future, op, call.seq, on_done=lambda: self._forget(future))
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -356,6 +359,15 @@ class CommunicationBackendBase(abc.ABC):
                 self._executor = ThreadPoolExecutor(
                     1, thread_name_prefix=f"distframe-{self.engine}-rank{self._rank}")
             return self._executor
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            if future in self._pending:
+                self._pending.remove(future)
+
+    def _forget_if_succeeded(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._forget(future)
 
     def _drain(self) -> None:
         """Waits for asynchronous calls issued earlier; re-raises the first failure among them."""

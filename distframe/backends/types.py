@@ -88,8 +88,10 @@ class FutureWork(Work):
             raise CollectiveTimeoutError(
                 self._op, self._seq, None, timeout or 0.0,
                 "Work.wait(timeout=...) expired before the operation completed") from None
-        if self._on_done is not None:
-            self._on_done()
+        finally:
+            # A failure the caller has now seen is not raised again by the next call.
+            if self._on_done is not None and self._future.done():
+                self._on_done()
         return result
 
     def is_completed(self) -> bool:

@@ -129,6 +129,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         else:
             output = self(inputs)
         loss = loss_fn(output, targets)
+        # Drop our reference to the output (for an LM, the logits: often the largest activation)
+        # so backward can free it once the graph is done with it.
+        del output
         loss.backward()
         return loss
 

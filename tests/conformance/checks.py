@@ -262,3 +262,25 @@ def check_out_buffers(backend, dtype_name: str) -> None:
         backend.all_gather(inputs[r], out=torch.empty((2 * n + 1, 3), dtype=DTYPES[dtype_name]))
     with pytest.raises(ValueError, match="must not share storage"):
         backend.reduce_scatter(big[r], op, out=big[r][:2])
+
+
+def check_async_results_not_retained(backend) -> None:
+    """The backend keeps no reference to a completed asynchronous call's result: once the caller
+    drops it (waited for or not), its storage is freed."""
+    import gc
+    import time
+    import weakref
+    n, r = backend.world_size, backend.rank
+    work = backend.all_gather(torch.full((1000,), float(r)), async_op=True)
+    waited = weakref.ref(work.wait())
+    unwaited_work = backend.all_gather(torch.full((1000,), float(r)), async_op=True)
+    backend.barrier(async_op=True).wait()  # runs after the all_gather on the one comm thread
+    unwaited = weakref.ref(unwaited_work._future.result())
+    del work, unwaited_work
+    deadline = time.monotonic() + 5
+    while (waited() is not None or unwaited() is not None) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    if waited() is not None or unwaited() is not None:
+        raise AssertionError(f"rank {r}: the backend still holds a completed async result")
+    backend.barrier()

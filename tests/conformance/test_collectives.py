@@ -97,3 +97,7 @@ def test_float_dtypes_listed():
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "int32", "bool"])
 def test_out_buffers(runner, dtype_name):
     runner.run(checks.check_out_buffers, dtype_name=dtype_name)
+
+
+def test_async_results_not_retained(runner):
+    runner.run(checks.check_async_results_not_retained)
