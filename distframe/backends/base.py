@@ -4,7 +4,7 @@ The public methods here validate arguments, number the call (a per-group sequenc
 count it in ``stats``, optionally check in ``debug`` mode that every rank makes the same call,
 and run it now or on the backend's communication thread (``async_op=True``). Engines implement the
 ``_raw`` methods below on already validated, contiguous tensors; a raw method an engine does not
-override is composed from the ones it has (for example ``reduce`` from ``all_reduce``).
+override is composed from the ones it has (``composed.py``; for example ``reduce`` from ``all_reduce``).
 
 [Note: ordering] Collectives must be issued in the same order on every rank. Asynchronous calls
 run one at a time, in issue order, on a single communication thread; a synchronous call first
@@ -22,32 +22,16 @@ from typing import Any
 
 import torch
 
-from distframe.backends.signature import DTYPES, Signature, describe_mismatch
+from distframe.backends import validation
+from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
+from distframe.backends.signature import Signature, describe_mismatch
 from distframe.backends.types import CommStats, CompletedWork, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
 
 DEFAULT_TIMEOUT = 300.0
 
 
-class Call:
-    """One numbered call on one group, handed to the engine's raw method. The signature is built
-    only when asked for (the in-memory engine and ``debug`` mode), keeping the hot path short."""
-
-    __slots__ = ("op", "seq", "timeout", "_make_signature", "_signature")
-
-    def __init__(self, op: str, seq: int, make_signature: Callable[[], Signature], timeout: float) -> None:
-        self.op, self.seq, self.timeout = op, seq, timeout
-        self._make_signature = make_signature
-        self._signature: Signature | None = None
-
-    @property
-    def signature(self) -> Signature:
-        if self._signature is None:
-            self._signature = self._make_signature()
-        return self._signature
-
-
-class CommunicationBackendBase(abc.ABC):
+class CommunicationBackendBase(ComposedCollectives, abc.ABC):
     """Shared life cycle of the engines. See ``ICommunicationBackend`` for the contract.
 
     ``timeout`` (seconds) bounds every blocking wait; ``debug=True`` makes engines that cannot see
@@ -279,55 +263,6 @@ class CommunicationBackendBase(abc.ABC):
     def _shutdown(self) -> None:
         """Engine resources; called once."""
 
-    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        work = tensor.clone()
-        self._all_reduce(work, op, call)
-        return work.chunk(self._world_size)[self._rank].clone()
-
-    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
-        work = tensor.clone()
-        self._all_reduce(work, op, call)
-        if self._rank == dst:
-            tensor.copy_(work)
-
-    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
-        gathered = self._all_gather(tensor.reshape(1, *tensor.shape), call)
-        return list(gathered.unbind(0)) if self._rank == dst else None
-
-    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
-        meta = torch.zeros(2 + 8, dtype=torch.int64)
-        if chunks is not None:
-            shape = tuple(chunks[0].shape)
-            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
-            meta[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-        self._broadcast(meta, src, call)
-        shape = tuple(meta[2:2 + int(meta[0])].tolist())
-        full = (torch.stack(chunks) if chunks is not None
-                else torch.empty((self._world_size, *shape), dtype=DTYPES[int(meta[1])]))
-        self._broadcast(full, src, call)
-        return full[self._rank].clone()
-
-    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
-        sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
-        all_sizes = self._all_gather(sizes, call).view(self._world_size, self._world_size)
-        sends = [self._isend(c.contiguous(), j, _A2A_TAG) for j, c in enumerate(chunks) if j != self._rank]
-        out: list[torch.Tensor] = []
-        recvs = []
-        for j in range(self._world_size):
-            if j == self._rank:
-                out.append(chunks[j].clone())
-                continue
-            buf = torch.empty((int(all_sizes[j, self._rank]), *chunks[0].shape[1:]), dtype=chunks[0].dtype)
-            out.append(buf)
-            recvs.append(self._irecv(buf, j, _A2A_TAG))
-        for w in sends + recvs:
-            w.wait()
-        return out
-
-    def _barrier(self, call: Call) -> None:
-        self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
-
     # ---- shared machinery ------------------------------------------------------------------------
     def _run(self, op: str, make_signature: Callable[[], Signature], nbytes: int,
              fn: Callable[[Call], Any], async_op: bool) -> Any:
@@ -400,60 +335,23 @@ class CommunicationBackendBase(abc.ABC):
                              "(or call it inside spawn) instead of reusing a closed one")
 
     def _check_tensor(self, op: str, tensor: object) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{op} expects a torch.Tensor, got {type(tensor).__name__}")
+        validation.check_tensor(op, tensor)
 
     def _check_peer(self, op: str, name: str, peer: object) -> None:
-        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self._world_size:
-            raise ValueError(f"{op}: {name}={peer!r} is out of range for a group of world_size "
-                             f"{self._world_size}; use a rank in 0..{self._world_size - 1}")
+        validation.check_peer(op, name, peer, self._world_size)
 
     def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> None:
         self._check_open(op)
-        self._check_tensor(op, tensor)
-        self._check_peer(op, "dst" if "send" in op else "src", peer)
-        if peer == self._rank:
-            raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
-        if not isinstance(tag, int) or not 0 <= tag < _A2A_TAG:
-            raise ValueError(f"{op}: tag must be an int in 0..{_A2A_TAG - 1}, got {tag!r}")
+        validation.check_p2p(op, tensor, peer, tag, self._rank, self._world_size, RESERVED_TAG)
 
     def _check_out(self, op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
-        self._check_tensor(op, out)
-        if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
-            raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
-                             f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
-                             f"{tuple(out.shape)}")
-        if out.device == like.device and out.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
-            raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
+        validation.check_out(op, out, shape, like)
 
     def _check_chunks(self, op: str, chunks: object, *, same_shape: bool) -> list[torch.Tensor]:
-        if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != self._world_size:
-            raise ValueError(f"{op} needs a list of world_size={self._world_size} tensors, got {chunks!r:.80}")
-        chunks = list(chunks)
-        for c in chunks:
-            self._check_tensor(op, c)
-        first = chunks[0]
-        for j, c in enumerate(chunks):
-            if c.dtype != first.dtype or (same_shape and c.shape != first.shape) or (
-                    not same_shape and (c.dim() == 0 or c.shape[1:] != first.shape[1:])):
-                what = "shape and dtype" if same_shape else "dtype and dims after dim 0"
-                raise ValueError(f"{op}: chunk {j} has shape {tuple(c.shape)} and dtype {c.dtype}, "
-                                 f"chunk 0 has {tuple(first.shape)} and {first.dtype}; all chunks need one {what}")
-        return chunks
+        return validation.check_chunks(op, chunks, self._world_size, same_shape=same_shape)
 
     def _check_group_ranks(self, ranks: object) -> list[int]:
-        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
-            raise ValueError(f"new_group needs a sequence of ranks, got {ranks!r}")
-        ranks = list(ranks)
-        if not ranks:
-            raise ValueError("new_group needs at least one rank")
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self._world_size]
-        if bad:
-            raise ValueError(f"new_group: unknown ranks {bad}; this group has ranks 0..{self._world_size - 1}")
-        if len(set(ranks)) != len(ranks):
-            dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise ValueError(f"new_group: ranks {dup} are listed more than once; list each rank once")
-        return ranks
+        return validation.check_group_ranks(ranks, self._world_size)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
@@ -464,5 +362,3 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Tag reserved for the composed all_to_all; user tags are below it.
-_A2A_TAG = 2**20

@@ -43,7 +43,7 @@ from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, Ra
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
 # Debug-mode headers of point-to-point messages travel on the user's tag plus this offset
-# (user tags are below 2**20, see base._A2A_TAG).
+# (user tags are below 2**20, see composed.RESERVED_TAG).
 _HEADER_TAG = 2**21
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16

@@ -1,0 +1,88 @@
+"""Collectives composed from the few every engine implements (all_reduce, all_gather,
+broadcast, point to point), used where an engine has no native version of its own."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from distframe.backends.signature import DTYPES, Signature
+from distframe.backends.types import ReduceOp
+
+# Tag reserved for the composed all_to_all; user tags must be below it.
+RESERVED_TAG = 2**20
+
+
+class Call:
+    """One numbered call on one group, handed to the engine's raw method. The signature is built
+    only when asked for (the in-memory engine and ``debug`` mode), keeping the hot path short."""
+
+    __slots__ = ("op", "seq", "timeout", "_make_signature", "_signature")
+
+    def __init__(self, op: str, seq: int, make_signature: Callable[[], Signature], timeout: float) -> None:
+        self.op, self.seq, self.timeout = op, seq, timeout
+        self._make_signature = make_signature
+        self._signature: Signature | None = None
+
+    @property
+    def signature(self) -> Signature:
+        if self._signature is None:
+            self._signature = self._make_signature()
+        return self._signature
+
+
+class ComposedCollectives:
+    """Default raw methods of CommunicationBackendBase, each built from the required ones."""
+
+    _rank: int
+    _world_size: int
+
+    def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        work = tensor.clone()
+        self._all_reduce(work, op, call)
+        return work.chunk(self._world_size)[self._rank].clone()
+
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
+        work = tensor.clone()
+        self._all_reduce(work, op, call)
+        if self._rank == dst:
+            tensor.copy_(work)
+
+    def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
+        gathered = self._all_gather(tensor.reshape(1, *tensor.shape), call)
+        return list(gathered.unbind(0)) if self._rank == dst else None
+
+    def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
+        meta = torch.zeros(2 + 8, dtype=torch.int64)
+        if chunks is not None:
+            shape = tuple(chunks[0].shape)
+            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
+            meta[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        self._broadcast(meta, src, call)
+        shape = tuple(meta[2:2 + int(meta[0])].tolist())
+        full = (torch.stack(chunks) if chunks is not None
+                else torch.empty((self._world_size, *shape), dtype=DTYPES[int(meta[1])]))
+        self._broadcast(full, src, call)
+        return full[self._rank].clone()
+
+    def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
+        sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+        all_sizes = self._all_gather(sizes, call).view(self._world_size, self._world_size)
+        sends = [self._isend(c.contiguous(), j, RESERVED_TAG) for j, c in enumerate(chunks) if j != self._rank]
+        out: list[torch.Tensor] = []
+        recvs = []
+        for j in range(self._world_size):
+            if j == self._rank:
+                out.append(chunks[j].clone())
+                continue
+            buf = torch.empty((int(all_sizes[j, self._rank]), *chunks[0].shape[1:]), dtype=chunks[0].dtype)
+            out.append(buf)
+            recvs.append(self._irecv(buf, j, RESERVED_TAG))
+        for w in sends + recvs:
+            w.wait()
+        return out
+
+    def _barrier(self, call: Call) -> None:
+        self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
+

@@ -1,0 +1,65 @@
+"""Argument checks shared by every engine: each error says what to change."""
+from __future__ import annotations
+
+import torch
+
+
+def check_tensor(op: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op} expects a torch.Tensor, got {type(tensor).__name__}")
+
+
+def check_peer(op: str, name: str, peer: object, world_size: int) -> None:
+    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < world_size:
+        raise ValueError(f"{op}: {name}={peer!r} is out of range for a group of world_size "
+                         f"{world_size}; use a rank in 0..{world_size - 1}")
+
+
+def check_p2p(op: str, tensor: object, peer: int, tag: int, rank: int, world_size: int, tag_limit: int) -> None:
+    check_tensor(op, tensor)
+    check_peer(op, "dst" if "send" in op else "src", peer, world_size)
+    if peer == rank:
+        raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
+    if not isinstance(tag, int) or not 0 <= tag < tag_limit:
+        raise ValueError(f"{op}: tag must be an int in 0..{tag_limit - 1}, got {tag!r}")
+
+
+def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    check_tensor(op, out)
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
+                         f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
+                         f"{tuple(out.shape)}")
+    if out.device == like.device and out.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
+        raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
+
+
+def check_chunks(op: str, chunks: object, world_size: int, *, same_shape: bool) -> list[torch.Tensor]:
+    if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != world_size:
+        raise ValueError(f"{op} needs a list of world_size={world_size} tensors, got {chunks!r:.80}")
+    chunks = list(chunks)
+    for c in chunks:
+        check_tensor(op, c)
+    first = chunks[0]
+    for j, c in enumerate(chunks):
+        if c.dtype != first.dtype or (same_shape and c.shape != first.shape) or (
+                not same_shape and (c.dim() == 0 or c.shape[1:] != first.shape[1:])):
+            what = "shape and dtype" if same_shape else "dtype and dims after dim 0"
+            raise ValueError(f"{op}: chunk {j} has shape {tuple(c.shape)} and dtype {c.dtype}, "
+                             f"chunk 0 has {tuple(first.shape)} and {first.dtype}; all chunks need one {what}")
+    return chunks
+
+
+def check_group_ranks(ranks: object, world_size: int) -> list[int]:
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise ValueError(f"new_group needs a sequence of ranks, got {ranks!r}")
+    ranks = list(ranks)
+    if not ranks:
+        raise ValueError("new_group needs at least one rank")
+    bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"new_group: unknown ranks {bad}; this group has ranks 0..{world_size - 1}")
+    if len(set(ranks)) != len(ranks):
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise ValueError(f"new_group: ranks {dup} are listed more than once; list each rank once")
+    return ranks
