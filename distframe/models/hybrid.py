@@ -32,8 +32,8 @@ from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.hybrid_zero import ZeroShards
-from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, gather_full, owns_piece,
-                                           shard_layout)
+from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
+                                           gather_full, owns_piece, shard_layout)
 from distframe.models.pipeline_comm import decode_header, encode_header
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.pipeline_schedules import SCHEDULES
@@ -239,7 +239,11 @@ class HybridShardedModel(ShardedModelBase):
     def shard_layout(self) -> ShardLayout:
         """Dense ranges of ``local_parameter_shard()`` (what optimizer state is keyed by)."""
         layout = self._parameter_layout()
-        return layout if self.zero is None else self.zero.layout(layout.segments)
+        if self.zero is not None:
+            return self.zero.layout(layout.segments)
+        writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups)
+                  for lp in self.local_parameters]
+        return WrittenOnceLayout(layout.shards, layout.segments, writes=writes)
 
     def _gather_parameters(self) -> dict[str, torch.Tensor]:
         full = self.gather_full_parameters()

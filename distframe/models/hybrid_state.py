@@ -82,6 +82,18 @@ def shard_layout(local: list[LocalParameter], catalog: ParameterCatalog, tp_inde
     return ShardLayout(shards=[lp.param for lp in local], segments=segments)
 
 
+@dataclasses.dataclass
+class WrittenOnceLayout(ShardLayout):
+    """A hybrid rank's layout for optimizer state: ``segments`` are all it holds (what loading
+    fills), ``owned()`` only those it writes (``writes[i]``, see ``owns_piece``), so data-parallel
+    replicas and the stages sharing a tied weight do not write the same range twice."""
+
+    writes: list[bool] = dataclasses.field(default_factory=list)
+
+    def owned(self, rank: int, world_size: int) -> list[list[Segment]]:  # noqa: ARG002
+        return [segs if write else [] for segs, write in zip(self.segments, self.writes)]
+
+
 def _segments(name: str, full: tuple[int, ...], dim: int | None, tp_index: int, tp_size: int) -> list[Segment]:
     numel = 1
     for size in full:
