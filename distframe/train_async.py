@@ -7,7 +7,8 @@ server applies them at the constant ``--lr`` (it steps whenever a gradient arriv
 no per-step schedule). Nothing collective can run while the server serves, so:
 
 * metrics are collected after the run: every worker's losses are gathered to rank 0 and logged
-  in the order the workers reported them, one record per update; ``tokens_per_s`` of a record
+  one record per update, in the order the workers reported them (with ``--round-robin``, the
+  order the server applied them, so a run repeats exactly); ``tokens_per_s`` of a record
   is that worker's own rate (one batch over its step time) and the result's tokens/s is the
   whole run's (every worker's tokens over the server's wall time);
 * validation (``val_loss`` of the last record) and the checkpoint happen once, at the end: the
@@ -51,11 +52,11 @@ class AsyncJob(Job):
         started = time.time()
         if self.backend.rank == SERVER_RANK:
             report = self.optimizer.serve()
-            reports = torch.empty(0, 3, dtype=torch.float64)
+            reports = torch.empty(0, 4, dtype=torch.float64)
         else:
             report, reports = None, self._work(start_step)
         serve_seconds = time.time() - started
-        records = self._gather(reports)  # (updates, 3): loss, step seconds, time reported
+        records = self._gather(reports)  # (updates, 4): update, loss, step seconds, time
         self._share_server_state()
         val_loss = self._server_validate()
         last = None
@@ -72,7 +73,8 @@ class AsyncJob(Job):
         return self._result(last, val_loss, tokens, serve_seconds, checkpoint)
 
     def _work(self, start_step: int) -> torch.Tensor:
-        """This worker's updates; returns one row (loss, seconds, time reported) per update."""
+        """This worker's updates; returns one row (update, loss, seconds, time reported) per
+        update, ``update`` being the step whose batch it trained on."""
         workers = self.backend.world_size - 1
         index = self.backend.rank - 1 if self.backend.rank > SERVER_RANK else self.backend.rank
         updates = range(start_step + 1 + index, self.config.steps + 1, workers)
@@ -90,23 +92,25 @@ class AsyncJob(Job):
                 if not math.isfinite(loss):
                     raise DistFrameError(f"the training loss became {loss} at update {step}; "
                                          f"lower --lr (now {self.config.lr:g})")
-                rows.append((loss, seconds, time.time()))
+                rows.append((step, loss, seconds, time.time()))
                 bar.update({"train_loss": loss, "val_loss": None, "peak_memory_bytes":
                             peak_memory_bytes(self.device),
                             "tokens_per_s": self.tokens_per_step / seconds})
             self.optimizer.finish()
         finally:
             bar.close()
-        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 3)
+        return torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows, on every rank (padded all_gather), sorted by time reported."""
+        """Every rank's rows, on every rank (padded all_gather), in the order the server applied
+        them: by update with ``--round-robin`` (the server takes the workers in turn), else by
+        the time the workers reported them."""
         counts = self.backend.all_gather(torch.tensor([rows.shape[0]], dtype=torch.int64))
-        padded = torch.zeros(int(counts.max()), 3, dtype=torch.float64)
+        padded = torch.zeros(int(counts.max()), 4, dtype=torch.float64)
         padded[:rows.shape[0]] = rows
-        gathered = self.backend.all_gather(padded).view(self.backend.world_size, -1, 3)
+        gathered = self.backend.all_gather(padded).view(self.backend.world_size, -1, 4)
         merged = torch.cat([gathered[r, :int(counts[r])] for r in range(self.backend.world_size)])
-        return merged[merged[:, 2].argsort()]
+        return merged[merged[:, 0 if self.config.round_robin else 3].argsort(stable=True)]
 
     def _share_server_state(self) -> None:
         """The server's parameters and optimizer state onto every rank (broadcasts), so every
@@ -142,7 +146,7 @@ class AsyncJob(Job):
     def _log(self, records: torch.Tensor, start_step: int, started: float, wall_before: float,
              val_loss: float) -> dict | None:
         last = None
-        for i, (loss, seconds, reported) in enumerate(records.tolist()):
+        for i, (_, loss, seconds, reported) in enumerate(records.tolist()):
             last = {"step": start_step + i + 1, "train_loss": loss,
                     "val_loss": val_loss if i == records.shape[0] - 1 else None,
                     "tokens_per_s": self.tokens_per_step / seconds,

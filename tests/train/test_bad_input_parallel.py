@@ -1,0 +1,42 @@
+"""Bad input to the model-parallel strategies and the distributed optimizers: exit status 2 and
+one line naming the flag and the fix, before any rank trains."""
+from __future__ import annotations
+
+import pytest
+
+from distframe.train_config import TrainConfig, resolve_config
+from tests.train.conftest import TINY
+from tests.train.test_bad_input import _fails_with
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--tp", "2", "--pp", "2"],
+     ["--dp 2 x --tp 2 x --pp 2 = 8", "4 ranks"]),
+    (["--strategy", "hybrid", "--world-size", "4", "--tp", "3"], ["cannot infer --dp", "--dp"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "3"],
+     ["--micro-batches 3", "--batch-size 8"]),
+    (["--strategy", "tensor", "--world-size", "4", "--batch-size", "8"],
+     ["--tp 4", "2 attention heads", "--heads"]),
+    (["--strategy", "ddp", "--tp", "2"], ["--tp applies to --strategy tensor or hybrid"]),
+    (["--strategy", "zero2", "--optimizer", "compressed"],
+     ["--optimizer compressed runs on --strategy ddp", "zero2"]),
+    (["--optimizer", "elastic", "--backend", "gloo"], ["--optimizer elastic", "--backend inmemory"]),
+    (["--compressor", "topk"], ["--compressor applies to --optimizer compressed"]),
+    (["--optimizer", "adamw"], ["--optimizer 'adamw' is unknown", "--base-optimizer adamw"]),
+    (["--optimizer", "elastic", "--elastic-schedule", "4"], ["--elastic-schedule", "STEP:WORLD"]),
+    (["--optimizer", "elastic", "--world-size", "2", "--elastic-schedule", "2:3"],
+     ["--batch-size 8", "elastic world size 3"]),
+    (["--optimizer", "async", "--world-size", "1"], ["--optimizer async needs --world-size >= 2"]),
+])
+def test_bad_flags(capsys, tmp_path, flags, needles):
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
+
+
+def test_toml_keys_mirror_the_new_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "hybrid"\ntp = 2\nmicro-batches = 2\nbase-optimizer = "sgd"\n')
+    config = resolve_config({"world_size": 4}, str(path))
+    assert (config.strategy, config.tp, config.micro_batches, config.base_optimizer) == (
+        "hybrid", 2, 2, "sgd")
+    assert config.parallel_degrees(4) == (2, 2, 1)
+    assert TrainConfig(strategy="pipeline", world_size=4, dp=2).parallel_degrees(4) == (2, 1, 2)
