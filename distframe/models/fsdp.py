@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from distframe.models.unit_model import UnitShardedModelBase, UnitSpec, check_units_cover
+from distframe.models.unit_model import (NEVER_CALLED, UnitShardedModelBase, UnitSpec,
+                                         check_units_cover, is_within, parameter_homes)
 
 
 class FSDPModel(UnitShardedModelBase):
@@ -13,6 +14,8 @@ class FSDPModel(UnitShardedModelBase):
     default, each submodule holding at least ``auto_wrap_min_params`` parameters (for a
     transformer: each block, the embedding, the head); a unit is not split further, containers
     that are never called (ModuleList, ModuleDict) are looked into, the root unit takes the rest.
+    A parameter several modules share (tied weights) belongs to the innermost unit that holds
+    all of them (see [Note: shared parameters] in unit_model.py), whatever the policy says.
     Collectives per step: per unit, an all_gather before its forward (the next unit prefetched),
     freed after forward when ``reshard_after_forward`` (then gathered again before its backward),
     and one reduce_scatter(AVG) of its gradients once they are all accumulated. Each rank holds
@@ -24,36 +27,34 @@ class FSDPModel(UnitShardedModelBase):
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         names = {id(p): n for n, p in module.named_parameters()}
+        homes = parameter_homes(module)
         taken: set[int] = set()
         units: list[UnitSpec] = []
 
-        def trainable(sub: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        def trainable(sub: nn.Module, name: str) -> list[tuple[str, nn.Parameter]]:
+            # Only parameters whose every user is inside ``sub`` (shared ones may not be).
             return [(names[id(p)], p) for p in sub.parameters()
-                    if p.requires_grad and id(p) not in taken and id(p) in names]
+                    if p.requires_grad and id(p) not in taken and is_within(homes[id(p)], name)]
 
         def wants_unit(sub: nn.Module, name: str) -> bool:
             if self.config.auto_wrap_policy is not None:
                 return bool(self.config.auto_wrap_policy(sub, name))
-            return sum(p.numel() for _, p in trainable(sub)) >= self.config.auto_wrap_min_params
+            return sum(p.numel() for _, p in trainable(sub, name)) >= self.config.auto_wrap_min_params
 
         def visit(sub: nn.Module, name: str) -> None:
             # Top-down: a child that qualifies becomes a unit and is not split further; a
             # container that is never called (ModuleList, ModuleDict) is looked into instead.
             for child_name, child in sub.named_children():
                 qualified = f"{name}.{child_name}" if name else child_name
-                if isinstance(child, _NEVER_CALLED) or not wants_unit(child, qualified):
+                if isinstance(child, NEVER_CALLED) or not wants_unit(child, qualified):
                     visit(child, qualified)
-                elif params := trainable(child):
+                elif params := trainable(child, qualified):
                     taken.update(id(p) for _, p in params)
                     units.append((child, params))
 
         visit(module, "")
-        rest = trainable(module)
+        rest = trainable(module, "")
         if rest:
             units.append((module, rest))
         check_units_cover(units, module, type(self).__name__)
         return units
-
-
-# Containers whose forward never runs: their hooks would never gather a unit rooted there.
-_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)

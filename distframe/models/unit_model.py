@@ -1,4 +1,17 @@
-"""UnitShardedModelBase: what ZeRO-3 and FSDP share once their units are chosen."""
+"""UnitShardedModelBase: what ZeRO-3 and FSDP share once their units are chosen, and the rule
+both follow to place a parameter that several modules share (``parameter_homes``).
+
+[Note: shared parameters] A Parameter registered by several modules (an LM's embedding weight
+tied to its head) is used in the forward of each of them, so it must be gathered for the whole
+span in which any of them runs. It therefore belongs to the unit of the lowest common ancestor
+of the modules registering it (its "home"; a container that is never called, ModuleList or
+ModuleDict, hands it up to its parent): that module's forward and backward enclose every use.
+It is one entry of that unit's flat space, so it is stored once, autograd sums the gradients of
+all its uses into its one ``.grad`` before its post-accumulate-grad hook fires, and the sum is
+reduce-scattered once with the unit. It is named as ``named_parameters()`` names it (the first
+name, as DDPModel and checkpoints do); ``gather_full_parameters()`` also returns it under every
+other name the unwrapped model's ``state_dict()`` has for it.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -69,7 +82,14 @@ class UnitShardedModelBase(ShardedModelBase):
             out.update(unit.gather_full())
         frozen = {n: p.detach().clone() for n, p in self.wrapped_model.named_parameters()
                   if not p.requires_grad}
-        return {**out, **frozen}
+        out.update(frozen)
+        # A shared parameter is gathered once, under its first name; its other state_dict names
+        # get the same tensor, as the unwrapped model's state_dict() has it.
+        first_name = {id(p): n for n, p in self.wrapped_model.named_parameters()}
+        for name, p in self.wrapped_model.named_parameters(remove_duplicate=False):
+            if name not in out:
+                out[name] = out[first_name[id(p)]]
+        return out
 
     def _strategy_buffers(self) -> list[torch.Tensor]:
         return [u.full for u in self.units]
@@ -77,6 +97,37 @@ class UnitShardedModelBase(ShardedModelBase):
     def largest_unit_bytes(self) -> int:
         """Bytes of the largest gathered unit (the transient peak above the shards)."""
         return max((u.full_bytes for u in self.units), default=0)
+
+
+# Containers whose forward never runs: their hooks would never gather a unit rooted there.
+NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
+
+
+def parameter_homes(module: nn.Module) -> dict[int, str]:
+    """For every parameter (by id), the qualified name of the module whose unit must hold it:
+    the lowest common ancestor of every place it is registered (see [Note: shared
+    parameters]), moved up past containers that are never called ("" is ``module`` itself)."""
+    places: dict[int, list[list[str]]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for _, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            places.setdefault(id(p), []).append(prefix.split(".") if prefix else [])
+    homes = {}
+    for key, paths in places.items():
+        common = paths[0]
+        for path in paths[1:]:
+            length = 0
+            while length < min(len(common), len(path)) and common[length] == path[length]:
+                length += 1
+            common = common[:length]
+        while common and isinstance(module.get_submodule(".".join(common)), NEVER_CALLED):
+            common = common[:-1]
+        homes[key] = ".".join(common)
+    return homes
+
+
+def is_within(name: str, prefix: str) -> bool:
+    """Whether the module named ``name`` is the module named ``prefix`` or inside it."""
+    return not prefix or name == prefix or name.startswith(prefix + ".")
 
 
 def check_units_cover(units: list[UnitSpec], module: nn.Module, strategy: str) -> None:

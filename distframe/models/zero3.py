@@ -5,7 +5,8 @@ from torch import nn
 
 from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig
-from distframe.models.unit_model import UnitShardedModelBase, UnitSpec, check_units_cover
+from distframe.models.unit_model import (UnitShardedModelBase, UnitSpec, check_units_cover,
+                                         parameter_homes)
 
 
 class ZeRO3Model(UnitShardedModelBase):
@@ -19,8 +20,8 @@ class ZeRO3Model(UnitShardedModelBase):
     ``replicate_below_numel`` parameters stay gathered between steps (gathered once per step).
     Each rank holds 16/N bytes per parameter for float32 Adam, plus the unit being used.
 
-    A parameter must be used inside the forward of the module that registers it (for shared
-    weights used elsewhere, use FSDPModel with a policy wrapping their common parent).
+    A parameter must be used inside the forward of the modules that register it (or of their
+    common ancestor): one used by a module that does not register it is not gathered there.
     """
 
     optimizer_name = "ZeRO3Optimizer"
@@ -31,15 +32,16 @@ class ZeRO3Model(UnitShardedModelBase):
                               "makes one unit per module (use FSDPModel to choose units)")
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
-        units: list[UnitSpec] = []
-        seen: set[int] = set()
-        for prefix, sub in module.named_modules():
-            params = []
-            for name, p in sub.named_parameters(recurse=False):
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append((f"{prefix}.{name}" if prefix else name, p))
-            if params:
-                units.append((sub, params))
-        check_units_cover(units, module, type(self).__name__)
-        return units
+        homes = parameter_homes(module)
+        by_home: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                by_home.setdefault(homes[id(p)], []).append((name, p))
+        # In module order (parents first); a module reachable under two names is one unit.
+        units: dict[int, UnitSpec] = {}
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            if prefix in by_home:
+                units.setdefault(id(sub), (sub, []))[1].extend(by_home[prefix])
+        chosen = list(units.values())
+        check_units_cover(chosen, module, type(self).__name__)
+        return chosen
