@@ -212,9 +212,13 @@ class TrainConfig:
                               "leave one out to infer it)")
         _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
                        "group trains on an equal share)")
-        _check_divides(self.batch_size // dp, self.micro_batches, f"the per-group batch "
-                       f"(--batch-size {self.batch_size} / --dp {dp})",
-                       f"--micro-batches {self.micro_batches}")
+        per_group = self.batch_size // dp
+        if per_group % self.micro_batches:
+            raise ConfigError(f"--micro-batches {self.micro_batches} does not divide the {per_group} "
+                              f"sequences each data-parallel group trains on (--batch-size "
+                              f"{self.batch_size} / --dp {dp}); use micro-batches that divide "
+                              f"{per_group}, or a --batch-size that is a multiple of "
+                              f"{dp * self.micro_batches}")
         shape = self.model_config(vocab_size=256)
         if shape.num_heads % tp:
             raise ConfigError(f"--tp {tp} does not divide the {shape.num_heads} attention heads; "
