@@ -1,7 +1,5 @@
 """``python -m distframe train ...``: the same as the ``distframe`` console script."""
-import sys
-
-from distframe.cli import main
+from distframe.cli import entry_point
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

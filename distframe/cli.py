@@ -92,3 +92,20 @@ def _launched_rank() -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def entry_point() -> None:
+    """The ``distframe`` console script and ``python -m distframe``: ``main()``, then exit.
+
+    [Note: exiting after Ctrl-C] After an interrupt the run has already reported where its last
+    complete checkpoint is, and every checkpoint on disk is complete (saves are renamed into
+    place). Interpreter teardown can then abort in torch's C++ static destructors (about one
+    interrupted run in six here: "terminate called without an active exception", status -6), so
+    an interrupted process flushes its streams and leaves with ``os._exit`` instead.
+    """
+    status = main()
+    if status == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
