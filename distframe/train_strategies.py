@@ -67,54 +67,20 @@ class Strategy:
         return model, self.optimizer(model, optimizer_cls, optimizer_kwargs)
 
 
-def _ddp(module: nn.Module, backend: Any, config: Any) -> Any:
-    from distframe.models import DDPModel
-    return DDPModel(module, backend)
+def _data_parallel(model_class: str) -> Wrap:
+    """Wraps with ``distframe.models.<model_class>``, imported on first use."""
+    def wrap(module: nn.Module, backend: Any, config: Any) -> Any:
+        import distframe.models
+        return getattr(distframe.models, model_class)(module, backend)
+    return wrap
 
 
-def _ddp_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
-    from distframe.optimizers import DDPOptimizer
-    return DDPOptimizer(model, optimizer_cls, **kwargs)
-
-
-def _zero1(module: nn.Module, backend: Any, config: Any) -> Any:
-    from distframe.models import ZeRO1Model
-    return ZeRO1Model(module, backend)
-
-
-def _zero1_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
-    from distframe.optimizers import ZeRO1Optimizer
-    return ZeRO1Optimizer(model, optimizer_cls, **kwargs)
-
-
-def _zero2(module: nn.Module, backend: Any, config: Any) -> Any:
-    from distframe.models import ZeRO2Model
-    return ZeRO2Model(module, backend)
-
-
-def _zero2_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
-    from distframe.optimizers import ZeRO2Optimizer
-    return ZeRO2Optimizer(model, optimizer_cls, **kwargs)
-
-
-def _zero3(module: nn.Module, backend: Any, config: Any) -> Any:
-    from distframe.models import ZeRO3Model
-    return ZeRO3Model(module, backend)
-
-
-def _zero3_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
-    from distframe.optimizers import ZeRO3Optimizer
-    return ZeRO3Optimizer(model, optimizer_cls, **kwargs)
-
-
-def _fsdp(module: nn.Module, backend: Any, config: Any) -> Any:
-    from distframe.models import FSDPModel
-    return FSDPModel(module, backend)
-
-
-def _fsdp_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
-    from distframe.optimizers import FSDPOptimizer
-    return FSDPOptimizer(model, optimizer_cls, **kwargs)
+def _sharded_optimizer(optimizer_class: str) -> BuildOptimizer:
+    """Builds ``distframe.optimizers.<optimizer_class>(model, optimizer_cls, **kwargs)``."""
+    def build(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
+        import distframe.optimizers
+        return getattr(distframe.optimizers, optimizer_class)(model, optimizer_cls, **kwargs)
+    return build
 
 
 def _model_parallel(strategy: str) -> Wrap:
@@ -134,14 +100,15 @@ def _plain_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
 
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(help="replicated parameters and optimizer state, gradients all-reduced",
-                    wrap=_ddp, optimizer=_ddp_optimizer),
-    "zero1": Strategy(help="optimizer state sharded", wrap=_zero1, optimizer=_zero1_optimizer),
-    "zero2": Strategy(help="optimizer state and gradients sharded", wrap=_zero2,
-                      optimizer=_zero2_optimizer),
+                    wrap=_data_parallel("DDPModel"), optimizer=_sharded_optimizer("DDPOptimizer")),
+    "zero1": Strategy(help="optimizer state sharded", wrap=_data_parallel("ZeRO1Model"),
+                      optimizer=_sharded_optimizer("ZeRO1Optimizer")),
+    "zero2": Strategy(help="optimizer state and gradients sharded", wrap=_data_parallel("ZeRO2Model"),
+                      optimizer=_sharded_optimizer("ZeRO2Optimizer")),
     "zero3": Strategy(help="parameters, gradients and optimizer state sharded per module",
-                      wrap=_zero3, optimizer=_zero3_optimizer),
-    "fsdp": Strategy(help="flat parameter shards per wrapped unit", wrap=_fsdp,
-                     optimizer=_fsdp_optimizer),
+                      wrap=_data_parallel("ZeRO3Model"), optimizer=_sharded_optimizer("ZeRO3Optimizer")),
+    "fsdp": Strategy(help="flat parameter shards per wrapped unit", wrap=_data_parallel("FSDPModel"),
+                     optimizer=_sharded_optimizer("FSDPOptimizer")),
     "pipeline": Strategy(help="layers split into --pp stages, --micro-batches per step",
                          wrap=_model_parallel("pipeline"), optimizer=_plain_optimizer,
                          model_parallel=True),
