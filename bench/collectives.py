@@ -19,7 +19,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Run as a script, this folder comes first on sys.path and bench/attention.py would shadow the
+# attention package that distframe imports: put the repository first and this folder (for the
+# engines' measuring modules) last.
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = ([os.path.dirname(_BENCH)] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+               + [_BENCH])
 
 from distframe import spawn  # noqa: E402
 
