@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from distframe import train_checkpoint
+from distframe.backends.objects import broadcast_bytes
 from distframe.data import TokenCorpus
 from distframe.errors import DistFrameError
 from distframe.optimizers.elastic import Commit
@@ -124,7 +125,7 @@ class AsyncJob(Job):
             state = {"tensors": tensors, "scalars": scalars,
                      "param_groups": hyperparameters(wrapped)}
             blob = Commit(0, {}, state, 1).to_bytes()
-        shared = Commit.from_bytes(_broadcast_bytes(self.backend, blob, SERVER_RANK))
+        shared = Commit.from_bytes(broadcast_bytes(self.backend, blob, SERVER_RANK))
         self.optimizer.load_state_dict(shared.optimizer)
 
     def _server_validate(self) -> float:
@@ -154,14 +155,3 @@ class AsyncJob(Job):
                     "wall_s": wall_before + reported - started}
             self.log.append(last)
         return last
-
-
-def _broadcast_bytes(backend: Any, blob: bytes, src: int) -> bytes:
-    size = torch.tensor([len(blob)], dtype=torch.int64)
-    backend.broadcast(size, src)
-    buf = torch.zeros(int(size), dtype=torch.uint8)
-    if backend.rank == src:
-        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    backend.broadcast(buf, src)
-    return buf.numpy().tobytes()
-

@@ -21,6 +21,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
                                          open_reader, read_metadata, sha256_of, shard_file_name,
@@ -126,12 +127,7 @@ def _agree_token(backend: ICommunicationBackend) -> str:
 
 
 def _all_gather_json(backend: ICommunicationBackend, obj: Any) -> list[Any]:
-    raw = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = backend.all_gather(torch.tensor([raw.numel()], dtype=torch.int64))
-    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    padded[:raw.numel()] = raw
-    rows = backend.all_gather(padded).view(backend.world_size, -1)
-    return [json.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(backend.world_size)]
+    return [json.loads(blob) for blob in all_gather_bytes(backend, json.dumps(obj).encode())]
 
 
 def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any],

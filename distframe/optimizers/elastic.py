@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from distframe.backends.objects import all_gather_bytes, broadcast_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
@@ -135,7 +136,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         """Snapshots every rank's state into one Commit held by every rank; collective."""
         backend = self.model.backend
         mine = Commit(self.step_count, dict(self.model.state_dict()), self.state_dict(), backend.world_size)
-        blobs = _all_gather_bytes(backend, mine.to_bytes())
+        blobs = all_gather_bytes(backend, mine.to_bytes())
         parts = [Commit.from_bytes(b) for b in blobs]
         merged_model: dict[str, torch.Tensor] = {}
         merged_tensors: dict[str, torch.Tensor] = {}
@@ -163,7 +164,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         if newest >= 0:
             source = int((steps == newest).nonzero()[0])
             blob = self.member.commit.to_bytes() if backend.rank == source else b""
-            commit = Commit.from_bytes(_broadcast_bytes(backend, blob, source))
+            commit = Commit.from_bytes(broadcast_bytes(backend, blob, source))
             self.load_commit(commit)
             return f"commit of step {commit.step} (held by rank {source})"
         checkpoint = latest_checkpoint(self.checkpoint_dir)
@@ -196,22 +197,3 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
 
 def _encode_json(obj: Any) -> torch.Tensor:
     return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-
-
-def _all_gather_bytes(backend: ICommunicationBackend, blob: bytes) -> list[bytes]:
-    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    sizes = backend.all_gather(torch.tensor([raw.numel()], dtype=torch.int64))
-    padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    padded[:raw.numel()] = raw
-    rows = backend.all_gather(padded).view(backend.world_size, -1)
-    return [rows[r, :int(sizes[r])].numpy().tobytes() for r in range(backend.world_size)]
-
-
-def _broadcast_bytes(backend: ICommunicationBackend, blob: bytes, src: int) -> bytes:
-    size = torch.tensor([len(blob)], dtype=torch.int64)
-    backend.broadcast(size, src)
-    buf = torch.zeros(int(size), dtype=torch.uint8)
-    if backend.rank == src:
-        buf.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    backend.broadcast(buf, src)
-    return buf.numpy().tobytes()

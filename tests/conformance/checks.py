@@ -284,3 +284,16 @@ def check_async_results_not_retained(backend) -> None:
     if waited() is not None or unwaited() is not None:
         raise AssertionError(f"rank {r}: the backend still holds a completed async result")
     backend.barrier()
+
+
+def check_byte_objects(backend) -> None:
+    """distframe.backends.objects: byte strings of different lengths (empty included)."""
+    from distframe.backends.objects import all_gather_bytes, broadcast_bytes
+    n, r = backend.world_size, backend.rank
+    mine = bytes(range(r * 3 % 256)) * (r + 1)
+    if all_gather_bytes(backend, mine) != [bytes(range(k * 3 % 256)) * (k + 1) for k in range(n)]:
+        raise AssertionError("all_gather_bytes lost or reordered a rank's bytes")
+    src = n - 1
+    got = broadcast_bytes(backend, b"from the last rank \x00\xff" if r == src else b"ignored", src)
+    if got != b"from the last rank \x00\xff" or broadcast_bytes(backend, b"", 0) != b"":
+        raise AssertionError(f"broadcast_bytes gave {got!r}")

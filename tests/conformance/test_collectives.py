@@ -101,3 +101,7 @@ def test_out_buffers(runner, dtype_name):
 
 def test_async_results_not_retained(runner):
     runner.run(checks.check_async_results_not_retained)
+
+
+def test_byte_objects(runner):
+    runner.run(checks.check_byte_objects)
