@@ -39,14 +39,20 @@ def _use_cpu_flash(q: torch.Tensor) -> bool:
                                                   torch.bfloat16, torch.float16)
 
 
-def _math_forward(q, k, v, is_causal, key_mask, scale):
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (N, H, M, M)
+def _masked_scores(q, k, is_causal, key_mask, scale):
+    """fp32 ``scale * q k^T`` with masked and (if causal) future keys at -inf: (N, H, M, M)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(key_mask[:, :, None, :], _NEG_INF)
     if is_causal:
         m = q.shape[-2]
         upper = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(upper, _NEG_INF)
+    return scores
+
+
+def _math_forward(q, k, v, is_causal, key_mask, scale):
+    scores = _masked_scores(q, k, is_causal, key_mask, scale)  # (N, H, M, M)
     lse = torch.logsumexp(scores, dim=-1)  # (N, H, M)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return (probs @ v.float()).to(q.dtype), lse
@@ -70,13 +76,7 @@ def segment_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _math_backward(grad_out, q, k, v, out, lse, is_causal, key_mask, scale):
     qf, kf, vf, gf = q.float(), k.float(), v.float(), grad_out.float()
-    scores = (qf @ kf.transpose(-1, -2)) * scale  # (N, H, M, M)
-    if key_mask is not None:
-        scores = scores.masked_fill(key_mask[:, :, None, :], _NEG_INF)
-    if is_causal:
-        m = q.shape[-2]
-        upper = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(upper, _NEG_INF)
+    scores = _masked_scores(q, k, is_causal, key_mask, scale)  # (N, H, M, M)
     probs = torch.exp(scores - lse.float().unsqueeze(-1))
     delta = (gf * out.float()).sum(-1, keepdim=True)  # (N, H, M, 1)
     dscores = probs * (gf @ vf.transpose(-1, -2) - delta) * scale

@@ -142,33 +142,10 @@ def throughput(configs, steps, warmup):
 
 
 # ---- 3: schedule-only bubble ----------------------------------------------------------------------
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        time.sleep(seconds)
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class SleepStage(nn.Module):
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        return _Sleep.apply(x * self.scale, self.seconds)
-
-
 def sleep_bubble(p, ms, seconds, steps):
     from distframe.launch import spawn
     from distframe.models.pipeline import PipelineParallelModel
-    from distframe.models.pipeline_metrics import pipeline_bubble
+    from distframe.models.pipeline_metrics import SleepStage, pipeline_bubble
     print(f"\n## Bubble, schedule only: in-memory threads, p={p}, stage compute = sleep "
           f"(forward {seconds * 1e3:.0f} ms, backward {2 * seconds * 1e3:.0f} ms per micro-batch)")
     print("| schedule | m | measured bubble | (p-1)/(v*m+p-1) | relative difference |")

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 
 @dataclasses.dataclass
@@ -123,3 +124,30 @@ class ActivationMemoryMeter:
 
 def _unpack(packed: object) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+class _FixedTime(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        time.sleep(seconds)
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SleepStage(nn.Module):
+    """A pipeline stage whose compute is a fixed wall time (forward ``seconds``, backward twice
+    that), so a measured bubble depends on the schedule alone, not on how many cores the ranks
+    share: what the bubble benchmark and test compare with (p-1)/(m+p-1)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _FixedTime.apply(x * self.scale, self.seconds)

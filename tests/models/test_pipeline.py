@@ -16,7 +16,7 @@ from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models.pipeline import PipelineParallelModel
-from distframe.models.pipeline_metrics import pipeline_bubble
+from distframe.models.pipeline_metrics import SleepStage, pipeline_bubble
 from distframe.models.pipeline_schedules import (gpipe, max_in_flight, one_f_one_b,
                                                  schedule_actions)
 from distframe.models.stages import partition, split_into_stages
@@ -270,32 +270,6 @@ def test_1f1b_holds_at_most_p_microbatches_of_activations():
         # Each micro-batch saves the same bytes: GPipe holds m of them, 1F1B min(p - s, m).
         per_microbatch = g_peak / m
         assert o_peak == pytest.approx(per_microbatch * min(p - stage, m), rel=0.05)
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        time.sleep(seconds)
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class SleepStage(nn.Module):
-    """A stage whose compute is a fixed wall time (forward t, backward 2t), so the measured bubble
-    depends on the schedule only, not on how many cores the threads share."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x):
-        return _Sleep.apply(x * self.scale, self.seconds)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
