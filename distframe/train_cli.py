@@ -1,7 +1,7 @@
 """The flags of ``distframe train`` and ``distframe generate`` and what each command prints.
 
 Train flags mirror TrainConfig's fields (``--d-model`` is ``d_model``); only flags given on the
-command line reach ``resolve_config``, so they override ``--config`` and a resumed run's settings.
+command line reach ``train_settings.resolve_config``, so they override ``--config`` and a resumed run's settings.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from distframe.train_config import (BACKENDS, COMPRESSORS, DEFAULT_WORLD_SIZE, DTYPES, PRESETS,
-                                    SCHEDULES, TOKEN_DTYPES, TrainConfig, resolve_config)
+                                    SCHEDULES, TOKEN_DTYPES, TrainConfig)
+from distframe.train_settings import resolve_config
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 EXIT_INTERRUPTED = 130

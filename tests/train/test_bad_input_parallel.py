@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from distframe.train_config import TrainConfig, resolve_config
+from distframe.train_config import TrainConfig
+from distframe.train_settings import resolve_config
 from tests.train.conftest import TINY
 from tests.train.test_bad_input import _fails_with
 

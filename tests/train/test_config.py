@@ -7,7 +7,8 @@ import json
 import pytest
 
 from distframe.errors import ConfigError
-from distframe.train_config import TrainConfig, resolve_config
+from distframe.train_config import TrainConfig
+from distframe.train_settings import resolve_config
 from distframe.train_loop import learning_rate
 
 

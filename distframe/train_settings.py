@@ -1,0 +1,84 @@
+"""Where ``distframe train``'s settings come from: defaults, then a resumed run's saved
+``OUT/config.json``, then ``--config`` TOML, then the command line's flags; the result is a
+validated :class:`~distframe.train_config.TrainConfig`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from distframe.errors import ConfigError
+from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig
+from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
+
+
+def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> TrainConfig:
+    """Defaults < the saved ``OUT/config.json`` (with ``--resume``) < ``toml_path`` < ``flags``.
+
+    ``flags`` holds only the settings given on the command line (field names as keys).
+    """
+    settings: dict[str, Any] = {}
+    file_settings = load_toml(toml_path) if toml_path else {}
+    resume = flags.get("resume", file_settings.get("resume", False))
+    out = flags.get("out", file_settings.get("out", TrainConfig.out))
+    given = {**file_settings, **flags}
+    if resume:
+        settings.update(_saved_settings(out, given))
+    settings.update(given)
+    settings["resume"] = bool(resume)
+    return TrainConfig(**settings)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The settings of a TOML file whose keys mirror the flags (``d-model`` or ``d_model``)."""
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise ConfigError(f"--config {path}: reading TOML on Python < 3.11 needs tomli; "
+                              "install it with `pip install tomli`") from None
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file; pass the path of a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    return _known_settings(raw, f"--config {path}")
+
+
+def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved run's settings, less how it was launched and, where ``given`` changes the
+    strategy or the optimizer, the old one's own settings (a hybrid run resumed under ddp drops
+    its --tp)."""
+    path = os.path.join(out, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    saved = dict(raw.get("train", raw))
+    if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
+        saved["base_optimizer"] = saved.pop("optimizer")
+    settings = _known_settings(saved, path)
+    dropped = set(LAUNCH_SETTINGS)
+    if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
+        dropped.update(PARALLEL_SETTINGS)
+    if given.get("optimizer", settings.get("optimizer")) != settings.get("optimizer"):
+        dropped.update(name for choice in OPTIMIZERS.values() for name in choice.settings)
+    return {k: v for k, v in settings.items() if k not in dropped}
+
+
+def _known_settings(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    settings = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"{source}: unknown key {key!r}; keys mirror the flags of "
+                              "`distframe train --help` (for example d-model = 256)")
+        settings[name] = value
+    return settings
