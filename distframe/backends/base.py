@@ -25,7 +25,7 @@ import torch
 from distframe.backends import validation
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.signature import Signature, describe_mismatch
-from distframe.backends.types import CommStats, CompletedWork, FutureWork, ReduceOp, Work, effective_op
+from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
 
 DEFAULT_TIMEOUT = 300.0

@@ -24,7 +24,6 @@ import safetensors.torch
 import torch
 
 from distframe.backends.objects import all_gather_bytes, broadcast_bytes
-from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader

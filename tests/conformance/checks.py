@@ -270,7 +270,7 @@ def check_async_results_not_retained(backend) -> None:
     import gc
     import time
     import weakref
-    n, r = backend.world_size, backend.rank
+    r = backend.rank
     work = backend.all_gather(torch.full((1000,), float(r)), async_op=True)
     waited = weakref.ref(work.wait())
     unwaited_work = backend.all_gather(torch.full((1000,), float(r)), async_op=True)

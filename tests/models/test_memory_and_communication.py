@@ -8,7 +8,7 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.launch import spawn
-from tests.models.common import STRATEGIES, build_model, global_batches, loss_fn, rank_slice
+from tests.models.common import STRATEGIES, loss_fn
 
 # bytes per parameter held by one rank, fp32 Adam (params 4, grads 4, two moments 8)
 MEMORY = {"ddp": lambda n: 16, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 12 / n,
