@@ -6,6 +6,7 @@ Each rank trains on its quarter of every global batch; the parameters every rank
 end are the same, and equal those of one process training on the whole batches.
 """
 import argparse
+import copy
 
 import torch
 
@@ -19,6 +20,12 @@ def build_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 
 
+# Built once, before any rank starts: in-memory ranks are threads sharing torch's global random
+# generator, so seeding and initialising inside each rank would interleave their draws.
+# (The model wrapper broadcasts rank 0's parameters anyway; this makes them the seeded ones.)
+TEMPLATE = build_model()
+
+
 def global_batches():
     g = torch.Generator().manual_seed(1234)
     w_true = torch.randn(8, 1, generator=g)
@@ -28,7 +35,7 @@ def global_batches():
 
 
 def worker(backend):
-    model = ZeRO2Model(build_model(), backend)
+    model = ZeRO2Model(copy.deepcopy(TEMPLATE), backend)
     opt = ZeRO2Optimizer(model, torch.optim.AdamW, lr=1e-2)
     per_rank = GLOBAL_BATCH // backend.world_size
     rows = slice(backend.rank * per_rank, (backend.rank + 1) * per_rank)
