@@ -112,13 +112,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
                    optimizer: Any) -> float:
         """One optimisation step on this rank's slice; returns the global mean loss."""
         self.check_optimizer(optimizer)
-        loss = self._forward_backward(batch, loss_fn)
+        loss = self.forward_backward(batch, loss_fn)
         self.synchronize_gradients()
         optimizer.step()
         optimizer.zero_grad()
         return self._global_mean_loss(loss)
 
-    def _forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
+    def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
+        """Forward on ``batch = (inputs, targets)`` (a dict or tuple of inputs is unpacked into the
+        call) and backward of ``loss_fn(output, targets)``; returns this rank's loss. Gradients are
+        synchronised as the strategy does during backward; no step is taken."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
         inputs, targets = batch

@@ -144,7 +144,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                 self.pull()
             if self.stopped:
                 return float("nan")
-            loss = _forward_backward(self.model, batch, loss_fn)
+            loss = self.model.forward_backward(batch, loss_fn)
             self.step()
             return float(loss.detach())
         except Exception as exc:
@@ -214,19 +214,3 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.is_server:
             raise ConfigError(f"{what} runs on workers; rank {self.config.server_rank} is the "
                               "server: call serve() there")
-
-
-def _forward_backward(model: ShardedModelBase, batch: tuple[Any, Any],
-                      loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ConfigError("train_step expects batch=(inputs, targets) for this worker")
-    inputs, targets = batch
-    if isinstance(inputs, dict):
-        output = model(**inputs)
-    elif isinstance(inputs, (tuple, list)):
-        output = model(*inputs)
-    else:
-        output = model(inputs)
-    loss = loss_fn(output, targets)
-    loss.backward()
-    return loss
