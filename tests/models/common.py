@@ -1,11 +1,14 @@
-"""Shared pieces of the data-parallel tests: a tiny model, global batches, the single-process
-reference, and the strategy table."""
+"""Shared pieces of the model tests: tiny models (an MLP of residual blocks, the tiny LM), global
+batches, the single-process reference, and the strategy table."""
 from __future__ import annotations
 
 import threading
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 
 from distframe.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from distframe.optimizers import (DDPOptimizer, FSDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer,
@@ -39,12 +42,26 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.norm(x)))
 
 
-_SEED_LOCK = threading.Lock()
+# In-memory ranks are threads sharing torch's global generator: seed and build under this lock.
+SEED_LOCK = threading.Lock()
+
+
+def tiny_lm(num_layers: int = 2, tie: bool = True, seed: int = 0) -> DilatedTransformerLM:
+    """The float64 tiny LM (seq 16, width 16, 4 heads, segments 4/8/16 at rates 1/2/4)."""
+    config = DilatedTransformerConfig.preset(
+        "tiny", seq_len=16, embed_dim=16, num_heads=4, num_layers=num_layers,
+        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), tie_embeddings=tie)
+    with SEED_LOCK:
+        torch.manual_seed(seed)
+        return DilatedTransformerLM(config).double()
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build_model(dtype=torch.float64, seed: int = 0) -> nn.Module:
-    # In-memory ranks are threads sharing torch's global generator: seed and build atomically.
-    with _SEED_LOCK:
+    with SEED_LOCK:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(IN, HIDDEN), Block(HIDDEN), Block(HIDDEN),
                              nn.Linear(HIDDEN, OUT)).to(dtype)

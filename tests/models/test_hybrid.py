@@ -4,13 +4,10 @@ sharded state that a DDPModel loads and back; one layout over Gloo processes."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.mesh import ParallelDims
@@ -19,23 +16,10 @@ from distframe.models.hybrid import HybridShardedModel
 from distframe.models.hybrid_factory import build_model_parallel
 from distframe.models.pipeline import PipelineParallelModel
 from distframe.models.tensor_parallel_model import TensorParallelModel
+from tests.models.common import lm_loss, tiny_lm
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 STEPS, BATCH, SEQ, LR = 2, 8, 16, 1e-2
-_SEED = threading.Lock()
-
-
-def tiny_lm(num_layers=2):
-    config = DilatedTransformerConfig.preset(
-        "tiny", seq_len=SEQ, embed_dim=16, num_heads=4, num_layers=num_layers,
-        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
-    with _SEED:
-        torch.manual_seed(0)
-        return DilatedTransformerLM(config).double()
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def batches():

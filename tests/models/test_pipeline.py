@@ -4,14 +4,12 @@ including m < p and m not divisible by p; measured activation memory and bubble.
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models.pipeline import PipelineParallelModel
@@ -19,23 +17,13 @@ from distframe.models.pipeline_metrics import SleepStage, pipeline_bubble
 from distframe.models.pipeline_schedules import (gpipe, max_in_flight, one_f_one_b,
                                                  schedule_actions)
 from distframe.models.stages import partition, split_into_stages
+from tests.models.common import SEED_LOCK, Block, lm_loss, tiny_lm
 
-_SEED = threading.Lock()
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
 def sequential(dtype=torch.float64, blocks=4, width=8):
-    with _SEED:
+    with SEED_LOCK:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(5, width), *[Block(width) for _ in range(blocks)],
                              nn.Linear(width, 3)).to(dtype)
@@ -289,15 +277,3 @@ def test_measured_bubble_matches_formula(schedule):
     assert all(t.busy_s <= t.step_s for t in timelines)
 
 
-# ---- helpers shared with the LM tests -----------------------------------------------------------
-def tiny_lm(num_layers=2):
-    config = DilatedTransformerConfig.preset(
-        "tiny", seq_len=16, embed_dim=16, num_heads=4, num_layers=num_layers,
-        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4))
-    with _SEED:
-        torch.manual_seed(0)
-        return DilatedTransformerLM(config).double()
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

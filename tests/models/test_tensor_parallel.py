@@ -3,14 +3,12 @@ plan against the dense LM (outputs and gradients, float64 1e-10), and the all-re
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from attention.multihead import MultiheadDilatedAttention
 from distframe.errors import ConfigError
 from distframe.launch import spawn
@@ -20,22 +18,9 @@ from distframe.models.tensor_parallel_attention import TensorParallelDilatedAtte
 from distframe.models.tensor_parallel_loss import vocab_parallel_cross_entropy
 from distframe.models.tensor_parallel_model import TensorParallelModel
 from distframe.models.tensor_parallel_plan import default_tp_plan
+from tests.models.common import lm_loss, tiny_lm
 
 TOL = dict(rtol=1e-10, atol=1e-10)
-_SEED = threading.Lock()
-
-
-def tiny_lm(num_layers=2, tie=True, seed=0):
-    config = DilatedTransformerConfig.preset(
-        "tiny", seq_len=16, embed_dim=16, num_heads=4, num_layers=num_layers,
-        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), tie_embeddings=tie)
-    with _SEED:
-        torch.manual_seed(seed)
-        return DilatedTransformerLM(config).double()
-
-
-def lm_loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def tokens(batch=4, seq=16, seed=1):

@@ -7,7 +7,7 @@ from torch import nn
 from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe import checkpoint
 from distframe.launch import spawn
-from tests.models.common import _SEED_LOCK, STRATEGIES
+from tests.models.common import SEED_LOCK, STRATEGIES
 
 STEPS, BATCH, VOCAB, SEQ = 5, 6, 16, 8
 
@@ -46,7 +46,7 @@ TIED = {"pair": ("emb.weight", "head.weight"), "lm": ("tok_embedding.weight", "h
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
-    with _SEED_LOCK:  # in-memory ranks are threads sharing torch's generator
+    with SEED_LOCK:  # in-memory ranks are threads sharing torch's generator
         torch.manual_seed(seed)
         return MODELS[kind]().double()
 
