@@ -3,7 +3,7 @@
 For each op and size the two are timed alternately in the same loop (engine first on even
 repeats, raw first on odd ones), each call after a barrier; a repeat's time is the slowest rank's,
 and the figure is the median over repeats. Buffers are float32. The raw calls are the blocking
-in-place forms on preallocated NumPy views of torch tensors (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
+in-place forms on NumPy views of the same preallocated torch tensors the engine gets (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
 out)``, ``Reduce_scatter_block(buf, out)``); the engine call gets preallocated outputs too
 (``out=``). Sizes are the full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
 
@@ -63,25 +63,23 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: i
 
 
 def _calls(op: str, backend, raw, MPI, elements: int):
-    # The raw calls get NumPy views of torch tensors, as a torch user calling mpi4py would pass
-    # them: memory NumPy allocates itself is advised into huge pages on Linux, which alone makes
-    # MPICH's shared-memory copies up to 1.5x faster at 16 MB and would compare unlike buffers.
-    def buffer(count: int, fill: float = 0.0) -> tuple[torch.Tensor, np.ndarray]:
-        t = torch.full((count,), fill)
-        return t, t.numpy()
-    tensor, _ = buffer(elements)
-    _, buf = buffer(elements)
-    if op == "all_reduce":
-        return (lambda: backend.all_reduce(tensor)), (lambda: raw.Allreduce(MPI.IN_PLACE, buf))
+    # Both calls work on the same torch-allocated tensors (the raw call on NumPy views of them), so
+    # they time the same memory: NumPy's own arrays are advised into huge pages on Linux, which
+    # alone made MPICH's shared-memory copies up to 1.5x faster at 16 MB, and two sets of buffers
+    # of one size still differed by up to 3x at 1 MB from run to run on this machine.
     n = backend.world_size
+    if op == "all_reduce":
+        tensor = torch.zeros(elements)
+        buf = tensor.numpy()
+        return (lambda: backend.all_reduce(tensor)), (lambda: raw.Allreduce(MPI.IN_PLACE, buf))
     if op == "all_gather":  # `elements` is the gathered size: each rank contributes 1/n of it
-        (part, _), (_, part_buf) = buffer(elements // n, 1.0), buffer(elements // n, 1.0)
-        (out, _), (_, raw_out) = buffer(elements), buffer(elements)
-        return (lambda: backend.all_gather(part, out=out)), (lambda: raw.Allgather(part_buf, raw_out))
-    (out, _), (_, raw_out) = buffer(elements // n), buffer(elements // n)
+        part, out = torch.ones(elements // n), torch.empty(elements)
+        part_buf, out_buf = part.numpy(), out.numpy()
+        return (lambda: backend.all_gather(part, out=out)), (lambda: raw.Allgather(part_buf, out_buf))
+    tensor, out = torch.ones(elements), torch.empty(elements // n)
+    buf, out_buf = tensor.numpy(), out.numpy()
     return ((lambda: backend.reduce_scatter(tensor, out=out)),
-            (lambda: raw.Reduce_scatter_block(buf, raw_out)))
-
+            (lambda: raw.Reduce_scatter_block(buf, out_buf)))
 
 if __name__ == "__main__":
     import _mpi_collectives  # the ranks import the per-rank function by this name, not __main__

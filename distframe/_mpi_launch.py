@@ -258,9 +258,10 @@ def _restore_exception(state: Any) -> BaseException:
 
 # ---- the rank side ------------------------------------------------------------------------------
 def _serve(host: str, port: int) -> None:
-    from mpi4py import MPI
-
     from distframe.backends.mpi import MPICommunicationBackend
+    from distframe.backends.mpi_buffers import import_mpi
+
+    MPI = import_mpi()
 
     rank = MPI.COMM_WORLD.Get_rank()
     conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))

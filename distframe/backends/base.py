@@ -17,7 +17,6 @@ import abc
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 import torch
@@ -97,10 +96,10 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Reduces ``tensor`` across ranks, in place on every rank; returns it."""
-        op = ReduceOp.parse(op)
+        op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        sig = partial(Signature, "all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+        sig = lambda: Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
             work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -118,7 +117,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         counts as shape (1,)). Every rank must pass the same shape. ``out`` (optional, contiguous,
         not overlapping ``tensor``) receives the result, saving an allocation per call."""
         self._check_tensor("all_gather", tensor)
-        sig = partial(Signature, "all_gather", tuple(tensor.shape), tensor.dtype)
+        sig = lambda: Signature("all_gather", tuple(tensor.shape), tensor.dtype)
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
         if out is not None:
             self._check_out("all_gather", out, (self._world_size * flat.shape[0], *flat.shape[1:]), tensor)
@@ -129,7 +128,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
                        out: torch.Tensor | None = None, async_op: bool = False) -> torch.Tensor | Work:
         """Reduces ``tensor`` across ranks and returns chunk ``rank`` of dim 0 (in ``out`` if given:
         contiguous, not overlapping ``tensor``)."""
-        op = ReduceOp.parse(op)
+        op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("reduce_scatter", tensor)
         if tensor.dim() == 0 or tensor.shape[0] % self._world_size:
             raise ValueError(
@@ -138,7 +137,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         if out is not None:
             self._check_out("reduce_scatter", out, (tensor.shape[0] // self._world_size, *tensor.shape[1:]), tensor)
         applied = effective_op(op, tensor.dtype)
-        sig = partial(Signature, "reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
+        sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
             result = _into(out, self._reduce_scatter(
@@ -150,18 +149,18 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank; returns it."""
         self._check_tensor("broadcast", tensor)
         self._check_peer("broadcast", "src", src)
-        sig = partial(Signature, "broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
+        sig = lambda: Signature("broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
         return self._run("broadcast", sig, tensor.nbytes, lambda call: self._in_place(
             tensor, lambda work: self._broadcast(work, src, call)), async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
                async_op: bool = False) -> torch.Tensor | Work:
         """Reduces into ``tensor`` on rank ``dst`` (other ranks' tensors are left unchanged)."""
-        op = ReduceOp.parse(op)
+        op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("reduce", tensor)
         self._check_peer("reduce", "dst", dst)
         applied = effective_op(op, tensor.dtype)
-        sig = partial(Signature, "reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
+        sig = lambda: Signature("reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
 
         def run(call: Call) -> torch.Tensor:
             def apply(work: torch.Tensor) -> None:
@@ -176,7 +175,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         """Rank ``dst`` gets the list of every rank's ``tensor`` (rank order); others get None."""
         self._check_tensor("gather", tensor)
         self._check_peer("gather", "dst", dst)
-        sig = partial(Signature, "gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
+        sig = lambda: Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
         return self._run("gather", sig, tensor.nbytes,
                          lambda call: self._gather(tensor.contiguous(), dst, call), async_op)
 
@@ -189,7 +188,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         if self._rank == src:
             chunks = self._check_chunks("scatter", chunks, same_shape=True)
             nbytes = sum(c.nbytes for c in chunks)
-        sig = partial(Signature, "scatter", None, None, (("src", src),))
+        sig = lambda: Signature("scatter", None, None, (("src", src),))
         own = list(chunks) if self._rank == src else None
         return self._run("scatter", sig, nbytes, lambda call: self._scatter(own, src, call), async_op)
 
@@ -198,19 +197,19 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         """Rank r sends ``chunks[j]`` to rank j and returns the list whose entry j came from rank j.
         Chunks share a dtype and trailing dims everywhere; dim 0 may differ."""
         chunks = self._check_chunks("all_to_all", chunks, same_shape=False)
-        sig = partial(Signature, "all_to_all", (len(chunks), *chunks[0].shape[1:]), chunks[0].dtype)
+        sig = lambda: Signature("all_to_all", (len(chunks), *chunks[0].shape[1:]), chunks[0].dtype)
         return self._run("all_to_all", sig, sum(c.nbytes for c in chunks),
                          lambda call: self._all_to_all(chunks, call), async_op)
 
     def barrier(self, *, async_op: bool = False) -> None | Work:
         """Returns once every rank of the group has called it."""
-        return self._run("barrier", partial(Signature, "barrier"), 0, lambda call: self._barrier(call), async_op)
+        return self._run("barrier", lambda: Signature("barrier"), 0, lambda call: self._barrier(call), async_op)
 
     def new_group(self, ranks: Sequence[int]):
         """Called by every rank of this group: members get a backend over ``ranks`` (renumbered
         0..k-1 in the order given), the others get None."""
         ranks = self._check_group_ranks(ranks)
-        sig = partial(Signature, "new_group", (len(ranks),), None, (("ranks", ranks),))
+        sig = lambda: Signature("new_group", (len(ranks),), None, (("ranks", ranks),))
         return self._run("new_group", sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
 
     # ---- point to point --------------------------------------------------------------------------
@@ -266,20 +265,26 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
     # ---- shared machinery ------------------------------------------------------------------------
     def _run(self, op: str, make_signature: Callable[[], Signature], nbytes: int,
              fn: Callable[[Call], Any], async_op: bool) -> Any:
+        # [Note: hot path] A synchronous call costs a few microseconds of Python here and in the
+        # engine, which is what separates the MPI engine from a raw mpi4py call at 1 MB
+        # (BENCHMARKS.md): no closure and no extra calls on the synchronous path.
         with self._lock:
-            self._check_open(op)
+            if self._closed:
+                self._check_open(op)
             self._seq += 1
             call = Call(op, self._seq, make_signature, self.timeout)
-        self.stats.record(op, nbytes)
+            self.stats.record(op, nbytes)
+        if not async_op:
+            if self._pending:
+                self._drain()
+            if self.debug:
+                self._check_signature(call)
+            return fn(call)
 
         def execute() -> Any:
             if self.debug:
                 self._check_signature(call)
             return fn(call)
-        if not async_op:
-            if self._pending:
-                self._drain()
-            return execute()
         future = self._communication_thread().submit(execute)
         with self._lock:
             self._pending.append(future)
@@ -313,7 +318,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
 
     def _check_signature(self, call: Call) -> None:
         mine = call.signature.encode(call.seq)
-        check = Call("all_gather", call.seq, partial(Signature, "all_gather", tuple(mine.shape), mine.dtype),
+        check = Call("all_gather", call.seq, lambda: Signature("all_gather", tuple(mine.shape), mine.dtype),
                      call.timeout)
         everyone = self._all_gather(mine, check).view(self._world_size, -1)
         if not bool((everyone == mine).all()):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
-from distframe.backends.mpi_buffers import (device_aware, import_mpi, mpi_ops, needs_staging,
+from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
 from distframe.backends.signature import DTYPES
@@ -63,6 +63,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._comm = comm
         self._device_aware = device_aware(MPI)
         self._ops = mpi_ops(MPI)
+        self._address = AddressWire(MPI)
         self._board = ProgressBoard(comm, MPI)
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
@@ -76,9 +77,14 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _complete(self, call: Call, start, keep: Any) -> None:
         """Publishes the call's sequence number, starts the request and waits for it."""
         self._board.publish(call.seq)
-        request = start()
-        wait_request(request, time.monotonic() + call.timeout,
-                     lambda: self._timed_out(call, request, keep))
+        self._wait(call, start(), keep)
+
+    def _wait(self, call: Call, request: Any, keep: Any) -> None:
+        """Waits for ``request``, started after publishing ``call.seq`` (the hot collectives do
+        both inline, saving a closure per call); ``keep`` is what MPI may still touch on timeout."""
+        if not request.Test():
+            wait_request(request, time.monotonic() + call.timeout,
+                         lambda: self._timed_out(call, request, keep))
 
     def _timed_out(self, call: Call, request: Any, keep: Any) -> CollectiveTimeoutError:
         self._abandoned.append((request, keep))
@@ -100,9 +106,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         stage = needs_staging(tensor, self._device_aware)
         host = stage_in(tensor, stage)
         work = _upcast(host)
-        buf = wire(work)
-        self._complete(call, lambda: self._comm.Iallreduce(
-            self._MPI.IN_PLACE, buf, self._ops[op]), buf)
+        self._board.publish(call.seq)
+        self._wait(call, self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(work), self._ops[op]), work)
         write_back(host, work)
         write_back(tensor, host)
 
@@ -111,8 +116,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         host = stage_in(tensor, stage)
         if stage or out is None:  # a caller's buffer is used directly when no staging is needed
             out = host.new_empty((self._world_size * host.shape[0], *host.shape[1:]))
-        send, recv = wire(host), wire(out)
-        self._complete(call, lambda: self._comm.Iallgather(send, recv), (send, recv))
+        self._board.publish(call.seq)
+        self._wait(call, self._comm.Iallgather(self._address(host), self._address(out)), (host, out))
         return stage_back(out, tensor, stage)
 
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
@@ -121,10 +126,12 @@ class MPICommunicationBackend(CommunicationBackendBase):
         work = _upcast(stage_in(tensor, stage))
         if stage or out is None or out.dtype != work.dtype:  # else reduce straight into the caller's buffer
             out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
-        send, recv = wire(work), wire(out)
-        self._complete(call, lambda: self._comm.Ireduce_scatter_block(
-            send, recv, self._ops[op]), (send, recv))
-        return stage_back(out.to(tensor.dtype), tensor, stage)
+        self._board.publish(call.seq)
+        self._wait(call, self._comm.Ireduce_scatter_block(self._address(work), self._address(out),
+                                                          self._ops[op]), (work, out))
+        if out.dtype != tensor.dtype:
+            out = out.to(tensor.dtype)
+        return stage_back(out, tensor, stage)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
         stage = needs_staging(tensor, self._device_aware)

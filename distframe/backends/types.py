@@ -109,9 +109,10 @@ class CommStats:
         self._lock = threading.Lock()
 
     def record(self, op: str, nbytes: int) -> None:
-        with self._lock:
-            self.calls[op] += 1
-            self.bytes[op] += nbytes
+        with self._lock:  # send and recv are counted from any thread
+            calls, sent = self.calls, self.bytes
+            calls[op] = calls.get(op, 0) + 1
+            sent[op] = sent.get(op, 0) + nbytes
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())

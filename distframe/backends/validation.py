@@ -26,11 +26,13 @@ def check_p2p(op: str, tensor: object, peer: int, tag: int, rank: int, world_siz
 
 def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
     check_tensor(op, out)
-    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or not out.is_contiguous():
+    if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
         raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
                          f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
                          f"{tuple(out.shape)}")
-    if out.device == like.device and out.untyped_storage().data_ptr() == like.untyped_storage().data_ptr():
+    # Storages on different devices never share an address, and empty ones may both have none.
+    ptr = out.untyped_storage().data_ptr()
+    if ptr and ptr == like.untyped_storage().data_ptr():
         raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
 
 
