@@ -9,15 +9,12 @@ tensor's metadata, so the views autograd saved during forward become valid again
 Collectives: ``unshard`` is one all_gather of the chunk (optionally asynchronous, for prefetch);
 ``reduce_gradients`` is one asynchronous reduce_scatter(AVG) of the flattened gradients.
 
-[Note: freeing the gathered copy] The all_gather returns a new full-size tensor that ``unshard``
-copies into ``full``; its storage is then emptied at once (``_release``) instead of being left to
-garbage collection. The backend keeps the result of every asynchronous call until its next
-synchronous collective (the loss all_reduce, after backward), so without this each unit's
-gathered copy, from forward and again from backward, stayed allocated to the end of the step: up
-to twice the model above the shards, ~27 MiB more than FSDP2 at the peak of a 5.3M-parameter LM.
-(Gathering straight into ``full`` with ``out=`` would save the copy, but ``out=`` is not part of
-ICommunicationBackend and the MPI engine pins the memory it is given, so ``full`` could no longer
-be freed.) A copy whose memory an engine pinned stays until the backend lets go of it.
+[Note: gathering in place] ``unshard`` refills ``full``'s storage and all-gathers the master
+chunks straight into it (``out=``), so no second full-size tensor exists at any point: the
+engines write into the caller's buffer (the MPI engine hands MPI its address, pinning nothing,
+so ``reshard`` can empty the storage again). An earlier version gathered into a fresh tensor and
+copied it into ``full``; that copy, allocated on the backend's communication thread for every
+prefetch, is what kept FSDPModel's peak RSS above FSDP2's (BENCHMARKS.md, issue 4).
 """
 from __future__ import annotations
 
@@ -69,29 +66,27 @@ class ShardedUnit:
         return self._full_bytes
 
     def unshard(self, *, async_op: bool = False) -> None:
-        """Gathers the full parameters (already there: nothing); ``async_op`` only starts it."""
+        """Gathers the full parameters (already there: nothing); ``async_op`` only starts it.
+        See [Note: gathering in place]."""
         if self.is_unsharded and not self.stale:
             return
         if self._gather is None:
+            storage = self.full.untyped_storage()
+            if storage.nbytes() < self._full_bytes:
+                storage.resize_(self._full_bytes)
             shard = self.master.detach().to(self.compute_dtype)
-            self._gather = self.backend.all_gather(shard, async_op=True)
+            self._gather = self.backend.all_gather(shard, out=self.full, async_op=True)
         if not async_op:
             self._wait_for_gather()
 
     def _wait_for_gather(self) -> None:
-        gathered = self._gather.wait()
+        self._gather.wait()
         self._gather = None
-        storage = self.full.untyped_storage()
-        if storage.nbytes() < self._full_bytes:
-            storage.resize_(self._full_bytes)
-        with torch.no_grad():
-            self.full.copy_(gathered)
-        self._release(gathered)
         self.is_unsharded, self.stale = True, False
 
     def reshard(self) -> None:
-        """Frees the gathered parameters (persistent units keep them) and drops a prefetch that
-        was not used, so no gather of old values outlives the step."""
+        """Frees the gathered parameters (persistent units keep them) and finishes a prefetch that
+        was not used, so no gather is still writing into ``full`` when its storage goes."""
         self.drop_prefetch()
         if self.persistent or not self.is_unsharded:
             return
@@ -99,16 +94,10 @@ class ShardedUnit:
         self.is_unsharded = False
 
     def drop_prefetch(self) -> None:
+        """Waits for a gather in flight; ``full`` then holds the masters' values as of its start
+        (``mark_stale`` marks them old when the masters changed since)."""
         if self._gather is not None:
-            self._release(self._gather.wait())
-            self._gather = None
-
-    def _release(self, gathered: torch.Tensor) -> None:
-        """Empties a gathered copy's storage once copied out (see [Note: freeing the gathered
-        copy]); never the master's (a backend may hand back its input when world_size is 1)."""
-        storage = gathered.untyped_storage()
-        if storage.resizable() and storage.data_ptr() != self.master.untyped_storage().data_ptr():
-            storage.resize_(0)
+            self._wait_for_gather()
 
     def reduce_gradients(self) -> Work:
         """Flattens the parameters' gradients (None reads as zeros), frees them and starts the
@@ -117,7 +106,10 @@ class ShardedUnit:
         for param in self.params:
             param.grad = None
         self.reduce_launched = True
-        return self.backend.reduce_scatter(flat, ReduceOp.AVG, async_op=True)
+        # The output is allocated here, on the calling thread, not by the engine on its
+        # communication thread: memory freed into that thread's malloc arena stays there.
+        out = flat.new_empty(flat.shape[0] // self.backend.world_size)
+        return self.backend.reduce_scatter(flat, ReduceOp.AVG, out=out, async_op=True)
 
     def accumulate(self, shard_grad: torch.Tensor) -> None:
         shard_grad = shard_grad.to(self.master.dtype)
