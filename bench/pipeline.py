@@ -52,9 +52,9 @@ def build_model() -> nn.Module:
     return nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
 
 
-def batch(step: int):
+def batch(step: int, size: int = BATCH):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    return torch.randn(size, WIDTH, generator=g), torch.randn(size, WIDTH, generator=g)
 
 
 def mse(out, target):
@@ -62,7 +62,7 @@ def mse(out, target):
 
 
 # ---- 1 and 2: gloo, distframe vs torch.distributed.pipelining ---------------------------------
-def _rank_throughput(backend, configs, steps, warmup):
+def _rank_throughput(backend, configs, steps, warmup, batch_size):
     import torch.distributed as dist
     from _gloo_collectives import _join_raw_world
     from distframe.models.pipeline import PipelineParallelModel
@@ -79,7 +79,7 @@ def _rank_throughput(backend, configs, steps, warmup):
             theirs, their_opt = _torch_schedule(stage, backend, schedule, m)
             ours_times, theirs_times, timelines = [], [], []
             for s in range(warmup + steps):
-                x, y = batch(s)
+                x, y = batch(s, batch_size)
                 backend.barrier()
                 start = time.perf_counter()
                 ours.train_step((x, y), mse, opt)
@@ -120,13 +120,13 @@ def _torch_step(schedule, opt, backend, x, y):
     dist.broadcast(loss, last)
 
 
-def throughput(configs, steps, warmup):
+def throughput(configs, steps, warmup, batch_size=BATCH):
     from distframe._process_launch import ProcessPool
     from distframe.models.pipeline_metrics import pipeline_bubble
     with ProcessPool(2, "gloo", timeout=600) as pool:
-        per_rank = pool.run(_rank_throughput, configs, steps, warmup)
+        per_rank = pool.run(_rank_throughput, configs, steps, warmup, batch_size)
     p = 2
-    print(f"\n## Throughput and bubble: gloo, p={p}, {BLOCKS} blocks of width {WIDTH}, batch {BATCH}, "
+    print(f"\n## Throughput and bubble: gloo, p={p}, {BLOCKS} blocks of width {WIDTH}, batch {batch_size}, "
           "float32, 1 thread per rank")
     print("| schedule | m | distframe steps/s | torch.pipelining steps/s | ratio | measured bubble | (p-1)/(m+p-1) |")
     print("|---|---|---|---|---|---|---|")
@@ -182,6 +182,7 @@ def activation_memory(p, m):
     for schedule in ("gpipe", "1f1b"):
         def run(b):
             pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+            pipe.activation_memory.enabled = True
             pipe.forward_backward((x, y), mse)
             return pipe.activation_memory.peak_bytes, pipe.runner.in_flight_peak
         peaks[schedule] = spawn(run, p)
@@ -200,13 +201,15 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     parser.add_argument("--only", default="throughput,sleep,memory")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help="global batch of the throughput part (split into m micro-batches)")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     configs = [("gpipe", 4), ("1f1b", 4), ("gpipe", 8), ("1f1b", 8)]
     if args.quick:
         configs, args.steps = configs[:2], 3
     if "throughput" in parts:
-        throughput(configs, args.steps, args.warmup)
+        throughput(configs, args.steps, args.warmup, args.batch)
     if "sleep" in parts:
         sleep_bubble(4, [4] if args.quick else [4, 8, 16], 0.02, 2 if args.quick else 3)
     if "memory" in parts:

@@ -7,7 +7,8 @@ activations go forward and their gradients backward with isend/recv between neig
 the last stage computes the loss, which is broadcast over the group, so every rank returns the
 same mean loss. A weight tied across stages (the LM's embedding and head) is held by both and its
 gradient all-reduced between them. ``last_timeline`` and ``activation_memory`` report the
-measured busy/idle time and peak saved-activation bytes of the last step on this stage.
+measured busy/idle time and peak saved-activation bytes (when enabled) of the last step on
+this stage.
 """
 from __future__ import annotations
 
@@ -48,5 +49,6 @@ class PipelineParallelModel(HybridShardedModel):
 
     @property
     def activation_memory(self) -> ActivationMemoryMeter:
-        """Live and peak bytes of saved-for-backward storage on this stage."""
+        """Live and peak bytes of saved-for-backward storage on this stage, counted from the next
+        step on once ``activation_memory.enabled = True`` (off by default: it costs time)."""
         return self.runner.memory if self.runner is not None else ActivationMemoryMeter()

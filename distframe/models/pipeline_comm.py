@@ -8,8 +8,18 @@ receiver of an activation does not know its shape: the first activation of each 
 stage is preceded by a small int64 header (dtype code, rank, sizes); later micro-batches of the
 step share it. Gradients need no header (they have the shape of the activation the receiver
 sent). Sends are non-blocking (``isend``) and waited for at the end of the step.
+
+[Note: receives posted ahead] A receive is posted before the stage needs its data: the next
+activation of a stage as soon as the previous one arrived (its shape is the step's header), and
+the gradient of an output as soon as that output was sent. With Gloo a message moves only once
+its receive is posted, so a receive posted at the moment of need cost a round trip per message
+while the stage sat idle; posted ahead, the transfer overlaps the stage's compute. Each channel
+(stage, kind) is FIFO in micro-batch order, which every schedule here keeps, and no more receives
+are posted than the step has messages, so nothing is matched against the next step's traffic.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -29,10 +39,18 @@ class StageLinks:
         self._pending: list[tuple[Work, torch.Tensor]] = []
         self._incoming: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._header_sent: set[int] = set()
+        self._messages = 0  # per channel and step: the number of micro-batches
+        self._activations_posted: dict[int, int] = {}
+        self._posted: dict[tuple[str, int], deque[Work]] = {}
 
-    def new_step(self) -> None:
+    def new_step(self, num_microbatches: int) -> None:
+        if any(self._posted.values()):
+            raise RuntimeError("a pipeline step ended with receives still posted; the schedule "
+                               "received fewer messages than it was sent")
         self._incoming.clear()
         self._header_sent.clear()
+        self._activations_posted.clear()
+        self._messages = num_microbatches
 
     def send_activation(self, tensor: torch.Tensor, dst: int, stage: int) -> None:
         """``tensor`` becomes global stage ``stage``'s input, on rank ``dst``."""
@@ -43,22 +61,46 @@ class StageLinks:
         self._isend(tensor, dst, 3 * stage)
 
     def recv_activation(self, src: int, stage: int) -> torch.Tensor:
-        """The next input of global stage ``stage`` (held here), from rank ``src``."""
+        """The next input of global stage ``stage`` (held here), from rank ``src``; the receive
+        of the one after it is posted before returning (see [Note: receives posted ahead])."""
         if stage not in self._incoming:
             header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
             self.backend.recv(header, src, 3 * stage + 2)
             self._incoming[stage] = decode_header(header)
-        shape, dtype = self._incoming[stage]
-        return self.backend.recv(torch.empty(shape, dtype=dtype), src, 3 * stage)
+            self._post_activation(src, stage)
+        received = self._posted[("activation", stage)].popleft().wait()
+        self._post_activation(src, stage)
+        return received
+
+    def _post_activation(self, src: int, stage: int) -> None:
+        posted = self._activations_posted.get(stage, 0)
+        if posted < self._messages:
+            shape, dtype = self._incoming[stage]
+            self._channel("activation", stage).append(
+                self.backend.irecv(torch.empty(shape, dtype=dtype), src, 3 * stage))
+            self._activations_posted[stage] = posted + 1
 
     def send_gradient(self, grad: torch.Tensor, dst: int, stage: int) -> None:
         """The gradient of global stage ``stage``'s output (stage held by rank ``dst``)."""
         self._isend(grad.detach().contiguous(), dst, 3 * stage + 1)
 
+    def expect_gradient(self, like: torch.Tensor, src: int, stage: int) -> None:
+        """Posts the receive of the gradient of ``like``, the output of global stage ``stage``
+        just sent to rank ``src``; ``recv_gradient`` returns it."""
+        self._channel("gradient", stage).append(self.backend.irecv(
+            torch.empty_like(like, memory_format=torch.contiguous_format), src, 3 * stage + 1))
+
     def recv_gradient(self, like: torch.Tensor, src: int, stage: int) -> torch.Tensor:
-        """The gradient of the output ``like`` of global stage ``stage`` (held here)."""
+        """The gradient of the output ``like`` of global stage ``stage`` (held here): the oldest
+        one posted by ``expect_gradient``, else received now."""
+        posted = self._posted.get(("gradient", stage))
+        if posted:
+            return posted.popleft().wait()
         return self.backend.recv(torch.empty_like(like, memory_format=torch.contiguous_format),
                                  src, 3 * stage + 1)
+
+    def _channel(self, kind: str, stage: int) -> deque[Work]:
+        return self._posted.setdefault((kind, stage), deque())
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:

@@ -75,9 +75,15 @@ class _Saved:
 
 
 class ActivationMemoryMeter:
-    """Live and peak bytes of the (non-parameter) storages saved for backward while active."""
+    """Live and peak bytes of the (non-parameter) storages saved for backward while active.
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    Off until ``enabled`` is set: the pack hook runs in Python for every tensor autograd saves
+    (a few microseconds each, tens of them per block and micro-batch), which cost a pipeline of
+    small blocks about 5% of its steps/s (BENCHMARKS.md, issue 6). While off, ``hooks()`` installs
+    nothing and the counts stay zero."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), *, enabled: bool = False) -> None:
+        self.enabled = enabled
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self._step_excluded: set[int] = set()
         self._lock = threading.Lock()
@@ -95,8 +101,10 @@ class ActivationMemoryMeter:
         caller's memory, not the schedule's)."""
         self._step_excluded = {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Context in which autograd's saved tensors are counted."""
+    def hooks(self) -> contextlib.AbstractContextManager:
+        """Context in which autograd's saved tensors are counted (nothing while not enabled)."""
+        if not self.enabled:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> object:

@@ -74,7 +74,7 @@ class PipelineRunner:
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
         micro_targets = split_microbatches(targets, m, "targets") if self.is_last else [None] * m
-        self.links.new_step()
+        self.links.new_step(m)
         self.timeline = StepTimeline()
         self.memory.exclude([inputs, targets])
         self.memory.reset_peak()
@@ -102,7 +102,7 @@ class PipelineRunner:
         """Forward of every micro-batch without autograd; the concatenated output on the last rank."""
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
-        self.links.new_step()
+        self.links.new_step(m)
         outputs = []
         with torch.no_grad():
             # Chunk-major order is a valid schedule: stage g only waits for stage g - 1.
@@ -126,6 +126,8 @@ class PipelineRunner:
             out = self.chunks[chunk](x)
         if stage < self.num_stages - 1:
             self.links.send_activation(out, self._rank_of(stage + 1), stage + 1)
+            if grad and out.requires_grad:
+                self.links.expect_gradient(out, self._rank_of(stage + 1), stage)
         return (x if stage > 0 else None), out
 
     def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -240,6 +240,7 @@ def test_indivisible_batch_is_a_config_error():
 # ---- measured memory and bubble -------------------------------------------------------------------
 def _peak_activation_bytes(b, model, x, y, m, schedule):
     pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+    pipe.activation_memory.enabled = True
     pipe.forward_backward((x, y), mse)
     return pipe.activation_memory.peak_bytes, pipe.activation_memory.live_bytes
 
