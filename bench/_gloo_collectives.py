@@ -1,15 +1,19 @@
 """Gloo engine vs the raw torch.distributed gloo call it wraps, in one set of processes
 (used by collectives.py).
 
-The ranks are spawned once (a ProcessPool). Beside the engine's own process group each rank joins
-a plain torch.distributed world group, ``init_process_group("gloo")``, on a store of its own: the
-same process-group kind on the same machine. For each op and size the engine call and the raw call
-are timed alternately in one loop (engine first on even repeats, raw first on odd ones), each after
-a barrier on its own group; a repeat's time is the slowest rank's, the figure the median over repeats. Tensors are
-float32 and ``size_bytes`` is the per-rank input. The raw calls are ``dist.all_reduce(t)``,
-``dist.all_gather_into_tensor(out, t)`` and ``dist.reduce_scatter_tensor(out, t)`` on
-preallocated outputs; the engine call gets preallocated outputs too (``out=``). Sizes are the
-full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
+The ranks are spawned once (a ProcessPool). The raw calls run on the engine's own
+``ProcessGroupGloo`` object, the one torch.distributed's functions call into:
+``pg.allreduce([t])``, ``pg._allgather_base(out, t)`` (what ``dist.all_gather_into_tensor``
+runs) and ``pg._reduce_scatter_base(out, t)`` (``dist.reduce_scatter_tensor``), each waited
+for, on preallocated outputs; the engine call gets preallocated outputs too (``out=``). One
+process group for both, because two groups of the same kind, timed alternately, differed by up
+to 2x at 1 MB and by a different factor in each run (each group's TCP connections settle into
+their own pace on 2 shared cores; measured with the engine's group beside a separate
+``init_process_group`` world), which compared connections, not the engine. For each op and size
+the engine call and the raw call are timed alternately in one loop (engine first on even repeats,
+raw first on odd ones), each after a barrier; a repeat's time is the slowest rank's, the figure
+the median over repeats. Tensors are float32. Sizes are the full buffer: all_reduce's tensor,
+all_gather's output, reduce_scatter's input.
 
     python bench/_gloo_collectives.py 2    # a quick table for 2 ranks
 """
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import statistics
-import warnings
 import sys
 import time
 from collections.abc import Sequence
@@ -41,20 +44,14 @@ def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OP
 
 
 def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: int) -> list[dict]:
-    _join_raw_world(backend)
-    # torch 2.13 calls reduce_scatter_tensor deprecated; it is still the raw call Gloo runs.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     n = backend.world_size
     rows = []
-    try:
-        for op in ops:
-            for size in sizes_bytes:
-                elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
-                engine_call, raw_call = _calls(op, backend, elements)
-                rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
-                             **_time_alternately(backend, engine_call, raw_call, repeats)})
-    finally:
-        dist.destroy_process_group()
+    for op in ops:
+        for size in sizes_bytes:
+            elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
+            engine_call, raw_call = _calls(op, backend, elements)
+            rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
+                         **_time_alternately(backend, engine_call, raw_call, repeats)})
     return rows
 
 
@@ -77,32 +74,34 @@ def _join_raw_world(backend) -> None:
 
 def _calls(op: str, backend, elements: int):
     n = backend.world_size
+    pg = backend._pg  # the engine's ProcessGroupGloo: see the module docstring
     tensor = torch.zeros(elements)  # zeros: repeated in-place sums stay finite
     if op == "all_reduce":
-        return (lambda: backend.all_reduce(tensor)), (lambda: dist.all_reduce(tensor))
+        return (lambda: backend.all_reduce(tensor)), (lambda: pg.allreduce([tensor]).wait())
     if op == "all_gather":  # `elements` is the gathered size: each rank contributes 1/n of it
         part, out, raw_out = torch.zeros(elements // n), torch.empty(elements), torch.empty(elements)
         return ((lambda: backend.all_gather(part, out=out)),
-                (lambda: dist.all_gather_into_tensor(raw_out, part)))
+                (lambda: pg._allgather_base(raw_out, part).wait()))
     out, raw_out = torch.empty(elements // n), torch.empty(elements // n)
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM
     return ((lambda: backend.reduce_scatter(tensor, out=out)),
-            (lambda: dist.reduce_scatter_tensor(raw_out, tensor)))
+            (lambda: pg._reduce_scatter_base(raw_out, tensor, options).wait()))
 
 
 def _time_alternately(backend, engine_call, raw_call, repeats: int) -> dict:
     for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
         call()
-    # Each call follows a barrier on its own group, so both start with their group's threads awake.
-    calls = ((backend.barrier, engine_call), (dist.barrier, raw_call))
+    calls = (engine_call, raw_call)
     times = torch.zeros(repeats, 2, dtype=torch.float64)
     for i in range(repeats):
         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            barrier, call = calls[which]
-            barrier()
+            call = calls[which]
+            backend.barrier()
             start = time.perf_counter()
             call()
             times[i, which] = time.perf_counter() - start
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a call lasts until its slowest rank is done
+    backend.all_reduce(times, op="max")  # a call lasts until its slowest rank is done
     return {"median_s": statistics.median(times[:, 0].tolist()),
             "raw_median_s": statistics.median(times[:, 1].tolist())}
 
