@@ -273,7 +273,7 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
                 self._check_open(op)
             self._seq += 1
             call = Call(op, self._seq, make_signature, self.timeout)
-            self.stats.record(op, nbytes)
+            self.stats.record_locked(op, nbytes)
         if not async_op:
             if self._pending:
                 self._drain()

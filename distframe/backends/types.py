@@ -114,6 +114,14 @@ class CommStats:
             calls[op] = calls.get(op, 0) + 1
             sent[op] = sent.get(op, 0) + nbytes
 
+    def record_locked(self, op: str, nbytes: int) -> None:
+        """``record`` for a caller that already serialises its records (a backend's collectives,
+        under the backend's lock); ``send``/``recv``, counted from any thread, use ``record``.
+        The two never count the same op."""
+        calls, sent = self.calls, self.bytes
+        calls[op] = calls.get(op, 0) + 1
+        sent[op] = sent.get(op, 0) + nbytes
+
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
