@@ -274,6 +274,21 @@ def test_zero_copy_views_of_the_tensors(pool):
             assert send_aliased and recv_aliased, dtype
 
 
+def run_mpich_defaults(b):
+    import os
+
+    from distframe.backends.mpi_buffers import MPICH_DEFAULTS
+    return {name: os.environ.get(name) for name in MPICH_DEFAULTS}
+
+
+def test_mpich_algorithm_defaults_reach_the_ranks(pool2):
+    # Set in each rank before MPI_Init (see [Note: MPICH algorithm choice]); nothing here exports them.
+    from distframe.backends.mpi_buffers import MPICH_DEFAULTS
+    assert MPICH_DEFAULTS == {"MPIR_CVAR_IREDUCE_SCATTER_BLOCK_INTRA_ALGORITHM": "sched_pairwise"}
+    for seen in pool2.run(run_mpich_defaults):
+        assert seen == MPICH_DEFAULTS
+
+
 def test_bfloat16_and_float16_sums_are_rounded_once(pool3):
     results = pool3.run(run_bf16_sum)
     naive = torch.tensor([256.0], dtype=torch.bfloat16)
