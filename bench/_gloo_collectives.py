@@ -32,7 +32,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
-            repeats: int = 20) -> list[dict]:
+            repeats: int | dict[int, int] = 20) -> list[dict]:
     """One dict per (op, size): engine="gloo", op, size_bytes, world_size, median_s (engine call),
     raw_median_s (the raw torch.distributed call)."""
     from distframe._process_launch import ProcessPool
@@ -43,7 +43,8 @@ def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OP
         return pool.run(_measure_on_rank, list(sizes_bytes), list(ops), repeats)[0]
 
 
-def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: int) -> list[dict]:
+def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
+                     repeats: int | dict[int, int]) -> list[dict]:
     n = backend.world_size
     rows = []
     for op in ops:
@@ -51,7 +52,8 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: i
             elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
             engine_call, raw_call = _calls(op, backend, elements)
             rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
-                         **_time_alternately(backend, engine_call, raw_call, repeats)})
+                         **_time_alternately(backend, engine_call, raw_call,
+                                             repeats if isinstance(repeats, int) else repeats[size])})
     return rows
 
 

@@ -23,7 +23,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
-            repeats: int = 20) -> list[dict]:
+            repeats: int | dict[int, int] = 20) -> list[dict]:
     """One dict per (op, size): engine="mpi", op, size_bytes, world_size, median_s (engine call),
     raw_median_s (the raw mpi4py call)."""
     from distframe._mpi_launch import MPIPool
@@ -34,7 +34,8 @@ def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OP
         return pool.run(_measure_on_rank, list(sizes_bytes), list(ops), repeats)[0]
 
 
-def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: int) -> list[dict]:
+def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
+                     repeats: int | dict[int, int]) -> list[dict]:
     from mpi4py import MPI
     raw = MPI.COMM_WORLD.Dup()
     n = backend.world_size
@@ -45,8 +46,9 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str], repeats: i
             engine_call, raw_call = _calls(op, backend, raw, MPI, elements)
             for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
                 call()
-            times = np.zeros((repeats, 2))
-            for i in range(repeats):
+            count = repeats if isinstance(repeats, int) else repeats[size]
+            times = np.zeros((count, 2))
+            for i in range(count):
                 order = (0, 1) if i % 2 == 0 else (1, 0)
                 for which in order:
                     call = engine_call if which == 0 else raw_call

@@ -245,6 +245,9 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._shared.board.reached(self._my_progress_key, call.seq)
 
     def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        # is_cpu first: comparing devices builds torch.device objects, a cost on every call.
+        if tensor.is_cpu and self._device.type == "cpu":
+            return tensor
         return tensor if tensor.device == self._device else tensor.to(self._device)
 
     @staticmethod
@@ -254,6 +257,8 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     @staticmethod
     def _result(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if out.is_cpu and like.is_cpu:
+            return out
         return out if out.device == like.device else out.to(like.device)
 
     def _reduce_in_place(self, staged: torch.Tensor, op: ReduceOp, call: Call,
@@ -356,8 +361,23 @@ class _RecvWork(Work):
                 f"{self._tag}; rank {self._backend.rank} expects {expected.describe()}")
 
 
+_OPTIONS: dict[tuple, Any] = {}
+
+
 def _options(cls: type, **fields: Any) -> Any:
+    """A torch.distributed options object with ``fields`` set. Process groups copy their options,
+    so one object per distinct value is built once and reused (building one costs a few
+    microseconds per call)."""
+    key = (cls, *fields.items())
+    try:
+        return _OPTIONS[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable value: build a fresh one
+        key = None
     options = cls()
     for name, value in fields.items():
         setattr(options, name, value)
+    if key is not None:
+        _OPTIONS[key] = options
     return options
