@@ -13,8 +13,14 @@ with multiprocessing's "spawn": a forked rank (distframe's default forkserver) s
 of the shared libraries' pages mapped, faults them in during the first step and so shows ~10-40
 MiB more "peak" for the same allocations.
 
-    python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp]
+Then, because a step's time swings by up to 10% between runs on 2 shared cores, the speed
+ratios the targets name are measured once more with both sides in the same two processes:
+DDPModel beside torch DDP and FSDPModel beside FSDP2 (gloo), alternating step by step (ours first
+on even steps), ``--pair-steps`` steps each; the figure is the ratio of median step times.
+
+    python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp] [--pair-steps 12]
     python bench/data_parallel.py --only gloo:torch-fsdp2,gloo:fsdp    # just the FSDP pair
+    python bench/data_parallel.py --only pairs                         # just the interleaved ratios
 """
 from __future__ import annotations
 
@@ -195,11 +201,82 @@ def run_torch(kind: str, steps: int, warmup: int) -> list[dict]:
     return [results[r] for r in range(WORLD)]
 
 
+# ---- the same two processes, alternating ------------------------------------------------------
+def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """Median step time of (ours, torch's) for each pair, timed alternately in these processes."""
+    import statistics
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distframe.models import DDPModel, FSDPModel
+    from distframe.optimizers import DDPOptimizer, FSDPOptimizer
+    sys.path.append(_HERE)
+    from _gloo_collectives import _join_raw_world
+    torch.set_num_threads(1)
+    _join_raw_world(backend)
+    results = {}
+    try:
+        for name in ("ddp", "fsdp"):
+            ours = (DDPModel if name == "ddp" else FSDPModel)(build(), backend)
+            ours_opt = (DDPOptimizer if name == "ddp" else FSDPOptimizer)(ours, torch.optim.AdamW, lr=3e-4)
+            theirs = build()
+            if name == "ddp":
+                theirs = DistributedDataParallel(theirs)
+            else:
+                mesh = init_device_mesh("cpu", (WORLD,))
+                for block in theirs.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(theirs, mesh=mesh)
+            their_opt = torch.optim.AdamW(theirs.parameters(), lr=3e-4)
+
+            def their_step(batch):
+                loss = lm_loss(theirs(batch[0]), batch[1])
+                loss.backward()
+                their_opt.step()
+                their_opt.zero_grad()
+                dist.all_reduce(loss.detach())  # the global loss train_step returns
+
+            steps_of = (lambda batch: ours.train_step(batch, lm_loss, ours_opt), their_step)
+            times: tuple[list[float], list[float]] = ([], [])
+            for s in range(warmup + steps):
+                batch = batch_for(backend.rank, s)
+                for which in ((0, 1) if s % 2 == 0 else (1, 0)):
+                    backend.barrier()
+                    start = time.perf_counter()
+                    steps_of[which](batch)
+                    if s >= warmup:
+                        times[which].append(time.perf_counter() - start)
+            # A step lasts until its slower rank is done.
+            slowest = torch.tensor(times, dtype=torch.float64)
+            backend.all_reduce(slowest, op="max")
+            results[name] = (statistics.median(slowest[0].tolist()), statistics.median(slowest[1].tolist()))
+            del ours, ours_opt, theirs, their_opt
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def print_pairs(steps: int, warmup: int) -> None:
+    from distframe.launch import spawn
+    results = spawn(functools.partial(run_pairs, steps=steps, warmup=warmup), WORLD, "gloo",
+                    timeout=900, start_method="spawn")[0]
+    print(f"\ninterleaved in the same processes ({steps} steps each, after {warmup} warm-up):")
+    print(f"{'pair':<24} {'ours ms':>8} {'torch ms':>9} {'speed ratio':>12}")
+    for name, label in (("ddp", "DDPModel / torch DDP"), ("fsdp", "FSDPModel / FSDP2")):
+        ours, theirs = results[name]
+        print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--only", default="", help="comma-separated subset of the rows")
+    parser.add_argument("--only", default="", help="comma-separated subset of the rows ('pairs': "
+                        "the interleaved speed ratios)")
+    parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per side of each pair")
     args = parser.parse_args(argv)
     from distframe.launch import spawn
     # Each torch baseline runs right beside its counterpart, so load changes hit both alike.
@@ -227,6 +304,8 @@ def main(argv=None) -> None:
         peak = f"{max(x['peak'] for x in results):9.1f}" if engine != "inmemory" else f"{'-':>9}"
         print(f"{label:<20} {min(x['steps_per_s'] for x in results):8.3f} {state} {formula} {peak}",
               flush=True)
+    if not only or "pairs" in only:
+        print_pairs(args.pair_steps, max(args.warmup, 1))
 
 
 if __name__ == "__main__":
