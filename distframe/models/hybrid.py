@@ -202,6 +202,15 @@ class HybridShardedModel(ShardedModelBase):
         optimizer.zero_grad()
         return self._global_mean_loss(loss)
 
+    def _global_mean_loss(self, loss: torch.Tensor) -> float:
+        # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
+        # the pipeline group, the same across the tensor group), so the mean over the dp group is
+        # the global mean: one collective over dp ranks, none when dp == 1.
+        total = loss.detach().to(torch.float64).reshape(1).clone()
+        if self.dims.dp > 1:
+            self.groups.dp.all_reduce(total, ReduceOp.AVG)
+        return float(total)
+
     # ---- ShardedModelBase ----------------------------------------------------------------------
     def _parameters_list(self) -> list[torch.Tensor]:
         return [lp.param for lp in self.local_parameters]
