@@ -225,6 +225,33 @@ def test_train_step_returns_global_mean_on_every_stage():
             torch.testing.assert_close(full[name], tensor, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_steps_of_different_batch_sizes_each_equal_unsplit(schedule):
+    # Receives are posted ahead within a step (the next activation, each output's gradient);
+    # none may be left to catch the next step's messages, whose shapes differ here.
+    model = sequential()
+    batches = [data(12), data(4), data(8)]
+    expected = [_reference(model, x, y)[::2] for x, y in batches]  # (loss, grads) per batch
+    v = 2 if schedule == "interleaved_1f1b" else 1
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4, schedule=schedule,
+                                     virtual_stages=v)
+        out = []
+        for x, y in batches:
+            loss = pipe.forward_backward((x, y), mse)
+            pipe.synchronize_gradients()
+            out.append((float(loss), {lp.name: lp.param.grad.clone() for lp in pipe.local_parameters}))
+            pipe.zero_grad()
+        return out
+
+    for per_batch in spawn(run, 2):
+        for (loss, grads), (ref_loss, ref_grads) in zip(per_batch, expected):
+            assert loss == pytest.approx(float(ref_loss), rel=1e-12)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
 def test_indivisible_batch_is_a_config_error():
     model = sequential()
     x, y = data(6)
@@ -243,6 +270,22 @@ def _peak_activation_bytes(b, model, x, y, m, schedule):
     pipe.activation_memory.enabled = True
     pipe.forward_backward((x, y), mse)
     return pipe.activation_memory.peak_bytes, pipe.activation_memory.live_bytes
+
+
+def test_activation_memory_is_counted_only_when_enabled():
+    model = sequential(blocks=2, width=16)
+    x, y = data(8)
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4)
+        pipe.forward_backward((x, y), mse)
+        off = pipe.activation_memory.peak_bytes
+        pipe.activation_memory.enabled = True
+        pipe.forward_backward((x, y), mse)
+        return off, pipe.activation_memory.peak_bytes
+
+    for off, on in spawn(run, 2):
+        assert off == 0 and on > 0
 
 
 def test_1f1b_holds_at_most_p_microbatches_of_activations():
