@@ -150,11 +150,9 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
 
 
 # ---- torch baselines (own process group) ---------------------------------------------------------
-def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    before = reset_peak()
+def torch_baseline(kind: str):
+    """The model wrapped by torch DDP (``torch-ddp``) or FSDP2 (``torch-fsdp2``: each block, then
+    the root) on the default process group, and its AdamW."""
     model = build()
     if kind == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -166,15 +164,28 @@ def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+
+def torch_step(model, opt, batch) -> None:
+    """One step as our train_step takes it, the global loss's all_reduce included."""
+    import torch.distributed as dist
+    loss = lm_loss(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    dist.all_reduce(loss.detach())
+
+
+def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    before = reset_peak()
+    model, opt = torch_baseline(kind)
 
     def step(s):
-        x, y = batch_for(rank, s)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(loss.detach())
+        torch_step(model, opt, batch_for(rank, s))
     for s in range(warmup):
         step(s)
     dist.barrier()
@@ -204,59 +215,39 @@ def run_torch(kind: str, steps: int, warmup: int) -> list[dict]:
 # ---- the same two processes, alternating ------------------------------------------------------
 def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]]:
     """Median step time of (ours, torch's) for each pair, timed alternately in these processes."""
-    import statistics
-
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
-    from distframe.models import DDPModel, FSDPModel
-    from distframe.optimizers import DDPOptimizer, FSDPOptimizer
     sys.path.append(_HERE)
     from _gloo_collectives import _join_raw_world
     torch.set_num_threads(1)
     _join_raw_world(backend)
-    results = {}
     try:
-        for name in ("ddp", "fsdp"):
-            ours = (DDPModel if name == "ddp" else FSDPModel)(build(), backend)
-            ours_opt = (DDPOptimizer if name == "ddp" else FSDPOptimizer)(ours, torch.optim.AdamW, lr=3e-4)
-            theirs = build()
-            if name == "ddp":
-                theirs = DistributedDataParallel(theirs)
-            else:
-                mesh = init_device_mesh("cpu", (WORLD,))
-                for block in theirs.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(theirs, mesh=mesh)
-            their_opt = torch.optim.AdamW(theirs.parameters(), lr=3e-4)
-
-            def their_step(batch):
-                loss = lm_loss(theirs(batch[0]), batch[1])
-                loss.backward()
-                their_opt.step()
-                their_opt.zero_grad()
-                dist.all_reduce(loss.detach())  # the global loss train_step returns
-
-            steps_of = (lambda batch: ours.train_step(batch, lm_loss, ours_opt), their_step)
-            times: tuple[list[float], list[float]] = ([], [])
-            for s in range(warmup + steps):
-                batch = batch_for(backend.rank, s)
-                for which in ((0, 1) if s % 2 == 0 else (1, 0)):
-                    backend.barrier()
-                    start = time.perf_counter()
-                    steps_of[which](batch)
-                    if s >= warmup:
-                        times[which].append(time.perf_counter() - start)
-            # A step lasts until its slower rank is done.
-            slowest = torch.tensor(times, dtype=torch.float64)
-            backend.all_reduce(slowest, op="max")
-            results[name] = (statistics.median(slowest[0].tolist()), statistics.median(slowest[1].tolist()))
-            del ours, ours_opt, theirs, their_opt
+        return {name: _time_pair(backend, name, steps, warmup) for name in ("ddp", "fsdp")}
     finally:
         dist.destroy_process_group()
-    return results
+
+
+def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, float]:
+    import statistics
+
+    from distframe.models import DDPModel, FSDPModel
+    from distframe.optimizers import DDPOptimizer, FSDPOptimizer
+    ours = (DDPModel if name == "ddp" else FSDPModel)(build(), backend)
+    ours_opt = (DDPOptimizer if name == "ddp" else FSDPOptimizer)(ours, torch.optim.AdamW, lr=3e-4)
+    theirs, their_opt = torch_baseline("torch-ddp" if name == "ddp" else "torch-fsdp2")
+    steps_of = (lambda batch: ours.train_step(batch, lm_loss, ours_opt),
+                lambda batch: torch_step(theirs, their_opt, batch))
+    times: tuple[list[float], list[float]] = ([], [])
+    for s in range(warmup + steps):
+        batch = batch_for(backend.rank, s)
+        for which in ((0, 1) if s % 2 == 0 else (1, 0)):
+            backend.barrier()
+            start = time.perf_counter()
+            steps_of[which](batch)
+            if s >= warmup:
+                times[which].append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    backend.all_reduce(slowest, op="max")  # a step lasts until its slower rank is done
+    return statistics.median(slowest[0].tolist()), statistics.median(slowest[1].tolist())
 
 
 def print_pairs(steps: int, warmup: int) -> None:
