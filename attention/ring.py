@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from attention.dilated import DilatedAttention, validate_inputs
-from attention.function import DilatedAttentionFunction, compressed_key_mask
+from attention.dilated import DilatedAttention
+from attention.function import compressed_key_mask
 from attention.plan import SlotPlan, make_slot_plans
 from attention.ring_exchange import Routes, exchange_keys, make_routes, return_key_grads
 
@@ -92,7 +92,9 @@ class RingDilatedAttention(DilatedAttention):
             raise ValueError("attention_dropout: RingDilatedAttention supports only 0.0")
         self.backend = backend
 
-    def _ring_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
+    def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
+        """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it
+        asks for here read keys and values from the whole ring."""
         world, rank = self.backend.world_size, self.backend.rank
         cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
         if cache_key in self._sources:
@@ -109,15 +111,3 @@ class RingDilatedAttention(DilatedAttention):
                 sources.append(RingKeySource(plan, routes, self.backend, is_causal))
         self._sources[cache_key] = sources
         return sources
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                is_causal: bool = False,
-                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's ``(B, T / P, H, D)`` slices -> its ``(B, T / P, H, D)`` output slice."""
-        validate_inputs(query, key, value, key_padding_mask)
-        batch, local_len, num_heads, head_dim = query.shape
-        scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
-        sources = self._ring_sources(local_len, num_heads, query.device, is_causal)
-        out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
-                                                is_causal, scale)
-        return out
