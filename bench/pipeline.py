@@ -9,7 +9,10 @@
    ``Schedule1F1B`` (SGD step included in both), alternately in the same processes. Figure:
    median steps/s over the timed steps; ratio distframe / torch.
 2. Bubble, real compute (the same gloo run): per-stage busy time from the runtime's timeline,
-   idle = pipeline span - busy; the mean idle fraction against the formula.
+   idle = pipeline span - busy; the mean idle fraction against the formula, and against the
+   bubble replayed from the step's own op times with free messages (``replayed_bubble``):
+   measured - replayed is what messages and scheduling cost, replayed - formula what unequal
+   and varying compute times cost.
 3. Bubble, schedule only (in-memory threads): stages whose compute is a fixed sleep (forward t,
    backward 2t), so p = 4 stages do not compete for 2 cores; p = 4, m = 4, 8, 16; GPipe, 1F1B
    and interleaved 1F1B with v = 2 chunks per rank (formula (p-1)/(v*m+p-1)).
@@ -66,7 +69,6 @@ def _rank_throughput(backend, configs, steps, warmup, batch_size):
     import torch.distributed as dist
     from _gloo_collectives import _join_raw_world
     from distframe.models.pipeline import PipelineParallelModel
-    from distframe.models.pipeline_metrics import pipeline_bubble  # noqa: F401 (used by the caller)
     from distframe.models.stages import split_into_stages
     torch.set_num_threads(1)
     _join_raw_world(backend)
@@ -122,33 +124,35 @@ def _torch_step(schedule, opt, backend, x, y):
 
 def throughput(configs, steps, warmup, batch_size=BATCH):
     from distframe._process_launch import ProcessPool
-    from distframe.models.pipeline_metrics import pipeline_bubble
+    from distframe.models.pipeline_metrics import pipeline_bubble, replayed_bubble
     with ProcessPool(2, "gloo", timeout=600) as pool:
         per_rank = pool.run(_rank_throughput, configs, steps, warmup, batch_size)
     p = 2
     print(f"\n## Throughput and bubble: gloo, p={p}, {BLOCKS} blocks of width {WIDTH}, batch {batch_size}, "
           "float32, 1 thread per rank")
-    print("| schedule | m | distframe steps/s | torch.pipelining steps/s | ratio | measured bubble | (p-1)/(m+p-1) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| schedule | m | distframe steps/s | torch.pipelining steps/s | ratio | measured bubble "
+          "| replayed (own op times, free messages) | (p-1)/(m+p-1) |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, row in enumerate(per_rank[0]):
         # A step's time is the slowest rank's.
         ours = statistics.median(max(t) for t in zip(*(r[i]["ours_s"] for r in per_rank)))
         theirs = statistics.median(max(t) for t in zip(*(r[i]["torch_s"] for r in per_rank)))
-        bubbles = [pipeline_bubble([r[i]["timelines"][k] for r in per_rank]) for k in range(len(row["timelines"]))]
+        steps = [[r[i]["timelines"][k] for r in per_rank] for k in range(len(row["timelines"]))]
         formula = (p - 1) / (row["m"] + p - 1)
         print(f"| {row['schedule']} | {row['m']} | {1 / ours:.2f} | {1 / theirs:.2f} | {theirs / ours:.2f}x "
-              f"| {statistics.median(bubbles):.3f} | {formula:.3f} |")
+              f"| {statistics.median(map(pipeline_bubble, steps)):.3f} "
+              f"| {statistics.median(map(replayed_bubble, steps)):.3f} | {formula:.3f} |")
 
 
 # ---- 3: schedule-only bubble ----------------------------------------------------------------------
 def sleep_bubble(p, ms, seconds, steps):
     from distframe.launch import spawn
     from distframe.models.pipeline import PipelineParallelModel
-    from distframe.models.pipeline_metrics import SleepStage, pipeline_bubble
+    from distframe.models.pipeline_metrics import SleepStage, pipeline_bubble, replayed_bubble
     print(f"\n## Bubble, schedule only: in-memory threads, p={p}, stage compute = sleep "
           f"(forward {seconds * 1e3:.0f} ms, backward {2 * seconds * 1e3:.0f} ms per micro-batch)")
-    print("| schedule | m | measured bubble | (p-1)/(v*m+p-1) | relative difference |")
-    print("|---|---|---|---|---|")
+    print("| schedule | m | measured bubble | replayed | (p-1)/(v*m+p-1) | measured vs formula |")
+    print("|---|---|---|---|---|---|")
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         for m in ms:
             # Interleaving: p * v chunks of t / v each, so a rank's compute per micro-batch is t.
@@ -159,16 +163,18 @@ def sleep_bubble(p, ms, seconds, steps):
                 pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule,
                                              virtual_stages=v)
                 out = []
-                for _ in range(steps):
+                for _ in range(steps + 1):  # the first step also pays one-off costs: not timed
                     b.barrier()
                     pipe.forward_backward((x, y), mse)
                     out.append(pipe.last_timeline)
-                return out
+                return out[1:]
 
             per_rank = spawn(run, p)
             measured = statistics.median(pipeline_bubble([r[k] for r in per_rank]) for k in range(steps))
+            replayed = statistics.median(replayed_bubble([r[k] for r in per_rank]) for k in range(steps))
             formula = (p - 1) / (v * m + p - 1)
-            print(f"| {schedule}{f' (v={v})' if v > 1 else ''} | {m} | {measured:.3f} | {formula:.3f} | {(measured - formula) / formula:+.1%} |")
+            print(f"| {schedule}{f' (v={v})' if v > 1 else ''} | {m} | {measured:.3f} | {replayed:.3f} | {formula:.3f} "
+                  f"| {(measured - formula) / formula:+.1%} |")
 
 
 # ---- 4: activation memory ---------------------------------------------------------------------------

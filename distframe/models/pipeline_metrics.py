@@ -1,7 +1,11 @@
 """Measuring a pipeline step: per-stage busy time (hence the bubble) and live activation memory.
 
 ``StepTimeline`` adds up the wall time of this stage's forward and backward compute; the rest of
-the step (waiting to receive) is idle. ``ActivationMemoryMeter`` counts the storages autograd
+the step (waiting to receive) is idle. It also keeps each operation's interval (``ops``), from
+which ``replayed_bubble`` rebuilds the step as it would have run with the same compute times and
+free messages: the formula's bubble assumes equal, fixed times per micro-batch, the replay uses
+the measured ones, so measured against replayed is what messages and scheduling overhead cost, and
+replayed against the formula what unequal or varying compute times cost. ``ActivationMemoryMeter`` counts the storages autograd
 saves for backward, through ``torch.autograd.graph.saved_tensors_hooks``: a storage is live from
 its first save until autograd drops the last saved reference to it (after that micro-batch's
 backward), each storage counted once by its data pointer, parameters and the input batch
@@ -32,6 +36,8 @@ class StepTimeline:
     end_s: float = 0.0
     forward_s: float = 0.0
     backward_s: float = 0.0
+    ops: list[tuple[str, int, int, float, float]] = dataclasses.field(default_factory=list)
+    """(kind, chunk, micro-batch, start, end) of each compute interval, in the order run."""
 
     @property
     def idle_s(self) -> float:
@@ -42,13 +48,16 @@ class StepTimeline:
         return self.idle_s / self.step_s if self.step_s > 0 else 0.0
 
     @contextlib.contextmanager
-    def busy(self, kind: str) -> Iterator[None]:
+    def busy(self, kind: str, chunk: int = 0, microbatch: int = -1) -> Iterator[None]:
+        """Times one compute interval: ``kind`` "F" or "B" of ``microbatch`` on model ``chunk``."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
+            elapsed = end - start
             self.busy_s += elapsed
+            self.ops.append((kind, chunk, microbatch, start, end))
             if kind == "F":
                 self.forward_s += elapsed
             else:
@@ -63,6 +72,49 @@ def pipeline_bubble(timelines: Sequence[StepTimeline]) -> float:
     if span <= 0:
         return 0.0
     return sum(max(0.0, span - t.busy_s) for t in timelines) / (span * len(timelines))
+
+
+def replayed_bubble(timelines: Sequence[StepTimeline]) -> float:
+    """The bubble of the same step rebuilt with each operation's measured compute time and messages
+    that cost nothing: every operation starts as soon as its rank finished the one before it and
+    its input exists (forward of global stage g after that micro-batch's forward on g - 1,
+    backward on g after its backward on g + 1; chunk c of rank r is global stage c * p + r).
+    ``timelines`` holds one step's timeline per pipeline rank, in rank order. With equal times
+    per micro-batch this is (p-1)/(m+p-1) exactly (or (p-1)/(v*m+p-1) interleaved)."""
+    p = len(timelines)
+    queues = []  # per rank: [(kind, stage, micro-batch, duration)], intervals of one op merged
+    for rank, timeline in enumerate(timelines):
+        ops: list[list] = []
+        for kind, chunk, microbatch, start, end in timeline.ops:
+            stage = chunk * p + rank
+            if ops and ops[-1][:3] == [kind, stage, microbatch]:
+                ops[-1][3] += end - start  # the last stage's loss belongs to its forward
+            else:
+                ops.append([kind, stage, microbatch, end - start])
+        queues.append(ops)
+    last_stage = max((op[1] for ops in queues for op in ops), default=0)
+    done: dict[tuple[str, int, int], float] = {}
+    clock, position = [0.0] * p, [0] * p
+    while any(position[r] < len(queues[r]) for r in range(p)):
+        progressed = False
+        for rank in range(p):
+            while position[rank] < len(queues[rank]):
+                kind, stage, microbatch, duration = queues[rank][position[rank]]
+                feeder = stage - 1 if kind == "F" else stage + 1
+                needs = (kind, feeder, microbatch) if 0 <= feeder <= last_stage else None
+                if needs is not None and needs not in done:
+                    break
+                start = max(clock[rank], done[needs] if needs is not None else 0.0)
+                clock[rank] = done[(kind, stage, microbatch)] = start + duration
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the timelines' operations cannot all run: they are not one step's "
+                             "schedule over these ranks")
+    span = max(clock)
+    if span <= 0:
+        return 0.0
+    return sum(span - sum(op[3] for op in ops) for ops in queues) / (span * p)
 
 
 class _Saved:

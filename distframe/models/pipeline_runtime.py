@@ -84,37 +84,46 @@ class PipelineRunner:
         for action in self.actions:
             key = (action.chunk, action.microbatch)
             if action.kind == "F":
-                x, out = self._forward(action.chunk, micro_inputs[action.microbatch], grad=True)
+                x, out = self._forward(action.chunk, micro_inputs[action.microbatch], grad=True,
+                                       microbatch=action.microbatch)
                 if self._stage(action.chunk) == self.num_stages - 1:
-                    with self.timeline.busy("F"), self.memory.hooks():
+                    with self.timeline.busy("F", action.chunk, action.microbatch), self.memory.hooks():
                         out = loss_fn(out, micro_targets[action.microbatch]) / m
                     losses.append(out.detach())
                 held[key] = (x, out)
             else:
                 x, out = held.pop(key)
-                self._backward(action.chunk, x, out)
+                self._backward(action.chunk, x, out, action.microbatch)
         self.links.wait_sends()
-        self.timeline.start_s, self.timeline.end_s = start, time.perf_counter()
-        self.timeline.step_s = self.timeline.end_s - start
+        self._close_timeline(start)
         return torch.stack(losses).sum() if self.is_last else None
 
     def forward_only(self, inputs: Any) -> torch.Tensor | None:
-        """Forward of every micro-batch without autograd; the concatenated output on the last rank."""
+        """Forward of every micro-batch without autograd; the concatenated output on the last rank.
+        The timeline then describes this pass."""
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
         self.links.new_step(m)
+        self.timeline = StepTimeline()
         outputs = []
+        start = time.perf_counter()
         with torch.no_grad():
             # Chunk-major order is a valid schedule: stage g only waits for stage g - 1.
             for chunk in range(len(self.chunks)):
                 for i in range(m):
-                    out = self._forward(chunk, micro_inputs[i], grad=False)[1]
+                    out = self._forward(chunk, micro_inputs[i], grad=False, microbatch=i)[1]
                     if self._stage(chunk) == self.num_stages - 1:
                         outputs.append(out)
         self.links.wait_sends()
+        self._close_timeline(start)
         return torch.cat(outputs) if self.is_last else None
 
-    def _forward(self, chunk: int, micro_input: Any, grad: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _close_timeline(self, start: float) -> None:
+        self.timeline.start_s, self.timeline.end_s = start, time.perf_counter()
+        self.timeline.step_s = self.timeline.end_s - start
+
+    def _forward(self, chunk: int, micro_input: Any, grad: bool,
+                 microbatch: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         stage = self._stage(chunk)
         if stage == 0:
             x = micro_input
@@ -122,7 +131,7 @@ class PipelineRunner:
             x = self.links.recv_activation(self._rank_of(stage - 1), stage)
             if grad and x.is_floating_point():
                 x.requires_grad_(True)
-        with self.timeline.busy("F"), self.memory.hooks():
+        with self.timeline.busy("F", chunk, microbatch), self.memory.hooks():
             out = self.chunks[chunk](x)
         if stage < self.num_stages - 1:
             self.links.send_activation(out, self._rank_of(stage + 1), stage + 1)
@@ -130,11 +139,11 @@ class PipelineRunner:
                 self.links.expect_gradient(out, self._rank_of(stage + 1), stage)
         return (x if stage > 0 else None), out
 
-    def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor) -> None:
+    def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor, microbatch: int) -> None:
         stage = self._stage(chunk)
         grad_out = (None if stage == self.num_stages - 1
                     else self.links.recv_gradient(out, self._rank_of(stage + 1), stage))
-        with self.timeline.busy("B"):
+        with self.timeline.busy("B", chunk, microbatch):
             if out.requires_grad:
                 torch.autograd.backward(out, grad_out)
         if x is not None and x.requires_grad:
