@@ -131,15 +131,15 @@ class DilatedTransformerLM(nn.Module):
         nn.init.normal_(self.pos_embedding.weight, std=0.02)
         if config.tie_embeddings:
             self.head.weight = self.tok_embedding.weight
+        self.sequence_shard = (0, 1)
+        """``(index, count)``: the tokens passed are slice ``index`` of ``count`` equal slices of
+        the sequence (context parallelism sets it), so their positions start at ``index * T``."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T) int64 -> (B, T, E)``: token plus learned position embeddings."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.seq_len:
-            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds config.seq_len "
-                             f"{self.config.seq_len}")
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = shard_positions(tokens, self.sequence_shard, self.config.seq_len)
         return self.tok_embedding(tokens) + self.pos_embedding(positions)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -147,3 +147,14 @@ class DilatedTransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.final_norm(x))  # (B, T, V)
+
+
+def shard_positions(tokens: torch.Tensor, sequence_shard: tuple[int, int], seq_len: int) -> torch.Tensor:
+    """Positions of ``tokens (B, T)``, slice ``index`` of ``count`` equal slices of a sequence
+    (``sequence_shard = (index, count)``): ``index * T ... index * T + T - 1``."""
+    index, count = sequence_shard
+    length = tokens.shape[1]
+    if length * count > seq_len:
+        whole = f"{count} slices of {length} tokens" if count > 1 else f"sequence of {length} tokens"
+        raise ValueError(f"a {whole} exceeds config.seq_len {seq_len}")
+    return torch.arange(index * length, (index + 1) * length, device=tokens.device)

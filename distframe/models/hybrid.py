@@ -1,4 +1,5 @@
-"""HybridShardedModel: tensor parallelism inside pipeline stages inside data parallelism.
+"""HybridShardedModel: tensor parallelism inside pipeline stages inside data parallelism, with
+optional context (sequence) parallelism (``cp``; see ``context_parallel``).
 
 Construction (collective on the world backend): ShardedModelBase's structure check and broadcast
 of rank 0's dense model; ``ParallelDims.build_groups``; the model is cut into ``pp`` stages
@@ -15,7 +16,10 @@ stages, then over the data-parallel group one all_reduce(AVG) per dtype of the f
 into a ``1/dp`` master chunk (``"zero1"``/``"zero2"``: ZeRO1Optimizer/ZeRO2Optimizer(model, cls),
 whose step all-gathers the updated chunks; see ``hybrid_zero``); then the optimizer steps and one
 all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp == 1`` there is
-no schedule: one forward and backward of the slice.
+no schedule: one forward and backward of the slice. With ``cp > 1`` each rank also keeps only its
+slice of every sequence, attention runs as a ring over the cp group, and what is said of the dp
+group above (gradient averaging, ZeRO's shards, the loss's mean, checkpoint writers) holds for
+the replica group of ``dp * cp`` ranks instead.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from distframe.errors import ConfigError
 from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
+from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            gather_full, owns_piece, shard_layout)
@@ -72,6 +77,8 @@ class HybridShardedModel(ShardedModelBase):
             origins = self._apply_tensor_parallel(model, tp_plan, ranges)
         chunks = self._build_chunks(model, ranges)
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        if dims.cp_enabled:
+            apply_context_parallel([model, stage], self.groups.cp)
         splits = split_dims(stage)
         self.local_parameters = [
             LocalParameter(dense_names[origins.get(id(p), id(p))], p, splits.get(id(p)))
@@ -83,7 +90,7 @@ class HybridShardedModel(ShardedModelBase):
         self.accepts_plain_optimizer = data_parallel == "ddp"
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
-        self.zero = (ZeroShards(self._parameters_list(), self.groups.dp, stage=int(data_parallel[-1]))
+        self.zero = (ZeroShards(self._parameters_list(), self.groups.replicas, stage=int(data_parallel[-1]))
                      if data_parallel != "ddp" else None)
         self._gradients_synchronized = False
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
@@ -140,19 +147,25 @@ class HybridShardedModel(ShardedModelBase):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
         forward without autograd; the last stage's output is broadcast over the pipeline group."""
+        cp = self.groups.cp
+        if cp is not None:
+            if len(args) != 1 or kwargs:
+                raise ConfigError("a context-parallel model takes one input tensor")
+            args = (sequence_slice(args[0], cp, "inputs"),)
         if self.runner is None:
-            return self.wrapped_model(*args, **kwargs)
-        if len(args) != 1 or kwargs:
-            raise ConfigError("a pipelined model takes one input tensor")
-        output = self.runner.forward_only(args[0])
-        return _broadcast_any(output, self.groups.pp, src=self.dims.pp - 1)
+            output = self.wrapped_model(*args, **kwargs)
+        else:
+            if len(args) != 1 or kwargs:
+                raise ConfigError("a pipelined model takes one input tensor")
+            output = _broadcast_any(self.runner.forward_only(args[0]), self.groups.pp, src=self.dims.pp - 1)
+        return output if cp is None else gather_sequence(output, cp)
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of this rank's slice, gradients left in ``.grad`` unsynchronised;
         returns the mean loss over the slice (the same on every rank of the pipeline group)."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
-        inputs, targets = batch
+        inputs, targets = self._sequence_slices(*batch)
         self._gradients_synchronized = False
         if self.runner is None:
             loss = loss_fn(self.wrapped_model(inputs), targets)
@@ -168,15 +181,27 @@ class HybridShardedModel(ShardedModelBase):
     def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
         pipeline group: with pipelining only the scalar is broadcast from the last stage."""
+        inputs, targets = self._sequence_slices(inputs, targets)
         with torch.no_grad():
             if self.runner is None:
-                return loss_fn(self.wrapped_model(inputs), targets).detach()
-            output = self.runner.forward_only(inputs)
-            loss = torch.zeros(1, dtype=torch.float64)
-            if output is not None:
-                loss[0] = float(loss_fn(output, targets))
-            self.groups.pp.broadcast(loss, self.dims.pp - 1)
-            return loss.reshape(())
+                loss = loss_fn(self.wrapped_model(inputs), targets).detach()
+            else:
+                output = self.runner.forward_only(inputs)
+                loss = torch.zeros(1, dtype=torch.float64)
+                if output is not None:
+                    loss[0] = float(loss_fn(output, targets))
+                self.groups.pp.broadcast(loss, self.dims.pp - 1)
+                loss = loss.reshape(())
+            if self.groups.cp is not None:  # each slice's mean over equal slices: their mean
+                loss = loss.reshape(1).clone()
+                self.groups.cp.all_reduce(loss, ReduceOp.AVG)
+                loss = loss.reshape(())
+            return loss
+
+    def _sequence_slices(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        if self.groups.cp is None:
+            return inputs, targets
+        return sequence_slice(inputs, self.groups.cp, "inputs"), sequence_slice(targets, self.groups.cp, "targets")
 
     def data_parallel_coordinates(self) -> tuple[int, int]:
         """``(dp, dp_index)``: which slice of the global batch this rank trains on."""
@@ -204,11 +229,11 @@ class HybridShardedModel(ShardedModelBase):
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
-        # the pipeline group, the same across the tensor group), so the mean over the dp group is
-        # the global mean: one collective over dp ranks, none when dp == 1.
+        # the pipeline group, the same across the tensor group), so the mean over the replica
+        # group (dp x cp: equal slices) is the global mean: one collective, none when dp*cp == 1.
         total = loss.detach().to(torch.float64).reshape(1).clone()
-        if self.dims.dp > 1:
-            self.groups.dp.all_reduce(total, ReduceOp.AVG)
+        if self.groups.replicas.world_size > 1:
+            self.groups.replicas.all_reduce(total, ReduceOp.AVG)
         return float(total)
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
@@ -220,7 +245,7 @@ class HybridShardedModel(ShardedModelBase):
         return self._parameters_list() if self.zero is None else [self.zero.master]
 
     def synchronize_gradients(self) -> None:
-        """Tied weights: all_reduce(SUM) across their stages; then over dp: all_reduce(AVG)
+        """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG)
         (ddp), or ZeRO's all_reduce / reduce_scatter into the master chunk. Once per step:
         further calls before the next forward_backward do nothing."""
         if self._gradients_synchronized or not self._synchronize:
@@ -229,8 +254,8 @@ class HybridShardedModel(ShardedModelBase):
             _all_reduce_grads([lp.param for lp in tied], group, ReduceOp.SUM)
         if self.zero is not None:
             self.zero.reduce_gradients()
-        elif self.dims.dp_enabled:
-            _all_reduce_grads(self._parameters_list(), self.groups.dp, ReduceOp.AVG)
+        elif self.groups.replicas.world_size > 1:
+            _all_reduce_grads(self._parameters_list(), self.groups.replicas, ReduceOp.AVG)
         self._gradients_synchronized = True
 
     def synchronize_parameters(self) -> None:
@@ -322,6 +347,10 @@ def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches
                           "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
+    if dims.cp_enabled and dims.tp_enabled:
+        raise ConfigError(f"ParallelDims(tp={dims.tp}, cp={dims.cp}): context parallelism does not combine "
+                          "with tensor parallelism yet (the ring attention is not split by heads); use "
+                          "tp=1 with cp, or cp=1 with tp")
 
 
 def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:

@@ -18,14 +18,15 @@ MODEL_PARALLEL_STRATEGIES = ("pipeline", "tensor", "hybrid")
 
 def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicationBackend, *,
                          dp: int | None = None, tp: int | None = None, pp: int | None = None,
-                         micro_batches: int = 1, schedule: str = "1f1b", data_parallel: str = "ddp",
+                         cp: int = 1, micro_batches: int = 1, schedule: str = "1f1b", data_parallel: str = "ddp",
                          tp_plan: Mapping[str, str] | None = None,
                          split_points: Sequence[int] | None = None) -> HybridShardedModel:
     """Wraps ``model`` for ``strategy`` over ``backend`` (collective on every rank).
 
     Degrees left as None are filled in: ``pipeline`` uses ``pp = world / dp`` (tp 1), ``tensor``
-    ``tp = world / dp`` (pp 1), ``hybrid`` ``dp = world / (tp * pp)``; ``dp`` defaults to 1
-    otherwise. ``pipeline`` or ``tensor`` with ``dp == 1`` give a PipelineParallelModel or a
+    ``tp = world / dp`` (pp 1), ``hybrid`` ``dp = world / (tp * pp * cp)``; ``dp`` defaults to 1
+    otherwise. ``cp`` (context parallelism: each sequence split across ``cp`` ranks) needs
+    ``hybrid``. ``pipeline`` or ``tensor`` with ``dp == 1`` give a PipelineParallelModel or a
     TensorParallelModel; anything else a HybridShardedModel. Each takes a plain torch.optim
     optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
     ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``.
@@ -33,6 +34,8 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     world = backend.world_size
     if strategy not in MODEL_PARALLEL_STRATEGIES:
         raise ConfigError(f"strategy={strategy!r}: choose one of {', '.join(MODEL_PARALLEL_STRATEGIES)}")
+    if cp != 1 and strategy != "hybrid":
+        raise ConfigError(f"context parallelism (cp={cp}) runs under --strategy hybrid; use it with --cp")
     if strategy == "pipeline":
         if tp not in (None, 1):
             raise ConfigError("--strategy pipeline runs without tensor parallelism; use --strategy hybrid with --tp")
@@ -45,7 +48,7 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
         dims = ParallelDims(dp=dp, tp=tp or _quotient(world, dp, "tp"), pp=1)
     else:
         tp, pp = tp or 1, pp or 1
-        dims = ParallelDims(dp=dp or _quotient(world, tp * pp, "dp"), tp=tp, pp=pp)
+        dims = ParallelDims(dp=dp or _quotient(world, tp * pp * cp, "dp"), tp=tp, pp=pp, cp=cp)
     dims.validate(world)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "pipeline":
         return PipelineParallelModel(model, backend, num_microbatches=micro_batches, schedule=schedule,

@@ -110,7 +110,7 @@ def _segments(name: str, full: tuple[int, ...], dim: int | None, tp_index: int, 
 
 def owns_piece(lp_split: int | None, entry: Entry, groups: ParallelGroups) -> bool:
     """Whether this rank writes ``entry``'s pieces: one writer per range in the whole world."""
-    if groups.dp_index != 0 or groups.pp_index != entry.owner_stage:
+    if groups.replica_index != 0 or groups.pp_index != entry.owner_stage:
         return False
     return lp_split is not None or groups.tp_index == 0
 

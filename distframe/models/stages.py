@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from attention.model import shard_positions
 from distframe.errors import ConfigError
 
 
@@ -28,9 +29,10 @@ class LMEmbedding(nn.Module):
     def __init__(self, tok_embedding: nn.Module, pos_embedding: nn.Module) -> None:
         super().__init__()
         self.tok_embedding, self.pos_embedding = tok_embedding, pos_embedding
+        self.sequence_shard = (0, 1)  # as DilatedTransformerLM.sequence_shard
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = shard_positions(tokens, self.sequence_shard, self.pos_embedding.num_embeddings)
         return self.tok_embedding(tokens) + self.pos_embedding(positions)
 
 

@@ -210,6 +210,9 @@ def test_factory_picks_the_model_class():
     assert spawn(lambda b: run(b, "pipeline"), 2)[0] == PipelineParallelModel.__name__
     assert spawn(lambda b: run(b, "tensor"), 2)[0] == TensorParallelModel.__name__
     assert spawn(lambda b: run(b, "hybrid", tp=2), 4)[0] == HybridShardedModel.__name__
+    assert spawn(lambda b: run(b, "hybrid", cp=2), 4)[0] == HybridShardedModel.__name__
+    with pytest.raises(ConfigError, match="strategy hybrid"):
+        spawn(lambda b: run(b, "pipeline", cp=2), 4)
     with pytest.raises(ConfigError, match="product is 4"):
         spawn(lambda b: run(b, "hybrid", dp=1, tp=2, pp=1), 4)
     with pytest.raises(ConfigError, match="strategy"):
@@ -220,6 +223,8 @@ def test_factory_picks_the_model_class():
 def _gloo_train(backend, kind):
     if kind == "hybrid":
         return train(backend, ParallelDims(tp=2, pp=2))
+    if kind == "context":
+        return train(backend, ParallelDims(pp=2, cp=2))
     model = (PipelineParallelModel(tiny_lm(), backend, num_microbatches=2) if kind == "pipeline"
              else TensorParallelModel(tiny_lm(), backend))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -236,6 +241,6 @@ def gloo_pool():
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("kind", ["pipeline", "tensor", "hybrid"])
+@pytest.mark.parametrize("kind", ["pipeline", "tensor", "hybrid", "context"])
 def test_model_parallel_on_gloo(gloo_pool, kind):
     check(gloo_pool.run(_gloo_train, kind))

@@ -1,0 +1,72 @@
+"""Context (sequence) parallelism for HybridShardedModel: the ``cp`` axis of ``ParallelDims``.
+
+The ``cp`` ranks of one replica split every sequence of their batch slice into ``cp`` equal
+slices along dim 1 (rank ``cp_index`` keeps slice ``cp_index``). Token-wise layers (embeddings,
+norms, MLPs, projections, the head and a token-wise loss) need nothing more; the position
+embedding is told which slice it sees (``sequence_shard``); every ``DilatedAttention`` becomes a
+``RingDilatedAttention`` over the cp group, which fetches the keys a slice attends to from the
+ranks that hold them and sends their gradients back in backward. Each rank's loss is the mean over
+its slice, so the model's loss is the mean over the cp group and its gradient the cp ranks'
+average: gradients are averaged over the replica group (``dp * cp`` ranks), which HybridShardedModel
+does in place of the dp group. Layers that mix tokens in other ways (``nn.MultiheadAttention``,
+convolutions over time) are not converted: a model holding no ``DilatedAttention`` is refused.
+Not yet combined with tensor parallelism (a head-split ring attention): ``tp * cp > tp`` with
+``tp > 1`` is a ConfigError.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.dilated import DilatedAttention
+from attention.ring import RingDilatedAttention
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+
+
+def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBackend) -> None:
+    """Replaces every ``DilatedAttention`` under ``modules`` with a ring one over ``group`` and
+    points every ``sequence_shard`` at this rank's slice. ConfigError if there is no attention
+    to convert or it uses attention dropout (the ring does not support it)."""
+    seen: set[int] = set()
+    converted = 0
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if hasattr(module, "sequence_shard"):
+                module.sequence_shard = (group.rank, group.world_size)
+            for name, child in module.named_children():
+                if isinstance(child, RingDilatedAttention):
+                    converted += 1
+                elif type(child) is DilatedAttention:
+                    if child.attention_dropout:
+                        raise ConfigError(f"cp > 1: {name} uses attention_dropout={child.attention_dropout}, "
+                                          "which RingDilatedAttention does not support; set it to 0.0")
+                    setattr(module, name, RingDilatedAttention(child.segment_lengths, child.dilation_rates,
+                                                               child.softmax_scale, backend=group))
+                    converted += 1
+    if converted == 0:
+        raise ConfigError("cp > 1 splits each sequence across ranks, which needs the model's attention to "
+                          "be DilatedAttention (it becomes RingDilatedAttention); this model has none: use cp=1")
+
+
+def sequence_slice(tensor: Any, group: ICommunicationBackend, what: str) -> Any:
+    """Slice ``group.rank`` of ``group.world_size`` of ``tensor`` along dim 1 (the sequence)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:
+        raise ConfigError(f"cp > 1 splits {what} along dim 1 (the sequence): pass (batch, seq, ...) "
+                          f"tensors, got {type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tuple(tensor.shape)}")
+    length, count = tensor.shape[1], group.world_size
+    if length % count:
+        raise ConfigError(f"cp={count} splits the sequence into equal slices, but {what} have length "
+                          f"{length}; use a sequence length divisible by {count}")
+    return tensor.narrow(1, group.rank * (length // count), length // count)
+
+
+def gather_sequence(tensor: torch.Tensor, group: ICommunicationBackend) -> torch.Tensor:
+    """The whole sequence from every rank's slice (dim 1), on every rank of ``group``."""
+    gathered = group.all_gather(tensor.movedim(1, 0).contiguous())
+    return gathered.movedim(0, 1)

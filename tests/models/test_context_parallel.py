@@ -1,0 +1,78 @@
+"""Context (sequence) parallelism, the ``cp`` axis of HybridShardedModel: the dilated-attention LM
+trained with each sequence split across cp ranks (attention as a ring) equals single-process
+training (float64 1e-10), alone and with dp, pp and ZeRO; forward and validation loss equal
+the dense model's; bad configurations are ConfigErrors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from attention.ring import RingDilatedAttention
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.mesh import ParallelDims
+from distframe.models.hybrid import HybridShardedModel
+from tests.models.common import lm_loss, tiny_lm
+from tests.models.test_hybrid import TOL, batches, check, train
+
+
+@pytest.mark.parametrize("dp,pp,cp", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 2, 4),
+                                      (4, 1, 2)])
+def test_layout_with_cp_trains_like_one_process(dp, pp, cp):
+    dims = ParallelDims(dp=dp, pp=pp, cp=cp)
+    check(spawn(lambda b: train(b, dims), dims.world_size))
+
+
+@pytest.mark.parametrize("data_parallel", ["zero1", "zero2"])
+def test_zero_shards_over_dp_and_cp(data_parallel):
+    dims = ParallelDims(dp=2, cp=2)
+    results = spawn(lambda b: train(b, dims, data_parallel, "gpipe"), dims.world_size)
+    check(results)
+    ddp = spawn(lambda b: train(b, dims), dims.world_size)
+    # The optimizer state is split over the 4 replicas (dp x cp), not the 2 dp ranks.
+    for (_, _, zero_mem), (_, _, ddp_mem) in zip(results, ddp):
+        assert zero_mem["optimizer_state"] <= ddp_mem["optimizer_state"] / 4 + 64
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_forward_and_validation_loss_equal_the_dense_model(pp):
+    dense = tiny_lm()
+    x, y = batches()[0]
+    with torch.no_grad():
+        expected_out, expected_loss = dense(x), lm_loss(dense(x), y)
+
+    def run(b):
+        model = HybridShardedModel(copy.deepcopy(dense), b, dims=ParallelDims(pp=pp, cp=2), num_microbatches=2)
+        rings = [m for m in model.wrapped_model.modules() if isinstance(m, RingDilatedAttention)]
+        return model(x), model.validation_loss(x, y, lm_loss), len(rings)
+
+    for out, loss, rings in spawn(run, 2 * pp):
+        torch.testing.assert_close(out, expected_out, **TOL)
+        torch.testing.assert_close(loss, expected_loss, **TOL)
+        assert rings == 2 // pp  # every attention this rank holds runs as a ring
+
+
+def test_cp_needs_dilated_attention():
+    def run(b):
+        HybridShardedModel(nn.Sequential(nn.Linear(4, 4)), b, dims=ParallelDims(cp=2))
+
+    with pytest.raises(ConfigError, match="no DilatedAttention|has none"):
+        spawn(run, 2)
+
+
+def test_sequence_must_split_evenly():
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(cp=4))
+        x = torch.zeros(2, 10, dtype=torch.int64)
+        model.train_step((x, x), lm_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    with pytest.raises(ConfigError, match="divisible by 4"):
+        spawn(run, 4)
+
+
+def test_cp_does_not_combine_with_tp_yet():
+    with pytest.raises(ConfigError, match="tp=1 with cp"):
+        spawn(lambda b: HybridShardedModel(tiny_lm(), b, dims=ParallelDims(tp=2, cp=2)), 4)
