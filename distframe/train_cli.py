@@ -41,6 +41,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tp", group=run, type=int, metavar="N", help="tensor-parallel degree (tensor, hybrid); "
         "must divide --heads")
     add("--pp", group=run, type=int, metavar="N", help="pipeline stages (pipeline, hybrid)")
+    add("--cp", group=run, type=int, metavar="N", help="context parallelism (hybrid): each sequence "
+        "split across N ranks, attention as a ring; dp*tp*pp*cp = world size" + _default("cp"))
     add("--micro-batches", group=run, type=int, metavar="N", help="micro-batches per step through "
         "the pipeline; must divide --batch-size / --dp" + _default("micro_batches"))
     add("--schedule", group=run, metavar="{" + ",".join(SCHEDULES) + "}", help="pipeline "

@@ -29,7 +29,7 @@ LAUNCH_SETTINGS = ("world_size", "backend", "resume")
 # Settings of one kind of strategy: left at their defaults under the others.
 PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
-                     "schedule": ("pipeline", "hybrid")}
+                     "schedule": ("pipeline", "hybrid"), "cp": ("hybrid",)}
 # DilatedTransformerConfig field for each model flag of the command line.
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
@@ -82,6 +82,7 @@ class TrainConfig:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
     optimizer: str = "none"
@@ -139,7 +140,7 @@ class TrainConfig:
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
                      "max_staleness"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("micro_batches", "powersgd_rank", "commit_every"):
+        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
@@ -205,10 +206,15 @@ class TrainConfig:
 
     def _check_model_parallel(self, world: int) -> None:
         dp, tp, pp = self.parallel_degrees(world)
-        if dp * tp * pp != world:
-            raise ConfigError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp}, but the world "
-                              f"has {world} ranks; choose degrees whose product is {world} (or "
-                              "leave one out to infer it)")
+        cp = self.cp
+        if dp * tp * pp * cp != world:
+            degrees = f"--dp {dp} x --tp {tp} x --pp {pp}" + (f" x --cp {cp}" if cp > 1 else "")
+            raise ConfigError(f"{degrees} = {dp * tp * pp * cp}, but the world has {world} ranks; "
+                              f"choose degrees whose product is {world} (or leave one of --dp, --tp, "
+                              "--pp out to infer it)")
+        if cp > 1 and tp > 1:
+            raise ConfigError(f"--cp {cp} with --tp {tp}: context parallelism does not combine with "
+                              "tensor parallelism yet; use --tp 1 with --cp")
         _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
                        "group trains on an equal share)")
         per_group = self.batch_size // dp
@@ -219,6 +225,9 @@ class TrainConfig:
                               f"{per_group}, or a --batch-size that is a multiple of "
                               f"{dp * self.micro_batches}")
         shape = self.model_config(vocab_size=256)
+        if shape.seq_len % cp:
+            raise ConfigError(f"--cp {cp} does not divide --seq-len {shape.seq_len} (each rank holds an "
+                              f"equal slice of every sequence); use a --seq-len that is a multiple of {cp}")
         if shape.num_heads % tp:
             raise ConfigError(f"--tp {tp} does not divide the {shape.num_heads} attention heads; "
                               f"use a --tp that divides them, or --heads a multiple of {tp}")
@@ -227,7 +236,8 @@ class TrainConfig:
                               f"and head); use --pp at most {shape.num_layers + 2} or more --layers")
 
     def parallel_degrees(self, world: int) -> tuple[int, int, int]:
-        """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does."""
+        """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does
+        (``cp`` is never inferred)."""
         tp, pp = self.tp or 1, self.pp or 1
         if self.strategy == "pipeline":
             dp = self.dp or 1
@@ -236,7 +246,7 @@ class TrainConfig:
             dp = self.dp or 1
             tp = self.tp or _inferred(world, dp * pp, "tp")
         else:
-            dp = self.dp or _inferred(world, tp * pp, "dp")
+            dp = self.dp or _inferred(world, tp * pp * self.cp, "dp")
         return dp, tp, pp
 
     def elastic_schedule_steps(self) -> dict[int, int]:

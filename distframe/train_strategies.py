@@ -87,7 +87,7 @@ def _model_parallel(strategy: str) -> Wrap:
     def wrap(module: nn.Module, backend: Any, config: Any) -> Any:
         from distframe.models import build_model_parallel
         return build_model_parallel(strategy, module, backend, dp=config.dp, tp=config.tp,
-                                    pp=config.pp, micro_batches=config.micro_batches,
+                                    pp=config.pp, cp=config.cp, micro_batches=config.micro_batches,
                                     schedule=config.schedule)
     return wrap
 

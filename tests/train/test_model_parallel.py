@@ -21,6 +21,7 @@ RUNS = {
     "hybrid": ("--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--tp", "2"),
     "hybrid-pp": ("--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--pp", "2",
                   "--micro-batches", "2"),
+    "hybrid-cp": ("--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--cp", "2"),
 }
 
 
