@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from attention.multihead import MultiheadDilatedAttention
+from attention.positions import shard_positions
 
 try:  # the project's error type when it is there; a ValueError either way
     from distframe.errors import ConfigError
@@ -148,13 +149,3 @@ class DilatedTransformerLM(nn.Module):
             x = block(x)
         return self.head(self.final_norm(x))  # (B, T, V)
 
-
-def shard_positions(tokens: torch.Tensor, sequence_shard: tuple[int, int], seq_len: int) -> torch.Tensor:
-    """Positions of ``tokens (B, T)``, slice ``index`` of ``count`` equal slices of a sequence
-    (``sequence_shard = (index, count)``): ``index * T ... index * T + T - 1``."""
-    index, count = sequence_shard
-    length = tokens.shape[1]
-    if length * count > seq_len:
-        whole = f"{count} slices of {length} tokens" if count > 1 else f"sequence of {length} tokens"
-        raise ValueError(f"a {whole} exceeds config.seq_len {seq_len}")
-    return torch.arange(index * length, (index + 1) * length, device=tokens.device)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from attention.model import shard_positions
+from attention.positions import shard_positions
 from distframe.errors import ConfigError
 
 
