@@ -148,16 +148,15 @@ class HybridShardedModel(ShardedModelBase):
         """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
         forward without autograd; the last stage's output is broadcast over the pipeline group."""
         cp = self.groups.cp
-        if cp is not None:
-            if len(args) != 1 or kwargs:
-                raise ConfigError("a context-parallel model takes one input tensor")
-            args = (sequence_slice(args[0], cp, "inputs"),)
+        if self.runner is None and cp is None:
+            return self.wrapped_model(*args, **kwargs)
+        if len(args) != 1 or kwargs:
+            raise ConfigError("a pipelined or context-parallel model takes one input tensor")
+        inputs = args[0] if cp is None else sequence_slice(args[0], cp, "inputs")
         if self.runner is None:
-            output = self.wrapped_model(*args, **kwargs)
+            output = self.wrapped_model(inputs)
         else:
-            if len(args) != 1 or kwargs:
-                raise ConfigError("a pipelined model takes one input tensor")
-            output = _broadcast_any(self.runner.forward_only(args[0]), self.groups.pp, src=self.dims.pp - 1)
+            output = _broadcast_any(self.runner.forward_only(inputs), self.groups.pp, src=self.dims.pp - 1)
         return output if cp is None else gather_sequence(output, cp)
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:

@@ -30,14 +30,26 @@ class StepTimeline:
     """Wall times of one step on one stage (seconds); ``start_s``/``end_s`` are
     ``time.perf_counter()`` readings (CLOCK_MONOTONIC: comparable across processes of one host)."""
 
-    busy_s: float = 0.0
     step_s: float = 0.0
     start_s: float = 0.0
     end_s: float = 0.0
-    forward_s: float = 0.0
-    backward_s: float = 0.0
     ops: list[tuple[str, int, int, float, float]] = dataclasses.field(default_factory=list)
     """(kind, chunk, micro-batch, start, end) of each compute interval, in the order run."""
+
+    def _total(self, kinds: str) -> float:
+        return sum(end - start for kind, _, _, start, end in self.ops if kind in kinds)
+
+    @property
+    def busy_s(self) -> float:
+        return self._total("FB")
+
+    @property
+    def forward_s(self) -> float:
+        return self._total("F")
+
+    @property
+    def backward_s(self) -> float:
+        return self._total("B")
 
     @property
     def idle_s(self) -> float:
@@ -54,14 +66,7 @@ class StepTimeline:
         try:
             yield
         finally:
-            end = time.perf_counter()
-            elapsed = end - start
-            self.busy_s += elapsed
-            self.ops.append((kind, chunk, microbatch, start, end))
-            if kind == "F":
-                self.forward_s += elapsed
-            else:
-                self.backward_s += elapsed
+            self.ops.append((kind, chunk, microbatch, start, time.perf_counter()))
 
 
 def pipeline_bubble(timelines: Sequence[StepTimeline]) -> float:
