@@ -138,18 +138,29 @@ class SlotPlan:
 
 
 def make_slot_plans(*, seq_len: int, start: int, stop: int, segment_length: int,
-                    dilation_rate: int, num_heads: int,
+                    dilation_rate: int, num_heads: int, heads: tuple[int, int] | None = None,
                     device: torch.device | None = None) -> list[SlotPlan]:
-    """One plan per head group of branch ``(segment_length, dilation_rate)`` for ``[start, stop)``."""
+    """One plan per head group of branch ``(segment_length, dilation_rate)`` for ``[start, stop)``.
+
+    ``heads=(lo, hi)``: only heads ``[lo, hi)`` of the ``num_heads`` are held here (a rank of a
+    head-split tensor-parallel group), renumbered from 0. Offsets stay those of the global head
+    index, so the plans read what the dense module's would; groups with no head here are left out.
+    """
     w = min(segment_length, seq_len)
     group = math.ceil(num_heads / dilation_rate)
+    lo, hi = (0, num_heads) if heads is None else heads
+    if not 0 <= lo < hi <= num_heads:
+        raise ValueError(f"heads={heads}: need 0 <= lo < hi <= num_heads={num_heads}")
     first = start // w
     plans = []
     for head_start in range(0, num_heads, group):
+        held_start, held_stop = max(head_start, lo), min(head_start + group, num_heads, hi)
+        if held_start >= held_stop:
+            continue  # this head group lives on another rank
         plans.append(SlotPlan(
             seq_len=seq_len, start=start, stop=stop, segment_length=w,
-            dilation_rate=dilation_rate, offset=head_start // group, head_start=head_start,
-            head_stop=min(head_start + group, num_heads), num_heads=num_heads,
+            dilation_rate=dilation_rate, offset=head_start // group, head_start=held_start - lo,
+            head_stop=held_stop - lo, num_heads=hi - lo,
             first_segment=first, num_segments=math.ceil(stop / w) - first,
             rows=math.ceil(w / dilation_rate), device=device))
     return plans

@@ -86,11 +86,16 @@ class RingDilatedAttention(DilatedAttention):
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                  softmax_scale: float | None = None, attention_dropout: float = 0.0, *,
-                 backend) -> None:
+                 backend, head_start: int = 0, total_heads: int | None = None) -> None:
         super().__init__(segment_lengths, dilation_rates, softmax_scale, attention_dropout)
         if attention_dropout != 0.0:
             raise ValueError("attention_dropout: RingDilatedAttention supports only 0.0")
+        if total_heads is not None and not 0 <= head_start < total_heads:
+            raise ValueError(f"head_start={head_start} must lie in 0..{total_heads - 1} (total_heads)")
         self.backend = backend
+        # Head-split (tensor-parallel) use: the H heads passed in are heads
+        # [head_start, head_start + H) of total_heads, and read what those heads read.
+        self.head_start, self.total_heads = head_start, total_heads
 
     def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
         """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it
@@ -99,15 +104,22 @@ class RingDilatedAttention(DilatedAttention):
         cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
         if cache_key in self._sources:
             return self._sources[cache_key]
+        total, heads = num_heads, None
+        if self.total_heads is not None:
+            total, heads = self.total_heads, (self.head_start, self.head_start + num_heads)
+            if heads[1] > total:
+                raise ValueError(f"{num_heads} heads from head {self.head_start} exceed "
+                                 f"total_heads={total}")
         seq_len, sources = local_len * world, []
         for w, r in zip(self.segment_lengths, self.dilation_rates):
             plans = make_slot_plans(seq_len=seq_len, start=rank * local_len,
                                     stop=(rank + 1) * local_len, segment_length=w,
-                                    dilation_rate=r, num_heads=num_heads, device=device)
+                                    dilation_rate=r, num_heads=total, heads=heads, device=device)
             for index, plan in enumerate(plans):
                 routes = make_routes(seq_len=seq_len, world_size=world, rank=rank,
-                                     segment_length=w, dilation_rate=r, num_heads=num_heads,
-                                     group_index=index, is_causal=is_causal, device=device)
+                                     segment_length=w, dilation_rate=r, num_heads=total,
+                                     group_index=index, is_causal=is_causal, heads=heads,
+                                     device=device)
                 sources.append(RingKeySource(plan, routes, self.backend, is_causal))
         self._sources[cache_key] = sources
         return sources

@@ -38,14 +38,15 @@ def _remote_slots(plan: SlotPlan, local_len: int, owner: int, is_causal: bool) -
 
 def make_routes(*, seq_len: int, world_size: int, rank: int, segment_length: int,
                 dilation_rate: int, num_heads: int, group_index: int, is_causal: bool,
-                device=None) -> Routes:
-    """Routes of head group ``group_index`` of one branch, for ``rank``."""
+                heads: tuple[int, int] | None = None, device=None) -> Routes:
+    """Routes of head group ``group_index`` of one branch (of the plans ``make_slot_plans``
+    makes with the same ``num_heads`` and ``heads``), for ``rank``."""
     local_len = seq_len // world_size
 
     def plan_of(r: int) -> SlotPlan:
         return make_slot_plans(seq_len=seq_len, start=r * local_len, stop=(r + 1) * local_len,
                                segment_length=segment_length, dilation_rate=dilation_rate,
-                               num_heads=num_heads, device=device)[group_index]
+                               num_heads=num_heads, heads=heads, device=device)[group_index]
 
     mine = plan_of(rank)
     recv = [_remote_slots(mine, local_len, i, is_causal) for i in range(world_size)]
@@ -56,8 +57,8 @@ def make_routes(*, seq_len: int, world_size: int, rank: int, segment_length: int
                                for i in range(world_size))
         slots = _remote_slots(theirs, local_len, rank, is_causal)
         positions = theirs.slot_positions.reshape(-1)[slots]
-        heads = theirs.head_start + (slots // theirs.rows) % theirs.group_heads
-        send.append((positions - mine.start) * num_heads + heads)  # rows of my slice
+        held = theirs.head_start + (slots // theirs.rows) % theirs.group_heads
+        send.append((positions - mine.start) * mine.num_heads + held)  # rows of my slice
     return Routes(recv_slots=recv, send_rows=send, needed=needed)
 
 

@@ -212,9 +212,6 @@ class TrainConfig:
             raise ConfigError(f"{degrees} = {dp * tp * pp * cp}, but the world has {world} ranks; "
                               f"choose degrees whose product is {world} (or leave one of --dp, --tp, "
                               "--pp out to infer it)")
-        if cp > 1 and tp > 1:
-            raise ConfigError(f"--cp {cp} with --tp {tp}: context parallelism does not combine with "
-                              "tensor parallelism yet; use --tp 1 with --cp")
         _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
                        "group trains on an equal share)")
         per_group = self.batch_size // dp

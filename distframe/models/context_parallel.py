@@ -10,8 +10,9 @@ its slice, so the model's loss is the mean over the cp group and its gradient th
 average: gradients are averaged over the replica group (``dp * cp`` ranks), which HybridShardedModel
 does in place of the dp group. Layers that mix tokens in other ways (``nn.MultiheadAttention``,
 convolutions over time) are not converted: a model holding no ``DilatedAttention`` is refused.
-Not yet combined with tensor parallelism (a head-split ring attention): ``tp * cp > tp`` with
-``tp > 1`` is a ConfigError.
+With tensor parallelism as well, a rank's attention holds a slice of the heads
+(``HeadShardedDilatedAttention``); it becomes a ring over the same heads, so each tp rank runs its
+own ring over the cp ranks that hold its heads.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from attention.dilated import DilatedAttention
 from attention.ring import RingDilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttention
 
 
 def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBackend) -> None:
@@ -42,12 +44,15 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
             for name, child in module.named_children():
                 if isinstance(child, RingDilatedAttention):
                     converted += 1
-                elif type(child) is DilatedAttention:
+                elif type(child) in (DilatedAttention, HeadShardedDilatedAttention):
                     if child.attention_dropout:
                         raise ConfigError(f"cp > 1: {name} uses attention_dropout={child.attention_dropout}, "
                                           "which RingDilatedAttention does not support; set it to 0.0")
-                    setattr(module, name, RingDilatedAttention(child.segment_lengths, child.dilation_rates,
-                                                               child.softmax_scale, backend=group))
+                    # A tensor-parallel rank's attention holds a slice of the heads: the ring
+                    # keeps reading what those heads read in the dense module.
+                    setattr(module, name, RingDilatedAttention(
+                        child.segment_lengths, child.dilation_rates, child.softmax_scale, backend=group,
+                        head_start=getattr(child, "head_start", 0), total_heads=getattr(child, "total_heads", None)))
                     converted += 1
     if converted == 0:
         raise ConfigError("cp > 1 splits each sequence across ranks, which needs the model's attention to "

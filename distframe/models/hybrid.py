@@ -346,10 +346,6 @@ def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches
                           "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
-    if dims.cp_enabled and dims.tp_enabled:
-        raise ConfigError(f"ParallelDims(tp={dims.tp}, cp={dims.cp}): context parallelism does not combine "
-                          "with tensor parallelism yet (the ring attention is not split by heads); use "
-                          "tp=1 with cp, or cp=1 with tp")
 
 
 def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:

@@ -12,8 +12,6 @@ of ``(B, T, 1)``; backward the same (the ``f`` of q/k/v and the statistics).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -40,18 +38,13 @@ class HeadShardedDilatedAttention(DilatedAttention):
                      is_causal: bool) -> list[LocalKeySource]:
         cache_key = (seq_len, num_heads, str(device), is_causal)
         if cache_key not in self._sources:
-            lo, hi = self.head_start, self.head_start + num_heads
-            sources = []
-            for w, r in zip(self.segment_lengths, self.dilation_rates):
+            heads = (self.head_start, self.head_start + num_heads)
+            self._sources[cache_key] = [
+                LocalKeySource(plan, is_causal)
+                for w, r in zip(self.segment_lengths, self.dilation_rates)
                 for plan in make_slot_plans(seq_len=seq_len, start=0, stop=seq_len, segment_length=w,
-                                            dilation_rate=r, num_heads=self.total_heads, device=device):
-                    start, stop = max(plan.head_start, lo), min(plan.head_stop, hi)
-                    if start >= stop:
-                        continue  # this head group lives on another rank
-                    local = dataclasses.replace(plan, head_start=start - lo, head_stop=stop - lo,
-                                                num_heads=num_heads)
-                    sources.append(LocalKeySource(local, is_causal))
-            self._sources[cache_key] = sources
+                                            dilation_rate=r, num_heads=self.total_heads, heads=heads,
+                                            device=device)]
         return self._sources[cache_key]
 
 

@@ -84,3 +84,54 @@ def test_ring_moves_only_dilated_keys():
 @pytest.mark.gloo
 def test_ring_equals_single_device_gloo():
     _check((2, (8, 16), (1, 2), 24, 4, True, True), "gloo", torch.float64, 1e-10)
+
+
+class HeadSliceRingRank(RingRank):
+    """Each rank holds heads [lo, hi) of its slice: a tensor-parallel rank inside a cp ring."""
+
+    def __init__(self, case, inputs, heads):
+        super().__init__(case, inputs)
+        self.heads = heads
+
+    def __call__(self, backend):
+        _, segments, rates, seq, total, causal, _ = self.case
+        q, k, v, grad_out, mask = self.inputs
+        (lo, hi), local = self.heads, seq // backend.world_size
+        part = slice(backend.rank * local, (backend.rank + 1) * local)
+        mine = [t.detach()[:, part, lo:hi].clone().requires_grad_() for t in (q, k, v)]
+        module = RingDilatedAttention(segments, rates, backend=backend, head_start=lo, total_heads=total)
+        out = module(*mine, is_causal=causal, key_padding_mask=None if mask is None else mask[:, part])
+        grads = torch.autograd.grad(out, mine, grad_out[:, part, lo:hi])
+        return out.detach(), [g.detach() for g in grads]
+
+
+@pytest.mark.parametrize("case,heads", [
+    ((2, (8, 16), (1, 2), 24, 4, True, True), [(0, 2), (2, 4), (1, 3)]),  # rate 1: 4-head group split
+    ((3, (4, 8, 16), (1, 2, 4), 18, 5, True, True), [(0, 3), (3, 5), (2, 3)]),  # odd heads and world
+    ((4, (6, 12), (1, 3), 24, 3, False, False), [(0, 1), (1, 3)]),
+])
+def test_ring_over_a_slice_of_the_heads(case, heads):
+    """Heads [lo, hi) of a head-split model read what those heads read in the dense module
+    (offsets of the global head index), forward and backward, float64 1e-10."""
+    (q, k, v, grad_out, mask), ref, ref_grads = _single_device(*case, torch.float64)
+    inputs = (q.detach(), k.detach(), v.detach(), grad_out, mask)
+    for lo, hi in heads:
+        results = spawn(HeadSliceRingRank(case, inputs, (lo, hi)), case[0])
+        out = torch.cat([r[0] for r in results], dim=1)
+        assert (out - ref[:, :, lo:hi]).abs().max().item() < 1e-10, (lo, hi)
+        for i, ref_grad in enumerate(ref_grads):
+            grad = torch.cat([r[1][i] for r in results], dim=1)
+            assert (grad - ref_grad[:, :, lo:hi]).abs().max().item() < 1e-10, (lo, hi, i)
+
+
+def test_head_slice_outside_the_heads_is_an_error():
+    with pytest.raises(ValueError, match="head_start"):
+        RingDilatedAttention((4,), (1,), backend=None, head_start=4, total_heads=4)
+
+    def run(backend):
+        module = RingDilatedAttention((4,), (1,), backend=backend, head_start=2, total_heads=4)
+        x = torch.zeros(1, 4, 3, 2)  # three heads from head 2 of 4
+        module(x, x, x)
+
+    with pytest.raises(ValueError, match="exceed total_heads=4"):
+        spawn(run, 2)

@@ -1,6 +1,6 @@
 """Context (sequence) parallelism, the ``cp`` axis of HybridShardedModel: the dilated-attention LM
 trained with each sequence split across cp ranks (attention as a ring) equals single-process
-training (float64 1e-10), alone and with dp, pp and ZeRO; forward and validation loss equal
+training (float64 1e-10), alone and with dp, tp, pp and ZeRO; forward and validation loss equal
 the dense model's; bad configurations are ConfigErrors."""
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ def test_layout_with_cp_trains_like_one_process(dp, pp, cp):
     check(spawn(lambda b: train(b, dims), dims.world_size))
 
 
+@pytest.mark.parametrize("dp,tp,pp,cp", [(1, 2, 1, 2), (2, 2, 1, 2), (1, 2, 2, 2), (1, 2, 1, 4)])
+def test_tensor_and_context_parallel_train_like_one_process(dp, tp, pp, cp):
+    """Each tp rank's heads run as a ring over the cp ranks holding those heads: the rate-1
+    branch's head group straddles the tp split, the rate-4 one puts a group on each head."""
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+    check(spawn(lambda b: train(b, dims), dims.world_size))
+
+
 @pytest.mark.parametrize("data_parallel", ["zero1", "zero2"])
 def test_zero_shards_over_dp_and_cp(data_parallel):
     dims = ParallelDims(dp=2, cp=2)
@@ -37,19 +45,20 @@ def test_zero_shards_over_dp_and_cp(data_parallel):
         assert zero_mem["optimizer_state"] <= ddp_mem["optimizer_state"] / 4 + 64
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_forward_and_validation_loss_equal_the_dense_model(pp):
+@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 1), (1, 2)])
+def test_forward_and_validation_loss_equal_the_dense_model(pp, tp):
     dense = tiny_lm()
     x, y = batches()[0]
     with torch.no_grad():
         expected_out, expected_loss = dense(x), lm_loss(dense(x), y)
 
     def run(b):
-        model = HybridShardedModel(copy.deepcopy(dense), b, dims=ParallelDims(pp=pp, cp=2), num_microbatches=2)
+        model = HybridShardedModel(copy.deepcopy(dense), b, dims=ParallelDims(pp=pp, tp=tp, cp=2),
+                                   num_microbatches=2)
         rings = [m for m in model.wrapped_model.modules() if isinstance(m, RingDilatedAttention)]
         return model(x), model.validation_loss(x, y, lm_loss), len(rings)
 
-    for out, loss, rings in spawn(run, 2 * pp):
+    for out, loss, rings in spawn(run, 2 * pp * tp):
         torch.testing.assert_close(out, expected_out, **TOL)
         torch.testing.assert_close(loss, expected_loss, **TOL)
         assert rings == 2 // pp  # every attention this rank holds runs as a ring
@@ -73,6 +82,3 @@ def test_sequence_must_split_evenly():
         spawn(run, 4)
 
 
-def test_cp_does_not_combine_with_tp_yet():
-    with pytest.raises(ConfigError, match="tp=1 with cp"):
-        spawn(lambda b: HybridShardedModel(tiny_lm(), b, dims=ParallelDims(tp=2, cp=2)), 4)

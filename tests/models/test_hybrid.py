@@ -225,6 +225,8 @@ def _gloo_train(backend, kind):
         return train(backend, ParallelDims(tp=2, pp=2))
     if kind == "context":
         return train(backend, ParallelDims(pp=2, cp=2))
+    if kind == "tensor-context":
+        return train(backend, ParallelDims(tp=2, cp=2))
     model = (PipelineParallelModel(tiny_lm(), backend, num_microbatches=2) if kind == "pipeline"
              else TensorParallelModel(tiny_lm(), backend))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -241,6 +243,6 @@ def gloo_pool():
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("kind", ["pipeline", "tensor", "hybrid", "context"])
+@pytest.mark.parametrize("kind", ["pipeline", "tensor", "hybrid", "context", "tensor-context"])
 def test_model_parallel_on_gloo(gloo_pool, kind):
     check(gloo_pool.run(_gloo_train, kind))

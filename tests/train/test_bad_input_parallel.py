@@ -20,7 +20,6 @@ from tests.train.test_bad_input import _fails_with
      ["--tp 4", "2 attention heads", "--heads"]),
     (["--strategy", "ddp", "--tp", "2"], ["--tp applies to --strategy tensor or hybrid"]),
     (["--strategy", "pipeline", "--cp", "2"], ["--cp applies to --strategy hybrid"]),
-    (["--strategy", "hybrid", "--world-size", "4", "--tp", "2", "--cp", "2"], ["--cp 2 with --tp 2", "--tp 1"]),
     (["--strategy", "hybrid", "--world-size", "4", "--dp", "1", "--cp", "2"],
      ["--dp 1 x --tp 1 x --pp 1 x --cp 2 = 2", "4 ranks"]),
     (["--strategy", "hybrid", "--world-size", "3", "--cp", "3"], ["--cp 3 does not divide --seq-len"]),

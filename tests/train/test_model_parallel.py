@@ -22,6 +22,7 @@ RUNS = {
     "hybrid-pp": ("--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--pp", "2",
                   "--micro-batches", "2"),
     "hybrid-cp": ("--strategy", "hybrid", "--world-size", "4", "--dp", "2", "--cp", "2"),
+    "hybrid-tp-cp": ("--strategy", "hybrid", "--world-size", "4", "--tp", "2", "--cp", "2"),
 }
 
 
