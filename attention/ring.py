@@ -82,6 +82,11 @@ class RingDilatedAttention(DilatedAttention):
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
     and two in backward (keys again, then key gradients); none otherwise. Counted in
     ``backend.stats``. Attention dropout is not supported here.
+
+    ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
+    parallelism split by heads): the ``H`` heads it passes are heads ``[head_start,
+    head_start + H)`` of ``total_heads``, and each reads the positions that head reads in the
+    full module. Every rank of ``backend`` must hold the same heads.
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
