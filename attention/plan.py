@@ -150,7 +150,8 @@ def make_slot_plans(*, seq_len: int, start: int, stop: int, segment_length: int,
     group = math.ceil(num_heads / dilation_rate)
     lo, hi = (0, num_heads) if heads is None else heads
     if not 0 <= lo < hi <= num_heads:
-        raise ValueError(f"heads={heads}: need 0 <= lo < hi <= num_heads={num_heads}")
+        raise ValueError(f"heads [{lo}, {hi}) do not fit in num_heads={num_heads}: a rank holds "
+                         f"heads lo..hi-1 with 0 <= lo < hi <= {num_heads}")
     first = start // w
     plans = []
     for head_start in range(0, num_heads, group):

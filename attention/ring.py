@@ -110,11 +110,8 @@ class RingDilatedAttention(DilatedAttention):
         if cache_key in self._sources:
             return self._sources[cache_key]
         total, heads = num_heads, None
-        if self.total_heads is not None:
+        if self.total_heads is not None:  # make_slot_plans checks that the heads fit
             total, heads = self.total_heads, (self.head_start, self.head_start + num_heads)
-            if heads[1] > total:
-                raise ValueError(f"{num_heads} heads from head {self.head_start} exceed "
-                                 f"total_heads={total}")
         seq_len, sources = local_len * world, []
         for w, r in zip(self.segment_lengths, self.dilation_rates):
             plans = make_slot_plans(seq_len=seq_len, start=rank * local_len,

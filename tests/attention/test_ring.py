@@ -133,5 +133,5 @@ def test_head_slice_outside_the_heads_is_an_error():
         x = torch.zeros(1, 4, 3, 2)  # three heads from head 2 of 4
         module(x, x, x)
 
-    with pytest.raises(ValueError, match="exceed total_heads=4"):
+    with pytest.raises(ValueError, match=r"heads \[2, 5\) do not fit in num_heads=4"):
         spawn(run, 2)
