@@ -148,4 +148,3 @@ class DilatedTransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.final_norm(x))  # (B, T, V)
-

@@ -5,11 +5,12 @@ the step (waiting to receive) is idle. It also keeps each operation's interval (
 which ``replayed_bubble`` rebuilds the step as it would have run with the same compute times and
 free messages: the formula's bubble assumes equal, fixed times per micro-batch, the replay uses
 the measured ones, so measured against replayed is what messages and scheduling overhead cost, and
-replayed against the formula what unequal or varying compute times cost. ``ActivationMemoryMeter`` counts the storages autograd
-saves for backward, through ``torch.autograd.graph.saved_tensors_hooks``: a storage is live from
-its first save until autograd drops the last saved reference to it (after that micro-batch's
-backward), each storage counted once by its data pointer, parameters and the input batch
-excluded. The peak is the
+replayed against the formula what unequal or varying compute times cost.
+
+``ActivationMemoryMeter`` counts the storages autograd saves for backward, through
+``torch.autograd.graph.saved_tensors_hooks``: a storage is live from its first save until
+autograd drops the last saved reference to it (after that micro-batch's backward), each storage
+counted once by its data pointer, parameters and the input batch excluded. The peak is the
 activation memory the schedule really holds, not a count the scheduler keeps of itself.
 """
 from __future__ import annotations
