@@ -81,9 +81,11 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
         self._my_progress_key = self._progress_keys[rank]
         self._shared.board.register(self._my_progress_key)
+        timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
-            dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size,
-            datetime.timedelta(seconds=self.timeout))
+            dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
+        _wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank,
+                          world_size, timeout_delta)
         self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
 
@@ -303,6 +305,20 @@ class TorchDistributedBackend(CommunicationBackendBase):
             return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
+
+
+def _wait_for_members(store: dist.Store, rank: int, world_size: int,
+                      timeout: datetime.timedelta) -> None:
+    """Returns once every member has built its process group.
+
+    [Note: a group is ready only when every member is] Gloo's rendezvous can return on one rank
+    while a peer is still finishing its side of their connection. A rank that then closes the
+    group at once (a group built and shut down unused) closes that connection under the peer,
+    whose construction fails with "Connection closed by peer". So construction ends with a
+    store barrier: each member sets its key and waits for everyone's.
+    """
+    store.set(str(rank), "1")
+    store.wait([str(r) for r in range(world_size)], timeout)
 
 
 class _RecvWork(Work):

@@ -6,6 +6,8 @@ rank functions are module-level so the workers can import them.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -164,6 +166,36 @@ def rank_subgroups(b):
             nested_sum, again.all_gather(torch.tensor([sub.rank])))
 
 
+def rank_new_group_waits_for_every_member(b, delay):
+    """Rank 0 finishes building its process group ``delay`` seconds late; returns when this rank
+    got its group and when rank 0 had built its own."""
+    cls = type(b)
+    original = cls._create_process_group
+    built_at = []
+
+    def slow_build(self, *args):
+        pg = original(self, *args)
+        time.sleep(delay)
+        built_at.append(time.time())
+        return pg
+
+    if b.rank == 0:
+        cls._create_process_group = slow_build
+    try:
+        group = b.new_group(list(range(b.world_size)))
+    finally:
+        cls._create_process_group = original
+    returned = time.time()
+    group.shutdown()
+    return returned, built_at[0] if built_at else None
+
+
+def rank_build_and_drop_groups(b, count):
+    for _ in range(count):
+        b.new_group(list(range(b.world_size))).shutdown()  # shut down before any peer used it
+    return b.all_reduce(torch.ones(1)).item()
+
+
 def rank_stats(b):
     b.stats.reset()
     b.all_reduce(torch.zeros(10))                         # 40 bytes
@@ -314,6 +346,16 @@ def test_nested_subgroups(pool):
         assert nested_rank == (0 if rank == 0 else False)
         assert (nested_sum is None) == (rank != 0)
         assert again.tolist() == [0, 1]
+
+
+def test_new_group_returns_once_every_member_has_built_it(pool):
+    """A group handed back on one rank is usable and may be shut down at once: Gloo's rendezvous
+    alone can return on one rank while a peer is still connecting, and a shutdown then broke the
+    peer's construction ("Connection closed by peer")."""
+    results = pool.run(rank_new_group_waits_for_every_member, 0.5)
+    built = results[0][1]
+    assert all(returned >= built for returned, _ in results), (built, results)
+    assert pool.run(rank_build_and_drop_groups, 30) == [float(pool.world_size)] * pool.world_size
 
 
 def test_stats_count_calls_and_bytes(pool):
