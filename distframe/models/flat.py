@@ -50,6 +50,8 @@ class FlatSpace:
             entries.append(FlatEntry(name, param, offset))
             offset += param.numel()
         self.entries = entries
+        # Buffers of this space live where its parameters do (a CUDA model's on its GPU).
+        self.device = named_params[0][1].device if named_params else torch.device("cpu")
         self.numel = offset
         self.world_size = world_size
         self.padded_numel = -(-max(offset, 1) // world_size) * world_size
@@ -77,7 +79,7 @@ class FlatSpace:
 
     def flatten(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """A new padded flat tensor holding ``tensors`` (None reads as zeros)."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         for entry, t in zip(self.entries, tensors):
             if t is not None:
                 flat[entry.offset:entry.offset + entry.numel].copy_(t.reshape(-1))

@@ -107,7 +107,8 @@ class GradientBuckets:
     def _attach(self, bucket: GradBucket) -> None:
         if bucket.buffer is None:
             dtype = self.grad_dtype or bucket.parameters[0].dtype
-            bucket.buffer = torch.zeros(bucket.space.padded_numel, dtype=dtype)
+            bucket.buffer = torch.zeros(bucket.space.padded_numel, dtype=dtype,
+                                        device=bucket.space.device)
         for param, view in zip(bucket.parameters, bucket.space.views(bucket.buffer)):
             grad = param.grad
             if grad is None:

@@ -36,6 +36,7 @@ from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
+from distframe.models.devices import module_device
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            gather_full, owns_piece, shard_layout)
@@ -67,6 +68,7 @@ class HybridShardedModel(ShardedModelBase):
         self.virtual_stages = virtual_stages
         self.data_parallel = data_parallel
         self.groups = dims.build_groups(backend)
+        self._device = module_device(model)
         dense_params = list(model.parameters())  # keeps ids stable while mapping names below
         dense_names = {id(p): n for n, p in model.named_parameters()}
         dense_buffers = {id(b): n for n, b in model.named_buffers()}
@@ -156,7 +158,8 @@ class HybridShardedModel(ShardedModelBase):
         if self.runner is None:
             output = self.wrapped_model(inputs)
         else:
-            output = _broadcast_any(self.runner.forward_only(inputs), self.groups.pp, src=self.dims.pp - 1)
+            output = _broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
+                                    self._device)
         return output if cp is None else gather_sequence(output, cp)
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
@@ -172,7 +175,7 @@ class HybridShardedModel(ShardedModelBase):
             return loss.detach()
         loss = self.runner.forward_backward(inputs, targets, loss_fn)
         if loss is None:
-            loss = torch.zeros((), dtype=torch.float64)
+            loss = torch.zeros((), dtype=torch.float64, device=self._device)
         loss = loss.detach().to(torch.float64).reshape(1).clone()
         self.groups.pp.broadcast(loss, self.dims.pp - 1)
         return loss.reshape(())
@@ -186,7 +189,7 @@ class HybridShardedModel(ShardedModelBase):
                 loss = loss_fn(self.wrapped_model(inputs), targets).detach()
             else:
                 output = self.runner.forward_only(inputs)
-                loss = torch.zeros(1, dtype=torch.float64)
+                loss = torch.zeros(1, dtype=torch.float64, device=self._device)
                 if output is not None:
                     loss[0] = float(loss_fn(output, targets))
                 self.groups.pp.broadcast(loss, self.dims.pp - 1)
@@ -368,11 +371,13 @@ def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, 
             offset += p.numel()
 
 
-def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int) -> torch.Tensor:
-    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first)."""
+def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,
+                   device: torch.device) -> torch.Tensor:
+    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first); received
+    on ``device``."""
     header = encode_header(tensor) if group.rank == src else encode_header(None)
     group.broadcast(header, src)
     shape, dtype = decode_header(header)
-    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype)
+    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype, device=device)
     group.broadcast(out, src)
     return out

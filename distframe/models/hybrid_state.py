@@ -127,23 +127,24 @@ def gather_full(local: list[LocalParameter], local_buffers: dict[str, torch.Tens
         held[lp.name] = tensor.clone()
     held.update({n: b.detach().clone() for n, b in local_buffers.items()})
     entries = catalog.params + catalog.buffers
+    device = local[0].param.device if local else torch.device("cpu")
     for stage in range(groups.pp.world_size):
         mine = [e for e in entries if e.owner_stage == stage]
         for dtype in sorted({e.dtype for e in mine}, key=str):
             group = [e for e in mine if e.dtype == dtype]
-            _broadcast_group(group, held, stage, groups)
+            _broadcast_group(group, held, stage, groups, device)
     return {key: held[name] for key, name in catalog.state_keys}
 
 
 def _broadcast_group(group: list[Entry], held: dict[str, torch.Tensor], stage: int,
-                     groups: ParallelGroups) -> None:
+                     groups: ParallelGroups, device: torch.device) -> None:
     sizes = [int(torch.Size(e.shape).numel()) for e in group]
     if groups.pp.world_size == 1:
         return
     if groups.pp_index == stage:
         flat = torch.cat([held[e.name].reshape(-1) for e in group])
     else:
-        flat = torch.empty(sum(sizes), dtype=group[0].dtype)
+        flat = torch.empty(sum(sizes), dtype=group[0].dtype, device=device)
     groups.pp.broadcast(flat, stage)
     offset = 0
     for e, size in zip(group, sizes):

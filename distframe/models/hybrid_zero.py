@@ -38,11 +38,11 @@ class ZeroShards:
         self.chunk = -(-total // backend.world_size)
         self.total, self.padded = total, self.chunk * backend.world_size
         self.lo = backend.rank * self.chunk
-        self.master = torch.zeros(self.chunk, dtype=params[0].dtype)
+        self.master = torch.zeros(self.chunk, dtype=params[0].dtype, device=params[0].device)
         self.refresh_master()
 
     def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.master.dtype)
+        flat = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
         for p, t, offset in zip(self.params, tensors, self.offsets):
             if t is not None:
                 flat[offset:offset + p.numel()] = t.reshape(-1)

@@ -34,8 +34,9 @@ _HEADER_LEN = 12
 class StageLinks:
     """Sends and receives of one pipeline rank, addressed by global stage."""
 
-    def __init__(self, backend: ICommunicationBackend) -> None:
+    def __init__(self, backend: ICommunicationBackend, *, device: torch.device | None = None) -> None:
         self.backend = backend
+        self.device = torch.device("cpu") if device is None else device  # where activations land
         self._pending: list[tuple[Work, torch.Tensor]] = []
         self._incoming: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         self._header_sent: set[int] = set()
@@ -77,7 +78,7 @@ class StageLinks:
         if posted < self._messages:
             shape, dtype = self._incoming[stage]
             self._channel("activation", stage).append(
-                self.backend.irecv(torch.empty(shape, dtype=dtype), src, 3 * stage))
+                self.backend.irecv(torch.empty(shape, dtype=dtype, device=self.device), src, 3 * stage))
             self._activations_posted[stage] = posted + 1
 
     def send_gradient(self, grad: torch.Tensor, dst: int, stage: int) -> None:

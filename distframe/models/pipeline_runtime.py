@@ -22,6 +22,7 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.devices import module_device
 from distframe.models.pipeline_comm import StageLinks
 from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimeline
 from distframe.models.pipeline_schedules import max_in_flight, schedule_actions
@@ -48,7 +49,7 @@ class PipelineRunner:
         self.ranks = backend.world_size
         self.num_stages = self.ranks * len(self.chunks)
         self.actions = schedule_actions(schedule, self.ranks, backend.rank, num_microbatches, len(self.chunks))
-        self.links = StageLinks(backend)
+        self.links = StageLinks(backend, device=module_device(*self.chunks))
         self.memory = ActivationMemoryMeter(exclude=[p for c in self.chunks for p in c.parameters()])
         self.timeline = StepTimeline()
         self.in_flight_peak = max_in_flight(self.actions)

@@ -68,11 +68,11 @@ class FlatParameters:
             raise ConfigError(f"AsyncSGDOptimizer sends parameters as one vector; the model mixes "
                               f"{sorted(str(d) for d in dtypes)}: convert it to one dtype")
         self.params = params
-        self.dtype = params[0].dtype
+        self.dtype, self.device = params[0].dtype, params[0].device
         self.numel = sum(p.numel() for p in params)
 
     def empty(self) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype)
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def values(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -80,7 +80,8 @@ class FlatParameters:
     def gradients(self) -> torch.Tensor:
         """The gradients (zeros where a parameter got none)."""
         return torch.cat([p.grad.detach().reshape(-1) if p.grad is not None
-                          else torch.zeros(p.numel(), dtype=self.dtype) for p in self.params])
+                          else torch.zeros(p.numel(), dtype=self.dtype, device=self.device)
+                          for p in self.params])
 
     def load_values(self, flat: torch.Tensor) -> None:
         with torch.no_grad():

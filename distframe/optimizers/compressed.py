@@ -168,7 +168,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             for k in full:
                 self._keep_residual(names[k], views[k], views[k])
         matrices = {k: psgd.as_matrix(views[k]).clone() for k in low}
-        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, views[k].dtype))
+        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, views[k].dtype,
+                                                                   views[k].device))
               for k in low}
         if low:
             flat_p = torch.cat([ps[k].reshape(-1) for k in low])

@@ -124,14 +124,15 @@ class Int8Compressor(Compressor):
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
         chunks = -(-numel // self.chunk_size)
-        padded = torch.zeros(chunks * self.chunk_size, dtype=flat.dtype)
+        padded = torch.zeros(chunks * self.chunk_size, dtype=flat.dtype, device=flat.device)
         padded[:numel] = flat
         rows = padded.view(chunks, self.chunk_size)  # (chunks, chunk_size)
         scales = (rows.abs().amax(dim=1) / _INT8_LEVELS).to(torch.float32)
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         scaled = rows / scales.to(rows.dtype).unsqueeze(1)
         if self.stochastic:
-            noise = torch.rand(scaled.shape, generator=self._generator, dtype=scaled.dtype)
+            # Drawn on the CPU generator: the same seed rounds the same way on every device.
+            noise = torch.rand(scaled.shape, generator=self._generator, dtype=scaled.dtype).to(scaled.device)
             levels = torch.floor(scaled + noise)
         else:
             levels = torch.round(scaled)
@@ -142,7 +143,7 @@ class Int8Compressor(Compressor):
         q, scales = payload
         shape, dtype = ctx
         numel = q.numel()
-        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=dtype)
+        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=dtype, device=q.device)
         padded[:numel] = q.to(dtype)
         rows = padded.view(scales.numel(), self.chunk_size) * scales.to(dtype).unsqueeze(1)
         return rows.reshape(-1)[:numel].reshape(shape)
@@ -175,7 +176,7 @@ class TopKCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         values, indices = payload
         shape, dtype = ctx
-        out = torch.zeros(math.prod(shape), dtype=dtype)
+        out = torch.zeros(math.prod(shape), dtype=dtype, device=values.device)
         out[indices.to(torch.int64)] = values.to(dtype)
         return out.reshape(shape)
 
@@ -231,7 +232,8 @@ class PowerSGDCompressor(Compressor):
         return min(self.rank, *self.matrix_shape(shape))
 
     # ---- the pieces the exchange composes ---------------------------------------------------
-    def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype,
+                   device: torch.device | None = None) -> torch.Tensor:
         """This parameter's m x r matrix Q: last step's mean, or a seeded random first one."""
         _, m = self.matrix_shape(shape)
         r = self.effective_rank(shape)
@@ -239,7 +241,7 @@ class PowerSGDCompressor(Compressor):
         if q is None or q.shape != (m, r):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
             q = torch.randn(m, r, generator=generator, dtype=torch.float64)
-        return q.to(dtype)
+        return q.to(device=device, dtype=dtype)
 
     def remember(self, key: str, q: torch.Tensor) -> None:
         self._warm[key] = q.detach().clone()
@@ -284,7 +286,7 @@ class PowerSGDCompressor(Compressor):
             return (tensor,), (tensor.shape, None)
         key = "" if key is None else key
         matrix = self.as_matrix(tensor.detach())
-        p = self.orthogonalize(self.project(matrix, self.warm_start(key, tensor.shape, matrix.dtype)))
+        p = self.orthogonalize(self.project(matrix, self.warm_start(key, tensor.shape, matrix.dtype, matrix.device)))
         q = self.back_project(matrix, p)
         self.remember(key, q)
         return (p, q), (tensor.shape, "low_rank")

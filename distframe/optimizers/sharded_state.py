@@ -78,7 +78,7 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
                               "from model.local_parameter_shard() (or use the strategy's optimizer)")
         entry: dict[str, Any] = {}
         for kind in kinds:
-            tensor = torch.zeros(shard.numel(), dtype=shard.dtype)
+            tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
             fill_shards(ShardLayout([tensor], [segs]), reader, kind, [tensor])
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
         named = scalars.get(segs[0].name, fallback) if segs else fallback
