@@ -85,6 +85,8 @@ class FutureWork(Work):
         try:
             result = self._future.result(timeout=timeout)
         except FutureTimeout:
+            if self._future.done():
+                raise  # the operation itself timed out (its error names the missing ranks)
             raise CollectiveTimeoutError(
                 self._op, self._seq, None, timeout or 0.0,
                 "Work.wait(timeout=...) expired before the operation completed") from None

@@ -67,6 +67,19 @@ def test_timeout_names_op_sequence_and_missing_ranks():
     assert errors[1] is None and errors[3] is None
 
 
+def test_async_timeout_surfaces_on_wait_naming_the_missing_ranks():
+    """The error of an asynchronous call that timed out reaches ``Work.wait()`` as it is, not
+    replaced by a 'wait expired' error that has lost the op's missing ranks."""
+    def fn(b):
+        if b.rank == 0:
+            b.all_gather(torch.ones(1), async_op=True).wait()  # rank 1 never comes
+    errors = _outcomes(fn, 2, timeout=0.5)
+    e = errors[0]
+    assert isinstance(e, CollectiveTimeoutError)
+    assert (e.op, e.seq, e.missing_ranks) == ("all_gather", 1, [1])
+    assert "expired" not in str(e)
+
+
 def test_timeout_in_subgroup_names_global_ranks():
     def fn(b):
         sub = b.new_group([2, 3])
