@@ -182,7 +182,8 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
     def scatter(self, chunks: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False) -> torch.Tensor | Work:
         """Rank ``src`` passes ``world_size`` tensors of one shape and dtype; every rank returns the
-        one at its own index. Other ranks' ``chunks`` are ignored (pass None)."""
+        one at its own index, on the CPU if ``src``'s chunks are CPU tensors and on a GPU if they
+        are GPU tensors. Other ranks' ``chunks`` are ignored (pass None)."""
         self._check_peer("scatter", "src", src)
         nbytes = 0
         if self._rank == src:
@@ -357,6 +358,18 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
 
     def _check_group_ranks(self, ranks: object) -> list[int]:
         return validation.check_group_ranks(ranks, self._world_size)
+
+
+def scattered_to(out: torch.Tensor, source_on_cpu: bool) -> torch.Tensor:
+    """A scatter's received chunk where ``scatter`` promises it: on the CPU when the source rank's
+    chunks were CPU tensors, else on a GPU (this rank's own, or the current CUDA device of an
+    engine that stages GPU tensors through the host). Only ``src`` knows where its chunks live;
+    the engines send that along with their shape."""
+    if source_on_cpu:
+        return out.cpu()
+    if out.device.type == "cpu":
+        return out.to(torch.device("cuda", torch.cuda.current_device()))
+    return out
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

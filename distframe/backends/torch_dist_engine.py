@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import DTYPES, ENCODED_LENGTH, Signature
 from distframe.backends.torch_dist_board import ProgressBoard
@@ -175,7 +175,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         sources = [[movable(self._stage(c.contiguous())) for c in chunks]] if chunks is not None else []
         self._complete(call, self._pg.scatter, [movable(out)], sources,
                        _options(dist.ScatterOptions, rootRank=src))
-        return out.cpu() if meta[2] else out
+        return scattered_to(out, source_on_cpu=bool(meta[2]))
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         self._arrive(call)

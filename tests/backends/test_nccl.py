@@ -1,6 +1,8 @@
-"""NCCL engine: without GPUs every way in raises BackendUnavailableError naming the fix; with
-enough GPUs, a short parity run over CPU (staged) and GPU tensors. The engine shares all of its
-collective code with Gloo, which test_gloo_collectives covers."""
+"""NCCL engine: asking for more GPUs than are visible raises BackendUnavailableError naming the
+fix, on any machine; with two GPUs, a short parity run over CPU (staged) and GPU tensors. The
+conformance suite runs every collective on NCCL where GPUs are present (one rank per GPU, CPU and
+GPU inputs). The engine shares all of its collective code with Gloo, which
+test_gloo_collectives covers."""
 from __future__ import annotations
 
 import pytest
@@ -11,24 +13,27 @@ from distframe.backends.torch_dist import from_environment
 from distframe.errors import BackendUnavailableError
 from distframe.launch import init_backend, spawn
 
-enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+VISIBLE = torch.cuda.device_count() if torch.cuda.is_available() else 0
+enough_gpus = VISIBLE >= 2
 
 
-@pytest.mark.skipif(enough_gpus, reason="this machine has the GPUs NCCL needs")
-class TestWithoutGPUs:
+class TestTooFewGPUs:
+    """One rank more than there are GPUs (none on a CPU machine)."""
+
     def test_constructor_explains_what_is_missing(self):
         with pytest.raises(BackendUnavailableError, match="nccl.*GPU.*gloo"):
-            NCCLCommunicationBackend(0, 2, torch.distributed.HashStore(), timeout=5)
+            NCCLCommunicationBackend(0, 2, torch.distributed.HashStore(), device=VISIBLE, timeout=5)
 
     def test_spawn_fails_before_starting_processes(self):
-        with pytest.raises(BackendUnavailableError, match="needs 2 GPUs"):
-            spawn(rank_sum, 2, "nccl", timeout=5)
+        with pytest.raises(BackendUnavailableError, match=f"needs {VISIBLE + 1} GPUs"):
+            spawn(rank_sum, VISIBLE + 1, "nccl", timeout=5)
 
     def test_torchrun_environment(self, monkeypatch):
-        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        for name, value in {"RANK": str(VISIBLE), "WORLD_SIZE": str(VISIBLE + 1),
+                            "LOCAL_RANK": str(VISIBLE), "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": "1"}.items():
             monkeypatch.setenv(name, value)
-        with pytest.raises(BackendUnavailableError, match="needs 2 GPUs"):
+        with pytest.raises(BackendUnavailableError, match=f"needs {VISIBLE + 1} GPUs"):
             from_environment("nccl", timeout=5)
         with pytest.raises(BackendUnavailableError):
             init_backend("nccl", timeout=5)

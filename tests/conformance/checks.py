@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distframe.backends import ReduceOp
-from tests.conformance.oracle import DTYPES, FLOAT_NAMES, as_numpy, assert_matches, rank_input, reduce_oracle
+from tests.conformance.oracle import (DTYPES, FLOAT_NAMES, as_numpy, assert_matches, input_device,
+                                      rank_input, reduce_oracle)
 
 
 def _inputs(world_size: int, shape, dtype_name: str, seed: int) -> list[torch.Tensor]:
@@ -247,13 +248,13 @@ def check_out_buffers(backend, dtype_name: str) -> None:
     """all_gather / reduce_scatter write into a caller's buffer and return it; bad buffers raise."""
     n, r = backend.world_size, backend.rank
     inputs = _inputs(n, (2, 3), dtype_name, seed=21)
-    out = torch.full((2 * n, 3), 7, dtype=DTYPES[dtype_name])
+    out = torch.full((2 * n, 3), 7, dtype=DTYPES[dtype_name], device=input_device())
     if backend.all_gather(inputs[r].clone(), out=out) is not out:
         raise AssertionError("all_gather(out=...) must return out")
     assert_matches(out, np.concatenate([as_numpy(t) for t in inputs]), dtype_name, "all_gather into out")
     big = _inputs(n, (2 * n, 3), dtype_name, seed=22)
     op = "MAX" if dtype_name == "bool" else "SUM"
-    chunk = torch.empty((2, 3), dtype=DTYPES[dtype_name])
+    chunk = torch.empty((2, 3), dtype=DTYPES[dtype_name], device=input_device())
     if backend.reduce_scatter(big[r].clone(), op, out=chunk) is not chunk:
         raise AssertionError("reduce_scatter(out=...) must return out")
     full = reduce_oracle([as_numpy(t) for t in big], op, dtype_name)

@@ -7,6 +7,10 @@ oracle is exact for them on every engine; float32/float64 use normal samples and
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -23,6 +27,25 @@ RTOL = {"float64": 1e-12, "float32": 1e-6}
 ATOL = {"float64": 1e-12, "float32": 1e-5}
 
 
+_where = threading.local()  # in-memory ranks are threads: each rank sets its own
+
+
+@contextlib.contextmanager
+def inputs_on(device: str) -> Iterator[None]:
+    """Within the block, this rank's ``rank_input`` tensors live on ``device`` (a GPU run of
+    the checks: engines must take GPU tensors and give results back on the GPU)."""
+    previous = input_device()
+    _where.device = torch.device(device)
+    try:
+        yield
+    finally:
+        _where.device = previous
+
+
+def input_device() -> torch.device:
+    return getattr(_where, "device", torch.device("cpu"))
+
+
 def rank_input(rank: int, shape: tuple[int, ...], dtype_name: str, seed: int = 0) -> torch.Tensor:
     rng = np.random.default_rng([seed, rank, len(shape), *shape])
     if dtype_name == "bool":
@@ -35,13 +58,13 @@ def rank_input(rank: int, shape: tuple[int, ...], dtype_name: str, seed: int = 0
         values = rng.integers(-3, 4, shape)  # products of four stay within int8
     else:
         values = rng.integers(-4, 5, shape)
-    return torch.from_numpy(np.asarray(values)).to(DTYPES[dtype_name])
+    return torch.from_numpy(np.asarray(values)).to(DTYPES[dtype_name]).to(input_device())
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bool:
-        return t.numpy()
-    return t.to(torch.float64).numpy()
+        return t.cpu().numpy()
+    return t.to(torch.float64).cpu().numpy()
 
 
 def reduce_oracle(arrays: list[np.ndarray], op: str, dtype_name: str) -> np.ndarray:
@@ -63,6 +86,8 @@ def assert_matches(actual: torch.Tensor, expected: np.ndarray, dtype_name: str, 
         raise AssertionError(f"{what}: shape {tuple(actual.shape)}, expected {expected.shape}")
     if actual.dtype != DTYPES[dtype_name]:
         raise AssertionError(f"{what}: dtype {actual.dtype}, expected {DTYPES[dtype_name]}")
+    if actual.device.type != input_device().type:
+        raise AssertionError(f"{what}: result on {actual.device}, the inputs on {input_device()}")
     got = as_numpy(actual)
     if dtype_name == "bool":
         np.testing.assert_array_equal(got, expected, err_msg=what)
