@@ -22,7 +22,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from attention.kernel import segment_attention_backward, segment_attention_forward
+from attention.kernel import accumulate_dtype, segment_attention_backward, segment_attention_forward
 from attention.plan import SlotPlan
 
 
@@ -41,10 +41,6 @@ class KeySource(Protocol):
                          grad_key: torch.Tensor, grad_value: torch.Tensor) -> None:
         """Add the compressed gradients into the local ``(B, T_local, H, D)`` gradients."""
         ...
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def tile_batch(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:

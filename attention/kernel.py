@@ -39,9 +39,16 @@ def _use_cpu_flash(q: torch.Tensor) -> bool:
                                                   torch.bfloat16, torch.float16)
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (exact on every device); everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _masked_scores(q, k, is_causal, key_mask, scale):
-    """fp32 ``scale * q k^T`` with masked and (if causal) future keys at -inf: (N, H, M, M)."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    """``scale * q k^T`` in fp32 (fp64 for fp64 inputs) with masked and (if causal) future keys
+    at -inf: (N, H, M, M)."""
+    acc = accumulate_dtype(q.dtype)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(key_mask[:, :, None, :], _NEG_INF)
     if is_causal:
@@ -55,7 +62,7 @@ def _math_forward(q, k, v, is_causal, key_mask, scale):
     scores = _masked_scores(q, k, is_causal, key_mask, scale)  # (N, H, M, M)
     lse = torch.logsumexp(scores, dim=-1)  # (N, H, M)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return (probs @ v.float()).to(q.dtype), lse
+    return (probs @ v.to(probs.dtype)).to(q.dtype), lse
 
 
 def segment_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -75,10 +82,11 @@ def segment_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _math_backward(grad_out, q, k, v, out, lse, is_causal, key_mask, scale):
-    qf, kf, vf, gf = q.float(), k.float(), v.float(), grad_out.float()
+    acc = accumulate_dtype(q.dtype)
+    qf, kf, vf, gf = q.to(acc), k.to(acc), v.to(acc), grad_out.to(acc)
     scores = _masked_scores(q, k, is_causal, key_mask, scale)  # (N, H, M, M)
-    probs = torch.exp(scores - lse.float().unsqueeze(-1))
-    delta = (gf * out.float()).sum(-1, keepdim=True)  # (N, H, M, 1)
+    probs = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    delta = (gf * out.to(acc)).sum(-1, keepdim=True)  # (N, H, M, 1)
     dscores = probs * (gf @ vf.transpose(-1, -2) - delta) * scale
     dq, dk, dv = dscores @ kf, dscores.transpose(-1, -2) @ qf, probs.transpose(-1, -2) @ gf
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
