@@ -1,0 +1,38 @@
+"""``distframe train`` on a GPU: NCCL ranks (one per GPU) train the model on CUDA with each
+data-parallel strategy, the same loss curve as the CPU run on the in-memory engine (float64,
+same seed), peak GPU memory in the metrics, and a checkpoint saved on the GPU resumes on the CPU.
+Needs a CUDA device; skipped elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.train.conftest import train
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+FLAGS = ("--dtype", "float64", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "fsdp"])
+def test_nccl_training_equals_the_cpu_run(tmp_path, corpus_file, strategy):
+    world = str(min(GPUS, 2))
+    gpu = train(tmp_path / "gpu", corpus_file, "--backend", "nccl", "--world-size", world,
+                "--strategy", strategy, *FLAGS)
+    cpu = train(tmp_path / "cpu", corpus_file, "--backend", "inmemory", "--world-size", world,
+                "--strategy", strategy, *FLAGS)
+    assert [m["step"] for m in gpu] == list(range(1, 7))
+    for a, b in zip(cpu, gpu):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-8)
+        if a["val_loss"] is not None:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-8)
+    assert all(m["peak_memory_bytes"] > 0 for m in gpu)
+    # The GPU run's checkpoint continues on the CPU exactly like the CPU run.
+    resumed = train(tmp_path / "gpu", corpus_file, "--backend", "inmemory", "--world-size", world,
+                    "--strategy", strategy, *FLAGS[:2], "--steps", "9", "--eval-every", "3",
+                    "--checkpoint-every", "3", "--resume")
+    continued = train(tmp_path / "cpu", corpus_file, "--backend", "inmemory", "--world-size", world,
+                      "--strategy", strategy, *FLAGS[:2], "--steps", "9", "--eval-every", "3",
+                      "--checkpoint-every", "3", "--resume")
+    assert [m["train_loss"] for m in resumed] == pytest.approx([m["train_loss"] for m in continued],
+                                                               abs=1e-8)
