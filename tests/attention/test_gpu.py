@@ -18,6 +18,7 @@ from attention import (BlockSparseDilatedAttention, DilatedAttention, RingDilate
                        dense_dilated_attention)
 from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from attention_helpers import max_error, outputs_and_grads, random_qkv
+from test_ring import RingRank
 from distframe.errors import CollectiveTimeoutError
 from distframe.launch import spawn
 
@@ -84,21 +85,6 @@ def test_low_precision_against_float64(dtype, tol_out, tol_grad, batch, seq, hea
     assert max_error(grads, ref_grads) < tol_grad
 
 
-class RingOnDevice:
-    def __init__(self, segments, rates, inputs, causal):
-        self.segments, self.rates, self.inputs, self.causal = segments, rates, inputs, causal
-
-    def __call__(self, backend):
-        q, k, v, grad_out = self.inputs  # forward and backward of this rank's slice
-        local = q.shape[1] // backend.world_size
-        part = slice(backend.rank * local, (backend.rank + 1) * local)
-        mine = [t[:, part].detach().clone().requires_grad_() for t in (q, k, v)]
-        out = RingDilatedAttention(self.segments, self.rates, backend=backend)(
-            *mine, is_causal=self.causal)
-        grads = torch.autograd.grad(out, mine, grad_out[:, part])
-        return out.detach(), [g.detach() for g in grads]
-
-
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="the limit is the GPU's autograd thread")
 def test_ring_over_ranks_sharing_a_gpu_stops_with_a_timeout_not_a_hang():
     """Ring attention exchanges keys inside backward; torch runs every thread's backward on one
@@ -107,7 +93,8 @@ def test_ring_over_ranks_sharing_a_gpu_stops_with_a_timeout_not_a_hang():
     q, k, v = to_device(random_qkv(2, 24, 4, 4))
     grad_out = torch.ones(2, 24, 4, 4, dtype=torch.float64, device=DEVICE)
     with pytest.raises(CollectiveTimeoutError):
-        spawn(RingOnDevice((8, 16), (1, 2), (q, k, v, grad_out), True), 2, timeout=3)
+        spawn(RingRank((2, (8, 16), (1, 2), 24, 4, True, False), (q, k, v, grad_out, None)), 2,
+              timeout=3)
 
 
 def test_ring_forward_over_ranks_sharing_the_gpu_equals_one_device():

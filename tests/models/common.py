@@ -83,13 +83,14 @@ def loss_fn(output, target):
     return nn.functional.mse_loss(output, target)
 
 
-def reference_run(batches, dtype=torch.float64, lr=1e-2):
-    """Single-process Adam on whole batches: parameters after every step."""
-    model = build_model(dtype)
+def reference_run(batches, dtype=torch.float64, lr=1e-2, device="cpu"):
+    """Single-process Adam on whole batches (model and batches on ``device``): parameters after
+    every step."""
+    model = build_model(dtype).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     history = []
     for x, y in batches:
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()

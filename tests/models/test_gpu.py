@@ -12,7 +12,6 @@ Needs a CUDA device; skipped elsewhere (``DISTFRAME_TEST_DEVICE=cpu`` runs the s
 the CPU, to try the tests themselves on a machine without a GPU)."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -23,11 +22,14 @@ from distframe import checkpoint
 from distframe.errors import CollectiveTimeoutError
 from distframe.launch import spawn
 from distframe.mesh import ParallelDims
-from distframe.models import DDPModel, HybridShardedModel, PipelineParallelModel
+from distframe.models import DDPModel, HybridShardedModel
 from distframe.optimizers import AsyncSGDOptimizer, GradientCompressionOptimizer
 from distframe.optimizers.compression import Int8Compressor, PowerSGDCompressor, TopKCompressor
 from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, lm_loss,
-                                 loss_fn, rank_slice, tiny_lm)
+                                 loss_fn, rank_slice, reference_run, tiny_lm)
+from tests.models.test_hybrid import batches as lm_batches
+from tests.models.test_hybrid import reference_training
+from tests.models.test_pipeline import _pipeline_run, _reference, data, sequential
 
 DEVICE = torch.device(os.environ.get("DISTFRAME_TEST_DEVICE", "cuda"))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -43,18 +45,6 @@ def on_device(batch):
 def assert_on_device(tensors, what):
     off = [k for k, t in tensors.items() if t.device.type != DEVICE.type]
     assert not off, f"{what}: {off} are not on {DEVICE}"
-
-
-def reference(steps=STEPS, batch=BATCH):
-    """One process, the whole batch, the CUDA model: parameters after the last step."""
-    model = build_model().to(DEVICE)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for global_batch in global_batches(steps, batch):
-        x, y = on_device(global_batch)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def train_data_parallel(backend, strategy, steps=STEPS):
@@ -76,7 +66,7 @@ SHARED_GPU = ["ddp", "zero1", "zero2"]  # no collective waited for inside backwa
 
 @pytest.mark.parametrize("strategy", SHARED_GPU)
 def test_data_parallel_strategies_train_like_one_process(strategy):
-    expected = reference()
+    expected = reference_run(global_batches(STEPS, BATCH), device=DEVICE)[-1]
     for full, held in spawn(lambda b: train_data_parallel(b, strategy), 2, timeout=30):
         assert_on_device(full, f"{strategy} gathered parameters")
         assert_on_device(held, f"{strategy} parameters, gradients and optimizer state")
@@ -118,38 +108,17 @@ def test_checkpoint_of_a_cuda_model_loads_back_on_the_gpu(strategy, tmp_path):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
 
 
-def sequential(blocks=4, width=8):
-    from tests.models.common import SEED_LOCK, Block
-    with SEED_LOCK:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(5, width), *[Block(width) for _ in range(blocks)],
-                             nn.Linear(width, 3)).double().to(DEVICE)
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_equals_the_unsplit_model(schedule):
-    model = sequential()
-    g = torch.Generator().manual_seed(3)
-    x, y = on_device((torch.randn(12, 5, generator=g, dtype=torch.float64),
-                      torch.randn(12, 3, generator=g, dtype=torch.float64)))
-    dense = copy.deepcopy(model)
-    loss = nn.functional.mse_loss(dense(x), y)
-    loss.backward()
-    grads = {n: p.grad for n, p in dense.named_parameters()}
-
-    def run(b):
-        pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=4, schedule=schedule)
-        with torch.no_grad():
-            out = pipe(x)
-        rank_loss = pipe.forward_backward((x, y), nn.functional.mse_loss)
-        pipe.synchronize_gradients()
-        return out, rank_loss, {lp.name: lp.param.grad for lp in pipe.local_parameters}
-
+    model = sequential().to(DEVICE)
+    x, y = on_device(data(12))
+    loss, out, grads = _reference(model, x, y)
     seen = set()
-    for out, rank_loss, rank_grads in spawn(run, 2, timeout=30):
-        assert out.device.type == DEVICE.type
-        torch.testing.assert_close(out, dense(x).detach(), **TOL)
-        assert float(rank_loss) == pytest.approx(float(loss.detach()), rel=1e-12)
+    for rank_loss, rank_out, rank_grads in spawn(
+            lambda b: _pipeline_run(b, model, x, y, 4, schedule), 2, timeout=30):
+        assert rank_out.device.type == DEVICE.type
+        torch.testing.assert_close(rank_out, out, **TOL)
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
         assert_on_device(rank_grads, "stage gradients")
         for name, grad in rank_grads.items():
             torch.testing.assert_close(grad, grads[name], **TOL, msg=name)
@@ -157,30 +126,10 @@ def test_pipeline_equals_the_unsplit_model(schedule):
     assert seen == set(grads)
 
 
-def lm_batches(steps=2, batch=8, seq=16):
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randint(0, 256, (batch, seq), generator=g),
-             torch.randint(0, 256, (batch, seq), generator=g)) for _ in range(steps)]
-
-
-def lm_reference():
-    model = tiny_lm().to(DEVICE)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for batch in lm_batches():
-        x, y = on_device(batch)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("dp,tp,pp", [(2, 1, 1), (1, 1, 2), (2, 1, 2)])
 def test_hybrid_lm_trains_like_one_process(dp, tp, pp):
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    losses, expected = lm_reference()
+    losses, expected = reference_training(DEVICE)
 
     def run(b):
         model = HybridShardedModel(tiny_lm().to(DEVICE), b, dims=dims, num_microbatches=2)

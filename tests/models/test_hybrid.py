@@ -28,12 +28,13 @@ def batches():
             for _ in range(STEPS)]
 
 
-def reference_training():
-    model = tiny_lm()
+def reference_training(device="cpu"):
+    """One process, whole batches, the model and batches on ``device``: losses and final state."""
+    model = tiny_lm().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
     for x, y in batches():
-        loss = lm_loss(model(x), y)
+        loss = lm_loss(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
