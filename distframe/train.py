@@ -73,7 +73,8 @@ def check_backend_available(name: str, world_size: int) -> None:
         from distframe._mpi_launch import find_mpiexec
         find_mpiexec()
     elif name == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        from distframe.backends.torch_dist import visible_gpus
+        gpus = visible_gpus()
         if gpus < world_size:
             raise BackendUnavailableError(
                 f"--backend nccl needs a CUDA GPU per rank ({world_size} ranks, {gpus} GPUs "

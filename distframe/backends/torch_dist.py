@@ -86,10 +86,15 @@ class NCCLCommunicationBackend(TorchDistributedBackend):
         return {"device": self._device.index}
 
 
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def require_gpus(count: int) -> None:
     """Raises BackendUnavailableError unless NCCL and ``count`` CUDA devices are usable here."""
     # The one place backends look at CUDA: NCCL is only meaningful with GPUs.
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpus()
     if visible < count:
         found = "no CUDA GPU is visible" if visible == 0 else f"only {visible} CUDA GPUs are visible"
         raise BackendUnavailableError(

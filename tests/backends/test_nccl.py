@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from distframe.backends import NCCLCommunicationBackend
-from distframe.backends.torch_dist import from_environment
+from distframe.backends.torch_dist import from_environment, visible_gpus
 from distframe.errors import BackendUnavailableError
 from distframe.launch import init_backend, spawn
 
-VISIBLE = torch.cuda.device_count() if torch.cuda.is_available() else 0
+VISIBLE = visible_gpus()
 enough_gpus = VISIBLE >= 2
 
 

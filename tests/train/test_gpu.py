@@ -5,11 +5,11 @@ Needs a CUDA device; skipped elsewhere."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from distframe.backends.torch_dist import visible_gpus
 from tests.train.conftest import train
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPUS = visible_gpus()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
 FLAGS = ("--dtype", "float64", "--steps", "6", "--eval-every", "3", "--checkpoint-every", "3")
 
