@@ -69,17 +69,24 @@ LOW_PRECISION = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 5e-2, 1e-1), (tor
 @pytest.mark.parametrize("dtype,tol_out,tol_grad", LOW_PRECISION)
 @pytest.mark.parametrize("batch,seq,heads,dim,segments,rates", [
     (2, 24, 4, 8, (8, 16), (1, 2)),
-    (1, 2048, 8, 64, (256, 512, 1024, 2048), (1, 2, 4, 8))])
+    (1, 2048, 8, 64, (256, 512, 1024, 2048), (1, 2, 4, 8)),
+    (2, 1000, 4, 64, (128, 256, 512), (1, 2, 4))])  # ragged: the last segments are cut short
+@pytest.mark.parametrize("padded", [False, True])
 def test_low_precision_against_float64(dtype, tol_out, tol_grad, batch, seq, heads, dim,
-                                       segments, rates):
+                                       segments, rates, padded):
+    """Covers both fused CUDA kernels: flash (half precision, no ignored key) and
+    memory-efficient (float32, or any ignored key: padding or a cut-short segment)."""
     q, k, v = random_qkv(batch, seq, heads, dim)
-    grad_out = torch.randn(batch, seq, heads, dim, dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    grad_out = torch.randn(batch, seq, heads, dim, dtype=torch.float64, generator=gen)
+    mask = (torch.rand(batch, seq, generator=gen) < 0.2).to(DEVICE) if padded else None
     module = DilatedAttention(segments, rates)
-    ref, ref_grads = outputs_and_grads(lambda *t: module(*t, is_causal=True), to_device((q, k, v)),
-                                       grad_out.to(DEVICE))
-    out, grads = outputs_and_grads(lambda *t: module(*t, is_causal=True),
-                                   to_device((q, k, v), dtype), grad_out.to(DEVICE, dtype))
+
+    def run(*t):
+        return module(*t, is_causal=True, key_padding_mask=mask)
+
+    ref, ref_grads = outputs_and_grads(run, to_device((q, k, v)), grad_out.to(DEVICE))
+    out, grads = outputs_and_grads(run, to_device((q, k, v), dtype), grad_out.to(DEVICE, dtype))
     assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert max_error(out, ref) < tol_out
     assert max_error(grads, ref_grads) < tol_grad
