@@ -49,7 +49,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
     print("| seq | dilated ms | dilated peak MiB | dense SDPA ms | dense peak MiB | dilated / dense time |")
     print("|---|---|---|---|---|---|")
-    for seq in (8192, 32768):
+    for seq in (8192, 32768, 131072):
         q, k, v = (torch.randn(1, seq, 16, 64, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         grad = torch.randn(1, seq, 16, 64, device="cuda", dtype=torch.bfloat16)
