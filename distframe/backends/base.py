@@ -292,7 +292,12 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         # A call that succeeded has nothing left for _drain to re-raise: forget it at once, so
         # its result (a gathered tensor, say) lives only as long as the caller keeps it.
         future.add_done_callback(self._forget_if_succeeded)
-        return FutureWork(future, op, call.seq, on_done=lambda: self._forget(future))
+        return FutureWork(future, op, call.seq, on_done=lambda: self._forget(future),
+                          stall=self._stall_check(call))
+
+    def _stall_check(self, call: Call) -> Callable[[], BaseException | None] | None:
+        """For engines that can tell when a pending call can never complete (see FutureWork)."""
+        return None
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:

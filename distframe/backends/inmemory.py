@@ -14,9 +14,9 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.reduction import reduce_into
-from distframe.backends.rendezvous import Rendezvous, Slot, World
+from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World
 from distframe.backends.types import CompletedWork, ReduceOp, Work
-from distframe.errors import CollectiveMismatchError
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 
 class InMemoryCommunicationBackend(CommunicationBackendBase):
@@ -64,6 +64,16 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
             return body(slot)
         finally:
             self._rdv.depart(self._rank, call.seq, slot, call.op, call.timeout)
+
+    def _stall_check(self, call: Call) -> Callable[[], BaseException | None]:
+        """Asked while a thread waits on this call's Work: an error when the ranks it waits for
+        can never arrive (``[Note: ranks sharing a GPU, waiting inside backward]``)."""
+        def check() -> BaseException | None:
+            absent = self._rdv.missing_ranks(call.seq) - {self._rank}
+            note = self._rdv.stall_note(call.op, absent)
+            return CollectiveTimeoutError(call.op, call.seq, sorted(absent), STALL_GRACE,
+                                          note) if note else None
+        return check
 
     def _element_range(self, numel: int) -> slice:
         per_rank = -(-numel // self._world_size)

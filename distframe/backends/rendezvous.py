@@ -13,8 +13,42 @@ import weakref
 from collections import deque
 from typing import Any
 
+import torch
+
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+
+# [Note: ranks sharing a GPU, waiting inside backward]
+# torch runs the backward functions of one GPU on one autograd worker thread for the whole
+# process, whichever thread called backward. In-memory ranks are threads of one process, so when
+# two of them use the same GPU and one waits for the other inside backward (ZeRO-3/FSDP unshard,
+# tensor-parallel all-reduce, ring attention's key exchange), the other's backward is queued
+# behind the waiter on that same thread and never arrives. A wait that is still unmet after
+# STALL_GRACE seconds, on that worker thread, for a rank that has used this GPU, therefore stops
+# at once with an error that says so, instead of at the timeout.
+STALL_GRACE = 1.0
+
+
+def autograd_device() -> int | None:
+    """The CUDA device whose autograd worker thread this is; None on any other thread."""
+    if torch._C._current_graph_task_id() == -1 or not torch.cuda.is_initialized():
+        return None
+    if not isinstance(threading.current_thread(), getattr(threading, "_DummyThread", ())):
+        return None  # a thread Python started: backward of CPU tensors runs on the caller's
+    return torch.cuda.current_device()
+
+
+def _cuda_devices(payload: Any) -> set[int]:
+    items = payload if isinstance(payload, (list, tuple)) else [payload]
+    return {t.device.index for t in items if isinstance(t, torch.Tensor) and t.is_cuda}
+
+
+def shared_gpu_note(op: str, device: int, ranks: list[int]) -> str:
+    return (f"this rank waits in {op} inside backward on torch's autograd thread for cuda:{device}, "
+            f"which ranks {ranks} also use: torch runs their backward on this same thread, so "
+            "they cannot arrive. In-memory ranks that communicate inside backward (ZeRO-3, FSDP, "
+            "tensor parallelism, ring attention) need a GPU each, or one process per GPU "
+            "(backend='nccl')")
 
 
 class World:
@@ -23,8 +57,18 @@ class World:
     def __init__(self) -> None:
         self.failed_rank: int | None = None
         self.failure: BaseException | None = None
+        self.gpus: dict[int, set[int]] = {}  # global rank -> CUDA devices it has communicated on
         self._groups: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
         self._lock = threading.Lock()
+
+    def note_gpus(self, global_rank: int, payload: Any) -> None:
+        devices = _cuda_devices(payload)
+        if devices and not devices <= self.gpus.get(global_rank, set()):
+            with self._lock:
+                self.gpus[global_rank] = self.gpus.get(global_rank, set()) | devices
+
+    def ranks_on_gpu(self, device: int, global_ranks) -> list[int]:
+        return sorted(r for r in global_ranks if device in self.gpus.get(r, ()))
 
     def register(self, group: Rendezvous) -> None:
         with self._lock:
@@ -66,6 +110,7 @@ class Rendezvous:
         self.cond = threading.Condition()
         self._slots: dict[int, Slot] = {}
         self._mailboxes: dict[tuple[int, int, int], deque] = {}
+        self._freed_through = 0  # the highest sequence number whose slot is done and freed
         world.register(self)
 
     # ---- collectives -------------------------------------------------------------------------
@@ -73,6 +118,7 @@ class Rendezvous:
         """Posts this rank's input; returns the slot once every rank has posted a matching one."""
         deadline = time.monotonic() + timeout
         self.world.check()  # a new call after a known failure stops at once
+        self.world.note_gpus(self.global_ranks[rank], payload)
         with self.cond:
             slot = self._slots.setdefault(seq, Slot())
             if slot.error is None:
@@ -97,6 +143,7 @@ class Rendezvous:
             slot.departed.add(rank)
             if len(slot.departed) == self.size:
                 self._slots.pop(seq, None)
+                self._freed_through = max(self._freed_through, seq)
                 self.cond.notify_all()
                 return
             self._wait(lambda: len(slot.departed) == self.size, deadline, timeout, op, seq,
@@ -111,6 +158,7 @@ class Rendezvous:
 
     # ---- point to point ----------------------------------------------------------------------
     def post(self, src: int, dst: int, tag: int, item: Any) -> None:
+        self.world.note_gpus(self.global_ranks[src], item[1] if isinstance(item, tuple) else item)
         with self.cond:
             self._mailboxes.setdefault((src, dst, tag), deque()).append(item)
             self.cond.notify_all()
@@ -128,19 +176,46 @@ class Rendezvous:
 
     # ---- waiting -----------------------------------------------------------------------------
     def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing) -> None:
-        """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure."""
+        """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure,
+        or at once when the missing ranks cannot arrive (``[Note: ranks sharing a GPU, ...]``)."""
+        start = time.monotonic()
         while not ready():
             self.world.check()
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 absent = missing()
                 raise CollectiveTimeoutError(
                     op, seq, None if absent is None else sorted(absent), timeout,
                     self._global_note(absent))
+            if now - start >= STALL_GRACE:
+                absent = missing()
+                note = self.stall_note(op, absent)
+                if note:  # the missing ranks can never arrive: stop now, not at the timeout
+                    raise CollectiveTimeoutError(op, seq, sorted(absent), round(now - start, 1),
+                                                 note)
             # Wake at least once a second: a peer failure notifies us, this is only a backstop.
             self.cond.wait(min(remaining, 1.0))
         # No failure check once ready: a call that completed is not undone by a peer failing
         # afterwards; this rank learns of the failure at its next wait.
+
+    def stall_note(self, op: str, absent) -> str:
+        """Why the ``absent`` (local) ranks can never arrive, or "" when they may."""
+        device = autograd_device()
+        if device is None or not absent:
+            return ""
+        stuck = self.world.ranks_on_gpu(device, [self.global_ranks[r] for r in absent])
+        return shared_gpu_note(op, device, stuck) if stuck else ""
+
+    def missing_ranks(self, seq: int) -> set[int]:
+        """The ranks that have not (yet) posted to collective ``seq``, or not left it."""
+        with self.cond:
+            slot = self._slots.get(seq)
+            if slot is None:  # done and freed, or no rank has reached it yet
+                return set() if seq <= self._freed_through else set(range(self.size))
+            if len(slot.inputs) < self.size:
+                return set(range(self.size)) - set(slot.inputs)
+            return set(range(self.size)) - slot.departed
 
     def _global_note(self, absent) -> str:
         if not absent or self.global_ranks == list(range(self.size)):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -73,20 +74,25 @@ class CompletedWork(Work):
 
 
 class FutureWork(Work):
-    """Work running on a backend's communication thread."""
+    """Work running on a backend's communication thread.
 
-    def __init__(self, future: Future, op: str, seq: int, on_done: Callable[[], None] | None = None) -> None:
+    ``stall``, if given, is asked once a second while ``wait`` blocks: an error it returns (the
+    operation can never complete) is raised at once instead of waiting on."""
+
+    def __init__(self, future: Future, op: str, seq: int, on_done: Callable[[], None] | None = None,
+                 stall: Callable[[], BaseException | None] | None = None) -> None:
         self._future = future
         self._op = op
         self._seq = seq
         self._on_done = on_done
+        self._stall = stall
 
     def wait(self, timeout: float | None = None) -> Any:
         try:
-            result = self._future.result(timeout=timeout)
-        except FutureTimeout:
-            if self._future.done():
-                raise  # the operation itself timed out (its error names the missing ranks)
+            result = self._result(timeout)
+        except FutureTimeout as error:
+            if self._future.done() or isinstance(error, CollectiveTimeoutError):
+                raise  # the operation's own timeout (its error names the missing ranks) or a stall
             raise CollectiveTimeoutError(
                 self._op, self._seq, None, timeout or 0.0,
                 "Work.wait(timeout=...) expired before the operation completed") from None
@@ -95,6 +101,21 @@ class FutureWork(Work):
             if self._on_done is not None and self._future.done():
                 self._on_done()
         return result
+
+    def _result(self, timeout: float | None) -> Any:
+        if self._stall is None:
+            return self._future.result(timeout=timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                return self._future.result(timeout=1.0 if left is None else max(0.0, min(1.0, left)))
+            except FutureTimeout:
+                if self._future.done() or (left is not None and left <= 1.0):
+                    raise
+            stalled = self._stall()
+            if stalled is not None:
+                raise stalled
 
     def is_completed(self) -> bool:
         return self._future.done()
