@@ -16,7 +16,7 @@ from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendB
 from distframe.backends.reduction import reduce_into
 from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World
 from distframe.backends.types import CompletedWork, ReduceOp, Work
-from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
+from distframe.errors import CollectiveMismatchError
 
 
 class InMemoryCommunicationBackend(CommunicationBackendBase):
@@ -70,9 +70,7 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         can never arrive (``[Note: ranks sharing a GPU, waiting inside backward]``)."""
         def check() -> BaseException | None:
             absent = self._rdv.missing_ranks(call.seq) - {self._rank}
-            note = self._rdv.stall_note(call.op, absent)
-            return CollectiveTimeoutError(call.op, call.seq, sorted(absent), STALL_GRACE,
-                                          note) if note else None
+            return self._rdv.stall_error(call.op, call.seq, absent, STALL_GRACE)
         return check
 
     def _element_range(self, numel: int) -> slice:

@@ -189,23 +189,25 @@ class Rendezvous:
                     op, seq, None if absent is None else sorted(absent), timeout,
                     self._global_note(absent))
             if now - start >= STALL_GRACE:
-                absent = missing()
-                note = self.stall_note(op, absent)
-                if note:  # the missing ranks can never arrive: stop now, not at the timeout
-                    raise CollectiveTimeoutError(op, seq, sorted(absent), round(now - start, 1),
-                                                 note)
+                stalled = self.stall_error(op, seq, missing(), now - start)
+                if stalled is not None:  # the missing ranks can never arrive: stop now
+                    raise stalled
             # Wake at least once a second: a peer failure notifies us, this is only a backstop.
             self.cond.wait(min(remaining, 1.0))
         # No failure check once ready: a call that completed is not undone by a peer failing
         # afterwards; this rank learns of the failure at its next wait.
 
-    def stall_note(self, op: str, absent) -> str:
-        """Why the ``absent`` (local) ranks can never arrive, or "" when they may."""
+    def stall_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
+        """The error for a wait whose ``absent`` (local) ranks can never arrive, or None when
+        they may (``[Note: ranks sharing a GPU, waiting inside backward]``)."""
         device = autograd_device()
         if device is None or not absent:
-            return ""
+            return None
         stuck = self.world.ranks_on_gpu(device, [self.global_ranks[r] for r in absent])
-        return shared_gpu_note(op, device, stuck) if stuck else ""
+        if not stuck:
+            return None
+        return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1),
+                                      shared_gpu_note(op, device, stuck))
 
     def missing_ranks(self, seq: int) -> set[int]:
         """The ranks that have not (yet) posted to collective ``seq``, or not left it."""
