@@ -75,8 +75,9 @@ LOW_PRECISION = [(torch.float32, 1e-5, 1e-4), (torch.bfloat16, 5e-2, 1e-1), (tor
 @pytest.mark.parametrize("padded", [False, True])
 def test_low_precision_against_float64(dtype, tol_out, tol_grad, batch, seq, heads, dim,
                                        segments, rates, padded):
-    """Covers both fused CUDA kernels: flash (half precision, no ignored key) and
-    memory-efficient (float32, or any ignored key: padding or a cut-short segment)."""
+    """Covers both fused CUDA kernels: flash (half precision) and memory-efficient (float32),
+    with and without ignored keys (padding, or a cut-short segment), which reach them through
+    appended channels."""
     q, k, v = random_qkv(batch, seq, heads, dim)
     gen = torch.Generator().manual_seed(2)
     grad_out = torch.randn(batch, seq, heads, dim, dtype=torch.float64, generator=gen)
