@@ -51,10 +51,9 @@ def _use_cpu_flash(q: torch.Tensor) -> bool:
 # against 1e-2 expected; float32 gave NaNs at random, maybe from the log-sum-exp layout, which is
 # now padded as the kernel wants). So neither gets a bias: ignored keys are lowered through 8
 # appended channels instead. Every query gets c in the first new channel, every ignored key -c,
-# every other key 0
-# (the rest are zeros): an ignored key's score falls by scale * c^2 = _MASK_DROP, where
-# exp(-_MASK_DROP) is exactly 0 in float32, and every other score is unchanged exactly. Rows
-# that see no key are set right afterwards (`_fix_rows_without_keys`).
+# every other key 0 (the rest are zeros): an ignored key's score falls by scale * c^2 =
+# _MASK_DROP, where exp(-_MASK_DROP) is exactly 0 in float32, and every other score is unchanged
+# exactly. Rows that see no key are set right afterwards (`_fix_rows_without_keys`).
 _MASK_DROP = 1e4
 _CHANNELS = 8  # the kernels take head sizes in multiples of 8
 
