@@ -13,10 +13,17 @@ with multiprocessing's "spawn": a forked rank (distframe's default forkserver) s
 of the shared libraries' pages mapped, faults them in during the first step and so shows ~10-40
 MiB more "peak" for the same allocations.
 
+When DeepSpeed is installed (an optional baseline, never a dependency:
+``DS_BUILD_OPS=0 pip install deepspeed``), its ZeRO-1 and ZeRO-2 run on gloo too (CPU
+accelerator, torch's AdamW as the client optimizer), right before our ZeRO-1/2 rows. ``vs base``
+is a gloo row's steps/s over its baseline's in this run: torch DDP for DDPModel, FSDP2 for
+FSDPModel, DeepSpeed's stage for ZeRO-1/2.
+
 Then, because a step's time swings by up to 10% between runs on 2 shared cores, the speed
 ratios the targets name are measured once more with both sides in the same two processes:
-DDPModel beside torch DDP and FSDPModel beside FSDP2 (gloo), alternating step by step (ours first
-on even steps), ``--pair-steps`` steps each; the figure is the ratio of median step times.
+DDPModel beside torch DDP and FSDPModel beside FSDP2 (gloo), and with DeepSpeed installed ZeRO-1/2
+beside its stages, alternating step by step (ours first on even steps), ``--pair-steps`` steps
+each; the figure is the ratio of median step times.
 
     python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp] [--pair-steps 12]
     python bench/data_parallel.py --only gloo:torch-fsdp2,gloo:fsdp    # just the FSDP pair
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import resource
 import socket
@@ -43,6 +51,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH, WORLD = 4096, 256, 4, 4, 256, 8, 2
+# The baseline each gloo row is divided by in the "vs base" column (when both ran).
+BASELINE = {"gloo:ddp": "gloo:torch-ddp", "gloo:fsdp": "gloo:torch-fsdp2",
+            "gloo:zero1": "gloo:deepspeed-zero1", "gloo:zero2": "gloo:deepspeed-zero2"}
 FORMULA = {"ddp": 16, "zero1": 8 + 8 / WORLD, "zero2": 4 + 12 / WORLD, "zero3": 16 / WORLD,
            "fsdp": 16 / WORLD}
 
@@ -122,16 +133,20 @@ def peak_rss_mib() -> float:
 
 
 # ---- distframe strategies ------------------------------------------------------------------------
-def run_distframe(backend, strategy: str, steps: int, warmup: int):
+def strategies() -> dict[str, tuple[type, type]]:
+    """Strategy name -> (model class, optimizer class)."""
     from distframe.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
     from distframe.optimizers import (DDPOptimizer, FSDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer,
                                       ZeRO3Optimizer)
-    classes = {"ddp": (DDPModel, DDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimizer),
-               "zero2": (ZeRO2Model, ZeRO2Optimizer), "zero3": (ZeRO3Model, ZeRO3Optimizer),
-               "fsdp": (FSDPModel, FSDPOptimizer)}
+    return {"ddp": (DDPModel, DDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimizer),
+            "zero2": (ZeRO2Model, ZeRO2Optimizer), "zero3": (ZeRO3Model, ZeRO3Optimizer),
+            "fsdp": (FSDPModel, FSDPOptimizer)}
+
+
+def run_distframe(backend, strategy: str, steps: int, warmup: int):
     torch.set_num_threads(1)
     before = reset_peak()
-    model_cls, opt_cls = classes[strategy]
+    model_cls, opt_cls = strategies()[strategy]
     model = model_cls(build(), backend)
     opt = opt_cls(model, torch.optim.AdamW, lr=3e-4)
     x, y = batch_for(backend.rank, 0)
@@ -151,9 +166,17 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
 
 # ---- torch baselines (own process group) ---------------------------------------------------------
 def torch_baseline(kind: str):
-    """The model wrapped by torch DDP (``torch-ddp``) or FSDP2 (``torch-fsdp2``: each block, then
-    the root) on the default process group, and its AdamW."""
+    """The model wrapped by torch DDP (``torch-ddp``), FSDP2 (``torch-fsdp2``: each block, then
+    the root) or DeepSpeed (``deepspeed-zero1``/``-zero2``) on the default process group, and its
+    AdamW (for DeepSpeed: its engine, which steps the AdamW, and None)."""
     model = build()
+    if kind.startswith("deepspeed-"):
+        import deepspeed
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": int(kind[-1])}, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                          config=config)
+        return engine, None
     if kind == "torch-ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
@@ -171,15 +194,30 @@ def torch_step(model, opt, batch) -> None:
     """One step as our train_step takes it, the global loss's all_reduce included."""
     import torch.distributed as dist
     loss = lm_loss(model(batch[0]), batch[1])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
+    if opt is None:  # a DeepSpeed engine: its backward reduces, its step updates and zeroes
+        model.backward(loss)
+        model.step()
+    else:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
     dist.all_reduce(loss.detach())
+
+
+def _deepspeed_env(rank: int) -> None:
+    """Sets what DeepSpeed's launcher would (it checks LOCAL_RANK), selects its CPU accelerator,
+    and imports it. It joins the default process group already built, so every collective runs
+    on gloo: its shared-memory all-reduce turns on only with the launcher's LOCAL_SIZE, left
+    unset here so that both sides of a comparison use the same transport."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    importlib.import_module("deepspeed")
 
 
 def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
+    if kind.startswith("deepspeed-"):
+        _deepspeed_env(rank)  # imported before the peak is reset, like torch
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     before = reset_peak()
     model, opt = torch_baseline(kind)
@@ -220,8 +258,12 @@ def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]
     from _gloo_collectives import _join_raw_world
     torch.set_num_threads(1)
     _join_raw_world(backend)
+    names = ["ddp", "fsdp"]
+    if importlib.util.find_spec("deepspeed") is not None:
+        _deepspeed_env(backend.rank)
+        names += ["zero1", "zero2"]
     try:
-        return {name: _time_pair(backend, name, steps, warmup) for name in ("ddp", "fsdp")}
+        return {name: _time_pair(backend, name, steps, warmup) for name in names}
     finally:
         dist.destroy_process_group()
 
@@ -229,11 +271,10 @@ def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]
 def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, float]:
     import statistics
 
-    from distframe.models import DDPModel, FSDPModel
-    from distframe.optimizers import DDPOptimizer, FSDPOptimizer
-    ours = (DDPModel if name == "ddp" else FSDPModel)(build(), backend)
-    ours_opt = (DDPOptimizer if name == "ddp" else FSDPOptimizer)(ours, torch.optim.AdamW, lr=3e-4)
-    theirs, their_opt = torch_baseline("torch-ddp" if name == "ddp" else "torch-fsdp2")
+    model_cls, opt_cls = strategies()[name]
+    ours = model_cls(build(), backend)
+    ours_opt = opt_cls(ours, torch.optim.AdamW, lr=3e-4)
+    theirs, their_opt = torch_baseline(BASELINE[f"gloo:{name}"].removeprefix("gloo:"))
     steps_of = (lambda batch: ours.train_step(batch, lm_loss, ours_opt),
                 lambda batch: torch_step(theirs, their_opt, batch))
     times: tuple[list[float], list[float]] = ([], [])
@@ -255,9 +296,11 @@ def print_pairs(steps: int, warmup: int) -> None:
     results = spawn(functools.partial(run_pairs, steps=steps, warmup=warmup), WORLD, "gloo",
                     timeout=900, start_method="spawn")[0]
     print(f"\ninterleaved in the same processes ({steps} steps each, after {warmup} warm-up):")
-    print(f"{'pair':<24} {'ours ms':>8} {'torch ms':>9} {'speed ratio':>12}")
-    for name, label in (("ddp", "DDPModel / torch DDP"), ("fsdp", "FSDPModel / FSDP2")):
-        ours, theirs = results[name]
+    print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12}")
+    labels = {"ddp": "DDPModel / torch DDP", "fsdp": "FSDPModel / FSDP2",
+              "zero1": "ZeRO-1 / DeepSpeed", "zero2": "ZeRO-2 / DeepSpeed"}
+    for name, (ours, theirs) in results.items():
+        label = labels[name]
         print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f}", flush=True)
 
 
@@ -274,12 +317,19 @@ def main(argv=None) -> None:
     rows = [("gloo:torch-ddp", "torch", "torch-ddp"), ("gloo:ddp", "gloo", "ddp"),
             ("inmemory:ddp", "inmemory", "ddp"), ("gloo:torch-fsdp2", "torch", "torch-fsdp2"),
             ("gloo:fsdp", "gloo", "fsdp"), ("inmemory:fsdp", "inmemory", "fsdp")]
-    rows += [(f"{e}:{s}", e, s) for s in ("zero1", "zero2", "zero3") for e in ("gloo", "inmemory")]
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    for s in ("zero1", "zero2", "zero3"):
+        if deepspeed and s != "zero3":  # DeepSpeed's ZeRO-1/2: an optional column, never a dependency
+            rows.append((f"gloo:deepspeed-{s}", "torch", f"deepspeed-{s}"))
+        rows += [(f"{e}:{s}", e, s) for e in ("gloo", "inmemory")]
     only = set(filter(None, args.only.split(",")))
     params = sum(p.numel() for p in build().parameters())
     print(f"model: {params / 1e6:.2f}M parameters, seq {SEQ}, batch {BATCH}/rank, world {WORLD}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(f"{'configuration':<20} {'steps/s':>8} {'state MiB':>10} {'formula MiB':>12} {'peak MiB':>9}")
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}"
+          + ("" if deepspeed else "; DeepSpeed not installed: no DeepSpeed rows"))
+    print(f"{'configuration':<22} {'steps/s':>8} {'vs base':>8} {'state MiB':>10} {'formula MiB':>12} "
+          f"{'peak MiB':>9}")
+    speeds: dict[str, float] = {}
     for label, engine, kind in rows:
         if only and kind not in only and label not in only:
             continue
@@ -293,8 +343,10 @@ def main(argv=None) -> None:
         state = f"{r['state'] / 2**20:10.2f}" if r["state"] is not None else f"{'-':>10}"
         formula = f"{FORMULA[kind] * params / 2**20:12.2f}" if kind in FORMULA else f"{'-':>12}"
         peak = f"{max(x['peak'] for x in results):9.1f}" if engine != "inmemory" else f"{'-':>9}"
-        print(f"{label:<20} {min(x['steps_per_s'] for x in results):8.3f} {state} {formula} {peak}",
-              flush=True)
+        speeds[label] = min(x["steps_per_s"] for x in results)
+        base = speeds.get(BASELINE.get(label, ""))
+        ratio = f"{speeds[label] / base:8.3f}" if base else f"{'-':>8}"
+        print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {formula} {peak}", flush=True)
     if not only or "pairs" in only:
         print_pairs(args.pair_steps, max(args.warmup, 1))
 
