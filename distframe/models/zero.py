@@ -70,13 +70,13 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
             self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
             complete=self._complete, keep_buffers=not self.free_gradients)
 
-    @property
-    def _masters_alias_parameters(self) -> bool:
-        return self.masters[0].dtype == self.compute_dtype
-
     def _launch(self, bucket: GradBucket) -> Work:
         grad = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
-        return self.backend.reduce_scatter(grad, ReduceOp.AVG, async_op=True)
+        # The output is allocated here, on the thread that runs backward, as FSDP's units do,
+        # rather than by the engine on its communication thread, whose malloc arena would keep
+        # the blocks freed later on this thread.
+        out = grad.new_empty(bucket.space.shard_numel)
+        return self.backend.reduce_scatter(grad, ReduceOp.AVG, out=out, async_op=True)
 
     def _complete(self, bucket: GradBucket, shard_grad: torch.Tensor) -> None:
         master = self.masters[bucket.index]
@@ -100,15 +100,15 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         self.gradient_buckets.finish()
 
     def synchronize_parameters(self) -> None:
-        """All-gathers every bucket's updated chunk into the full flat parameters."""
+        """All-gathers every bucket's updated chunk straight into the full flat parameters. The
+        input is a chunk-sized copy of the master (``out`` must not overlap it, and the master is
+        a view of ``flat`` when it needs no cast): no full-size buffer and no full-size copy."""
         works = []
-        for space, flat, master in zip(self.spaces, self.flat_parameters, self.masters):
-            chunk = space.shard_of(flat, self.backend.rank)
-            if not self._masters_alias_parameters:
-                chunk.copy_(master.detach())
-            works.append(self.backend.all_gather(chunk, async_op=True))
-        for flat, work in zip(self.flat_parameters, works):
-            flat.copy_(work.wait())
+        for flat, master in zip(self.flat_parameters, self.masters):
+            chunk = master.detach().to(self.compute_dtype, copy=True)
+            works.append(self.backend.all_gather(chunk, out=flat, async_op=True))
+        for work in works:
+            work.wait()
 
     def _after_load(self) -> None:
         self.synchronize_parameters()

@@ -1,5 +1,6 @@
 """Peak live tensor storage of one FSDP / ZeRO-3 training step, counted at every unit's lifecycle
-point, against the sharded state plus a few gathered units (never the whole model).
+point, against the sharded state plus a few gathered units (never the whole model); and of the
+ZeRO-1/2 parameter all_gather, against the chunks it sends.
 
 Ranks are gloo processes so each count is one rank's own: every tensor the process holds (any
 object's reference, the communication thread's pending results included), each storage once.
@@ -83,3 +84,58 @@ def test_peak_live_storage_of_a_step_is_the_shards_plus_a_few_units(strategy):
         assert peak <= bound, (f"peak live storage {peak / 2**20:.2f} MiB above the step's start "
                                f"exceeds {bound / 2**20:.2f} MiB (gradient shards + 2 gathered units "
                                f"+ 2 units of gradients; one unit is {unit / 2**20:.2f} MiB)")
+
+
+class _SampledWork:
+    """A pending all_gather whose wait() samples the live storage once the result exists."""
+
+    def __init__(self, work, samples: list[int]) -> None:
+        self._work, self._samples = work, samples
+
+    def wait(self, timeout=None):
+        result = self._work.wait(timeout)
+        self._samples.append(live_tensor_bytes())
+        return result
+
+
+def _measure_parameter_gather(backend):
+    """For ZeRO-1 and ZeRO-2: live storage above the state between steps while
+    synchronize_parameters all-gathers the updated chunks, and the chunks' bytes."""
+    results = {}
+    for strategy in ("zero1", "zero2"):
+        torch.manual_seed(0)
+        layers = [m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(nn.Sequential(*layers), backend, bucket_cap_mb=1)
+        opt = opt_cls(model, torch.optim.AdamW, lr=1e-3)
+        g = torch.Generator().manual_seed(backend.rank)
+        batch = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+        for _ in range(2):
+            model.train_step(batch, loss_fn, opt)
+        samples: list[int] = []
+        gather = backend.all_gather
+        backend.all_gather = lambda *a, **k: _SampledWork(gather(*a, **k), samples)
+        gc.collect()
+        before = live_tensor_bytes()
+        try:
+            model.synchronize_parameters()
+        finally:
+            del backend.all_gather
+        chunks = sum(m.numel() * m.element_size() for m in model.masters)
+        full = sum(f.numel() * f.element_size() for f in model.flat_parameters)
+        results[strategy] = (max(samples) - before, chunks, full, len(samples))
+    return results
+
+
+@pytest.mark.gloo
+def test_zero_parameter_gather_needs_only_chunk_sized_buffers():
+    """The all_gather after the update writes straight into the flat parameters: what it adds
+    is a copy of each bucket's chunk (its input), not a second full-size parameter buffer."""
+    for results in spawn(_measure_parameter_gather, 2, "gloo", timeout=120):
+        for strategy, (peak, chunks, full, count) in results.items():
+            assert count >= 3, strategy  # several buckets, each sampled
+            assert full >= 2 * chunks - 1024
+            assert peak <= chunks + 16 * 1024, (
+                f"{strategy}: the parameter all_gather held {peak / 2**20:.2f} MiB above the state "
+                f"between steps; its chunk copies are {chunks / 2**20:.2f} MiB (the full flat "
+                f"parameters {full / 2**20:.2f} MiB)")
