@@ -84,6 +84,9 @@ def wire(tensor: torch.Tensor) -> Any:
     return tensor.numpy() if tensor.is_cpu else tensor
 
 
+_MAX_SPECS = 64  # AddressWire's cache is cleared when it reaches this many buffers
+
+
 class AddressWire:
     """Buffer specs for mpi4py built from a CPU tensor's address: ``[memory, MPI datatype]``.
 
@@ -103,14 +106,28 @@ class AddressWire:
                        torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
                        torch.bool: MPI.UINT8_T, torch.float16: MPI.INT16_T,
                        torch.bfloat16: MPI.INT16_T}
+        # Specs by (address, bytes, dtype). A spec names memory, it owns none, so one is right
+        # for any contiguous tensor with that key, freed and reallocated or not. Reusing it saves
+        # building one per call, which after a 1 MB transfer has evicted the interpreter's
+        # caches cost about 4 us of a 130 us all_gather (BENCHMARKS.md).
+        self._specs: dict[tuple[int, int, torch.dtype], list] = {}
 
     def __call__(self, tensor: torch.Tensor) -> Any:
+        if not tensor.is_cpu:
+            return wire(tensor)
+        key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype)
+        spec = self._specs.get(key)
+        if spec is not None and tensor.is_contiguous():
+            return spec
         datatype = self._types.get(tensor.dtype)
-        if datatype is None or not tensor.is_cpu:
+        if datatype is None:
             return wire(tensor)
         if not tensor.is_contiguous():
             raise ValueError("the MPI engine works on contiguous tensors; call .contiguous() first")
-        return [self._fromaddress(tensor.data_ptr(), tensor.nbytes), datatype]
+        if len(self._specs) >= _MAX_SPECS:
+            self._specs.clear()
+        spec = self._specs[key] = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), datatype]
+        return spec
 
 
 def device_aware(MPI: Any) -> bool:

@@ -31,8 +31,8 @@ def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) 
                          f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
                          f"{tuple(out.shape)}")
     # Storages on different devices never share an address, and empty ones may both have none.
-    ptr = out.untyped_storage().data_ptr()
-    if ptr and ptr == like.untyped_storage().data_ptr():
+    ptr = _storage_address(out)
+    if ptr and ptr == _storage_address(like):
         raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
 
 
@@ -65,3 +65,9 @@ def check_group_ranks(ranks: object, world_size: int) -> list[int]:
         dup = sorted({r for r in ranks if ranks.count(r) > 1})
         raise ValueError(f"new_group: ranks {dup} are listed more than once; list each rank once")
     return ranks
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage: ``untyped_storage().data_ptr()`` without building a
+    storage object, which on a hot path cost microseconds per call (BENCHMARKS.md, MPI at 1 MB)."""
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
