@@ -48,17 +48,24 @@ def sample_at_lifecycle_points(units, samples: list[int]) -> None:
             param.register_post_accumulate_grad_hook(sample)
 
 
-def _measure(backend, strategy):
+def _trained_twice(backend, strategy, **settings):
+    """(model, optimizer, batch): the MLP under ``strategy`` after two steps, so optimizer state
+    exists and prefetch knows the order."""
     torch.manual_seed(0)
     layers = [m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
     model_cls, opt_cls = STRATEGIES[strategy]
-    settings = {"auto_wrap_min_params": WIDTH * WIDTH} if strategy == "fsdp" else {}
     model = model_cls(nn.Sequential(*layers), backend, **settings)
     opt = opt_cls(model, torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(backend.rank)
     batch = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
-    for _ in range(2):  # optimizer state exists; prefetch knows the order
+    for _ in range(2):
         model.train_step(batch, loss_fn, opt)
+    return model, opt, batch
+
+
+def _measure(backend, strategy):
+    settings = {"auto_wrap_min_params": WIDTH * WIDTH} if strategy == "fsdp" else {}
+    model, opt, batch = _trained_twice(backend, strategy, **settings)
     samples: list[int] = []
     sample_at_lifecycle_points(model.units, samples)
     gc.collect()
@@ -103,15 +110,7 @@ def _measure_parameter_gather(backend):
     synchronize_parameters all-gathers the updated chunks, and the chunks' bytes."""
     results = {}
     for strategy in ("zero1", "zero2"):
-        torch.manual_seed(0)
-        layers = [m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())]
-        model_cls, opt_cls = STRATEGIES[strategy]
-        model = model_cls(nn.Sequential(*layers), backend, bucket_cap_mb=1)
-        opt = opt_cls(model, torch.optim.AdamW, lr=1e-3)
-        g = torch.Generator().manual_seed(backend.rank)
-        batch = torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
-        for _ in range(2):
-            model.train_step(batch, loss_fn, opt)
+        model = _trained_twice(backend, strategy, bucket_cap_mb=1)[0]
         samples: list[int] = []
         gather = backend.all_gather
         backend.all_gather = lambda *a, **k: _SampledWork(gather(*a, **k), samples)
