@@ -12,7 +12,7 @@ over the ``dp`` ranks of its data-parallel group. A step (``train_step``) runs t
 schedule over ``num_microbatches`` (p2p over the pipeline group; the loss is broadcast from the
 last stage), then ``synchronize_gradients``: one all_reduce(SUM) per tied-weight group across its
 stages, then over the data-parallel group one all_reduce(AVG) per dtype of the flat gradients
-(``data_parallel="ddp"``, plain torch.optim optimizer) or ZeRO-1/2's all_reduce / reduce_scatter
+(``data_parallel="ddp"``, plain torch.optim optimizer) or ZeRO-1/2's reduce_scatter
 into a ``1/dp`` master chunk (``"zero1"``/``"zero2"``: ZeRO1Optimizer/ZeRO2Optimizer(model, cls),
 whose step all-gathers the updated chunks; see ``hybrid_zero``); then the optimizer steps and one
 all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp == 1`` there is
@@ -248,7 +248,7 @@ class HybridShardedModel(ShardedModelBase):
 
     def synchronize_gradients(self) -> None:
         """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG)
-        (ddp), or ZeRO's all_reduce / reduce_scatter into the master chunk. Once per step:
+        (ddp), or ZeRO's reduce_scatter into the master chunk. Once per step:
         further calls before the next forward_backward do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return

@@ -5,10 +5,13 @@ padded to a multiple of ``dp``; data-parallel rank d owns chunk d and keeps a ma
 which is what the optimizer (ZeRO1Optimizer / ZeRO2Optimizer) updates, so optimizer state is
 ``1/dp`` of the rank's parameters.
 
-Collectives (data-parallel group): ``reduce_gradients`` runs one all_reduce(AVG) of the flat
-gradients (ZeRO-1: every rank keeps the full averaged gradients) or one reduce_scatter(SUM)
-divided by ``dp`` (ZeRO-2: only the chunk's gradient survives; full gradients are dropped);
-``gather_parameters`` runs one all_gather of the updated chunks into the parameters.
+Collectives (data-parallel group): ``reduce_gradients`` runs one reduce_scatter(SUM) of the flat
+gradients divided by ``dp``, so each rank averages only the chunk it updates, and
+``gather_parameters`` one all_gather of the updated chunks into the parameters: 2(dp-1)/dp of the
+parameters on the wire per step, as ``ZeRO1Model``/``ZeRO2Model`` (an all_reduce of the gradients
+would make it 3(dp-1)/dp). ZeRO-1 keeps the full gradients, as ``ZeRO1Model`` does: each
+parameter's ``.grad`` holds this rank's own gradient, with the chunk it owns replaced by the
+average. ZeRO-2 keeps only the chunk's averaged gradient.
 """
 from __future__ import annotations
 
@@ -55,13 +58,15 @@ class ZeroShards:
 
     def reduce_gradients(self) -> None:
         flat = self._flat([p.grad for p in self.params])
+        shard = self.backend.reduce_scatter(flat, ReduceOp.SUM).div_(self.backend.world_size)
         if self.stage == 1:
-            self.backend.all_reduce(flat, ReduceOp.AVG)
-            self.master.grad = flat[self.lo:self.lo + self.chunk].clone()
+            owned = flat[self.lo:self.lo + self.chunk]
+            owned.copy_(shard)
+            self.master.grad = owned
             for p, offset in zip(self.params, self.offsets):
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
         else:
-            self.master.grad = self.backend.reduce_scatter(flat, ReduceOp.SUM) / self.backend.world_size
+            self.master.grad = shard
             for p in self.params:
                 p.grad = None
 

@@ -101,6 +101,27 @@ def test_zero_data_parallel(dp, tp, pp, data_parallel):
         assert zero_mem["optimizer_state"] <= ddp_mem["optimizer_state"] / dp + 64
 
 
+@pytest.mark.parametrize("data_parallel", ["zero1", "zero2"])
+def test_zero_moves_two_thirds_of_an_all_reduce_and_gather(data_parallel):
+    """Over the data-parallel group a step reduce-scatters the flat gradients and all-gathers the
+    updated chunks: 2(dp-1)/dp of the parameters on the wire, where all-reducing the gradients
+    first would make it 3(dp-1)/dp. The only all_reduce left is the loss's."""
+    from distframe.optimizers import ZeRO1Optimizer, ZeRO2Optimizer
+
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2, pp=2), data_parallel=data_parallel)
+        opt = (ZeRO1Optimizer if data_parallel == "zero1" else ZeRO2Optimizer)(model, torch.optim.Adam, lr=LR)
+        group = model.groups.replicas
+        group.stats.reset()
+        model.train_step(dp_slice(batches()[0], model.groups.dp_index, 2), lm_loss, opt)
+        return group.stats.snapshot()["bytes"], model.zero.padded * model.zero.master.element_size()
+
+    for sent, flat_bytes in spawn(run, 4):
+        assert sent.get("reduce_scatter") == flat_bytes
+        assert sent.get("all_gather") == flat_bytes // 2
+        assert sent.get("all_reduce", 0) <= 8, sent  # the loss (a float64 scalar), never gradients
+
+
 def test_zero_needs_its_optimizer():
     def run(b):
         model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2), data_parallel="zero1")
