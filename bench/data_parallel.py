@@ -14,10 +14,10 @@ of the shared libraries' pages mapped, faults them in during the first step and 
 MiB more "peak" for the same allocations.
 
 When DeepSpeed is installed (an optional baseline, never a dependency:
-``DS_BUILD_OPS=0 pip install deepspeed``), its ZeRO-1 and ZeRO-2 run on gloo too (CPU
-accelerator, torch's AdamW as the client optimizer), right before our ZeRO-1/2 rows. ``vs base``
-is a gloo row's steps/s over its baseline's in this run: torch DDP for DDPModel, FSDP2 for
-FSDPModel, DeepSpeed's stage for ZeRO-1/2.
+``DS_BUILD_OPS=0 pip install -c constraints.txt deepspeed``; unpinned, it pulls a CUDA torch),
+its ZeRO-1 and ZeRO-2 run on gloo too (CPU accelerator, torch's AdamW as the client optimizer),
+right before our ZeRO-1/2 rows. ``vs base`` is a gloo row's steps/s over its baseline's in
+this run: torch DDP for DDPModel, FSDP2 for FSDPModel, DeepSpeed's stage for ZeRO-1/2.
 
 Then, because a step's time swings by up to 10% between runs on 2 shared cores, the speed
 ratios the targets name are measured once more with both sides in the same two processes:
@@ -206,11 +206,15 @@ def torch_step(model, opt, batch) -> None:
 
 def _deepspeed_env(rank: int) -> None:
     """Sets what DeepSpeed's launcher would (it checks LOCAL_RANK), selects its CPU accelerator,
-    and imports it. It joins the default process group already built, so every collective runs
-    on gloo: its shared-memory all-reduce turns on only with the launcher's LOCAL_SIZE, left
+    and imports it. ``deepspeed.initialize`` then joins the default gloo process group, so every
+    collective runs on gloo: its shared-memory all-reduce turns on only with the launcher's LOCAL_SIZE, left
     unset here so that both sides of a comparison use the same transport."""
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(WORLD))
     importlib.import_module("deepspeed")
+
+
+def _has_deepspeed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
@@ -259,7 +263,7 @@ def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]
     torch.set_num_threads(1)
     _join_raw_world(backend)
     names = ["ddp", "fsdp"]
-    if importlib.util.find_spec("deepspeed") is not None:
+    if _has_deepspeed():
         _deepspeed_env(backend.rank)
         names += ["zero1", "zero2"]
     try:
@@ -317,7 +321,7 @@ def main(argv=None) -> None:
     rows = [("gloo:torch-ddp", "torch", "torch-ddp"), ("gloo:ddp", "gloo", "ddp"),
             ("inmemory:ddp", "inmemory", "ddp"), ("gloo:torch-fsdp2", "torch", "torch-fsdp2"),
             ("gloo:fsdp", "gloo", "fsdp"), ("inmemory:fsdp", "inmemory", "fsdp")]
-    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    deepspeed = _has_deepspeed()
     for s in ("zero1", "zero2", "zero3"):
         if deepspeed and s != "zero3":  # DeepSpeed's ZeRO-1/2: an optional column, never a dependency
             rows.append((f"gloo:deepspeed-{s}", "torch", f"deepspeed-{s}"))
