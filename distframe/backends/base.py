@@ -23,6 +23,7 @@ import torch
 
 from distframe.backends import validation
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
+from distframe.backends.posted import PostedCollectives
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
@@ -30,7 +31,7 @@ from distframe.errors import CollectiveMismatchError
 DEFAULT_TIMEOUT = 300.0
 
 
-class CommunicationBackendBase(ComposedCollectives, abc.ABC):
+class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
     """Shared life cycle of the engines. See ``ICommunicationBackend`` for the contract.
 
     ``timeout`` (seconds) bounds every blocking wait; ``debug=True`` makes engines that cannot see
@@ -99,6 +100,10 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
+        if self._may_post(async_op) and tensor.is_contiguous() and self._posted(
+                "all_reduce", tensor.nbytes, self._post_all_reduce, tensor,
+                ReduceOp.SUM if applied is ReduceOp.AVG else applied):
+            return tensor.div_(self._world_size) if applied is ReduceOp.AVG else tensor
         sig = lambda: Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
@@ -117,10 +122,15 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
         counts as shape (1,)). Every rank must pass the same shape. ``out`` (optional, contiguous,
         not overlapping ``tensor``) receives the result, saving an allocation per call."""
         self._check_tensor("all_gather", tensor)
-        sig = lambda: Signature("all_gather", tuple(tensor.shape), tensor.dtype)
         flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        shape = (self._world_size * flat.shape[0], *flat.shape[1:])
         if out is not None:
-            self._check_out("all_gather", out, (self._world_size * flat.shape[0], *flat.shape[1:]), tensor)
+            self._check_out("all_gather", out, shape, tensor)
+        if self._may_post(async_op):
+            result = out if out is not None else flat.new_empty(shape)
+            if self._posted("all_gather", tensor.nbytes, self._post_all_gather, flat, result):
+                return result
+        sig = lambda: Signature("all_gather", tuple(tensor.shape), tensor.dtype)
         return self._run("all_gather", sig, tensor.nbytes,
                          lambda call: _into(out, self._all_gather(flat, call, out)), async_op)
 
@@ -134,9 +144,15 @@ class CommunicationBackendBase(ComposedCollectives, abc.ABC):
             raise ValueError(
                 f"reduce_scatter needs dim 0 divisible by the world size {self._world_size}, got "
                 f"shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self._world_size}")
+        shape = (tensor.shape[0] // self._world_size, *tensor.shape[1:])
         if out is not None:
-            self._check_out("reduce_scatter", out, (tensor.shape[0] // self._world_size, *tensor.shape[1:]), tensor)
+            self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
+        if self._may_post(async_op) and tensor.is_contiguous():
+            result = out if out is not None else tensor.new_empty(shape)
+            if self._posted("reduce_scatter", tensor.nbytes, self._post_reduce_scatter, tensor, result,
+                            ReduceOp.SUM if applied is ReduceOp.AVG else applied):
+                return result.div_(self._world_size) if applied is ReduceOp.AVG else result
         sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:

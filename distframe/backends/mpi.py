@@ -33,6 +33,10 @@ from distframe.backends.types import ReduceOp, Work
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 _MAX_SCATTER_DIMS = 32
+# What the post-first path reduces as it is: not float16/bfloat16 (reduced in float32) or bool
+# (moved as bytes; the base class turns its SUM and PRODUCT into MAX and MIN).
+_POSTABLE = frozenset({torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8,
+                       torch.uint8})
 
 
 class MPICommunicationBackend(CommunicationBackendBase):
@@ -44,6 +48,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
     in-memory engine would give it. ``timeout`` (seconds) bounds every wait inside MPI."""
 
     engine = "mpi"
+    _posts_first = True
 
     def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT, debug: bool = False) -> None:
         MPI = import_mpi()
@@ -100,6 +105,30 @@ class MPICommunicationBackend(CommunicationBackendBase):
             detail += f"; the progress of ranks {unknown} (other nodes) cannot be read"
         detail += "; this group is unusable now, shut it down"
         return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout, detail)
+
+    # ---- post first (see distframe.backends.posted): CPU tensors, no upcast --------------------
+    def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        if tensor.is_cpu and tensor.dtype in _POSTABLE:
+            return self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(tensor), self._ops[op]), tensor
+        return None
+
+    def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
+        if tensor.is_cpu and out.is_cpu:
+            return self._comm.Iallgather(self._address(tensor), self._address(out)), (tensor, out)
+        return None
+
+    def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
+        if tensor.is_cpu and out.is_cpu and tensor.dtype in _POSTABLE:
+            return (self._comm.Ireduce_scatter_block(self._address(tensor), self._address(out),
+                                                     self._ops[op]), (tensor, out))
+        return None
+
+    def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
+        request, keep = handle
+        self._board.publish(seq)
+        if not request.Test():
+            wait_request(request, time.monotonic() + self.timeout,
+                         lambda: self._timed_out(Call(op, seq, None, self.timeout), request, keep))
 
     # ---- collectives ---------------------------------------------------------------------------
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:

@@ -34,6 +34,7 @@ class GlooCommunicationBackend(TorchDistributedBackend):
     """
 
     engine = "gloo"
+    _posts_first = True  # CPU tensors: see distframe.backends.posted
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, *,
                  timeout: float = DEFAULT_TIMEOUT, debug: bool = False, prefix: str = "distframe",

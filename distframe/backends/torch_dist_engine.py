@@ -34,19 +34,20 @@ import torch.distributed as dist
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
 from distframe.backends.reduction import reduce_into
-from distframe.backends.signature import DTYPES, ENCODED_LENGTH, Signature
+from distframe.backends.signature import DTYPES, Signature
 from distframe.backends.torch_dist_board import ProgressBoard
-from distframe.backends.torch_dist_wire import from_reducible, movable, movable_flat, to_reducible
+from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
+from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
+                                                to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
-from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+from distframe.errors import CollectiveTimeoutError, RankFailedError
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
-# Debug-mode headers of point-to-point messages travel on the user's tag plus this offset
-# (user tags are below 2**20, see composed.RESERVED_TAG).
-_HEADER_TAG = 2**21
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16
+# What the post-first path reduces as it is (bool travels as uint8 on the general path).
+_POSTABLE = NATIVE_DTYPES - {torch.bool}
 _PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
 
 
@@ -218,12 +219,12 @@ class TorchDistributedBackend(CommunicationBackendBase):
         payload = tensor.to(self._device, copy=True)  # buffered: the caller may reuse `tensor`
         if self.debug:
             header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
-            self._unfinished_sends.append((self._pg.send([header], dst, tag + _HEADER_TAG), header))
+            self._unfinished_sends.append((self._pg.send([header], dst, tag + HEADER_TAG), header))
         self._unfinished_sends.append((self._pg.send([movable(payload)], dst, tag), payload))
         return CompletedWork(None)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
-        return _RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))
+        return RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))
 
     def _count_p2p(self, direction: str, peer: int, tag: int) -> int:
         key = (direction, peer, tag)
@@ -278,13 +279,36 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     def _complete(self, call: Call, issue: Callable[..., Any], *args: Any) -> None:
         """Issues one process-group operation and waits for it, translating transport failures."""
+        self._await(issue(*args), call.op, call.seq)
+
+    def _await(self, work: Any, op: str, seq: int) -> None:
         try:
-            issue(*args).wait()
+            work.wait()
         except RuntimeError as exc:
-            error = self._comm_error(exc, call.op, call.seq, None)
+            error = self._comm_error(exc, op, seq, None)
             if error is None:
                 raise
             raise error from exc
+
+    # ---- post first (see distframe.backends.posted); Gloo only: CPU tensors, native dtypes ------
+    def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        if tensor.is_cpu and tensor.dtype in _POSTABLE:
+            return self._pg.allreduce([tensor], _ALLREDUCE_OPTIONS[op])
+        return None
+
+    def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
+        if tensor.is_cpu and out.is_cpu:
+            return self._pg._allgather_base(movable(out), movable(tensor))
+        return None
+
+    def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
+        if tensor.is_cpu and out.is_cpu and tensor.dtype in _POSTABLE:
+            return self._pg._reduce_scatter_base(out, tensor, _REDUCE_SCATTER_OPTIONS[op])
+        return None
+
+    def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
+        self._shared.board.reached(self._my_progress_key, seq)
+        self._await(handle, op, seq)
 
     def _comm_error(self, exc: BaseException, op: str, seq: int, peers: list[int] | None,
                     timeout: float | None = None) -> Exception | None:
@@ -321,62 +345,6 @@ def _wait_for_members(store: dist.Store, rank: int, world_size: int,
     store.wait([str(r) for r in range(world_size)], timeout)
 
 
-class _RecvWork(Work):
-    """A posted receive. In debug mode the payload's receive is posted only after the header
-    matched, so a mismatch raises here instead of aborting the process."""
-
-    def __init__(self, backend: TorchDistributedBackend, tensor: torch.Tensor, src: int, tag: int,
-                 seq: int) -> None:
-        self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
-        direct = tensor.is_contiguous() and tensor.device == backend._device
-        self._buffer = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                         device=backend._device)
-        self._done = False
-        self._header: torch.Tensor | None = None
-        self._header_work = self._payload_work = None
-        if backend.debug:
-            self._header = torch.empty(ENCODED_LENGTH, dtype=torch.int64, device=backend._device)
-            self._header_work = backend._pg.recv([self._header], src, tag + _HEADER_TAG)
-        else:
-            self._payload_work = backend._pg.recv([movable(self._buffer)], src, tag)
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if self._done:
-            return self._tensor
-        if self._payload_work is None:
-            self._await(self._header_work, timeout)
-            self._check_header()
-            self._payload_work = self._backend._pg.recv([movable(self._buffer)], self._src, self._tag)
-        self._await(self._payload_work, timeout)
-        if self._buffer is not self._tensor:
-            self._tensor.copy_(self._buffer)
-        self._done = True
-        return self._tensor
-
-    def is_completed(self) -> bool:
-        return self._done or (self._payload_work is not None and self._payload_work.is_completed())
-
-    def _await(self, work: Any, timeout: float | None) -> None:
-        try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            error = self._backend._comm_error(exc, "recv", self._seq, [self._src], timeout)
-            if error is None:
-                raise
-            raise error from exc
-
-    def _check_header(self) -> None:
-        expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)
-        got = self._header.cpu()
-        if not bool((got == expected.encode(self._seq)).all()):
-            raise CollectiveMismatchError(
-                "recv", self._seq, f"rank {self._src} sent {Signature.decode(got)} with tag "
-                f"{self._tag}; rank {self._backend.rank} expects {expected.describe()}")
-
-
 _OPTIONS: dict[tuple, Any] = {}
 
 
@@ -397,3 +365,8 @@ def _options(cls: type, **fields: Any) -> Any:
     if key is not None:
         _OPTIONS[key] = options
     return options
+
+
+_ALLREDUCE_OPTIONS = {op: _options(dist.AllreduceOptions, reduceOp=torch_op) for op, torch_op in _TORCH_OPS.items()}
+_REDUCE_SCATTER_OPTIONS = {op: _options(dist.ReduceScatterOptions, reduceOp=torch_op)
+                           for op, torch_op in _TORCH_OPS.items()}

@@ -298,3 +298,38 @@ def check_byte_objects(backend) -> None:
     got = broadcast_bytes(backend, b"from the last rank \x00\xff" if r == src else b"ignored", src)
     if got != b"from the last rank \x00\xff" or broadcast_bytes(backend, b"", 0) != b"":
         raise AssertionError(f"broadcast_bytes gave {got!r}")
+
+
+def check_post_first(backend) -> None:
+    """Gloo and MPI post a synchronous all_reduce, all_gather or reduce_scatter of contiguous CPU
+    tensors before their bookkeeping, without the general path (``_run``); the numbering and the
+    stats are the general path's. Asynchronous calls take the general path."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    if backend._posts_first != (backend.engine in ("gloo", "mpi")):
+        raise AssertionError(f"{backend.engine} engine: _posts_first is {backend._posts_first}")
+    general = []
+    run = backend._run
+    backend._run = lambda op, *args: general.append(op) or run(op, *args)
+    try:
+        seq, calls = backend._seq, dict(backend.stats.calls)
+        summed = backend.all_reduce(torch.full((3,), float(r + 1), device=device), ReduceOp.AVG)
+        gathered = backend.all_gather(torch.full((2,), float(r), device=device),
+                                      out=torch.empty(2 * n, device=device))
+        scattered = backend.reduce_scatter(torch.arange(2.0 * n, dtype=torch.float64, device=device))
+        posts = backend._posts_first and device.type == "cpu"  # GPU tensors are never posted first
+        expected_general = [] if posts else ["all_reduce", "all_gather", "reduce_scatter"]
+        if general != expected_general:
+            raise AssertionError(f"{backend.engine}: general path taken by {general}")
+        backend.all_reduce(torch.ones(1, device=device), async_op=True).wait()
+        if general[-1:] != ["all_reduce"]:
+            raise AssertionError("an asynchronous all_reduce must take the general path")
+    finally:
+        del backend._run
+    assert_matches(summed, np.full(3, (n + 1) / 2), "float32", "posted all_reduce AVG")
+    assert_matches(gathered, np.repeat(np.arange(n, dtype=np.float64), 2), "float32", "posted all_gather")
+    assert_matches(scattered, n * np.arange(2.0 * r, 2.0 * r + 2), "float64", "posted reduce_scatter")
+    if backend._seq != seq + 4:
+        raise AssertionError(f"4 calls moved the sequence number from {seq} to {backend._seq}")
+    for op, count in (("all_reduce", 2), ("all_gather", 1), ("reduce_scatter", 1)):
+        if backend.stats.calls.get(op, 0) - calls.get(op, 0) != count:
+            raise AssertionError(f"stats counted {op} wrongly")

@@ -105,3 +105,7 @@ def test_async_results_not_retained(runner):
 
 def test_byte_objects(runner):
     runner.run(checks.check_byte_objects)
+
+
+def test_post_first(runner):
+    runner.run(checks.check_post_first)
