@@ -12,7 +12,8 @@ their own pace on 2 shared cores; measured with the engine's group beside a sepa
 ``init_process_group`` world), which compared connections, not the engine. For each op and size
 the engine call and the raw call are timed alternately in one loop (engine first on even repeats,
 raw first on odd ones), each after a barrier; a repeat's time is the slowest rank's, the figure
-the median over repeats. Tensors are float32. Sizes are the full buffer: all_reduce's tensor,
+the median over repeats; ``paired_ratio`` is the median over repeats of the engine's time over the
+raw call's in the same repeat. Tensors are float32. Sizes are the full buffer: all_reduce's tensor,
 all_gather's output, reduce_scatter's input.
 
     python bench/_gloo_collectives.py 2    # a quick table for 2 ranks
@@ -105,7 +106,8 @@ def _time_alternately(backend, engine_call, raw_call, repeats: int) -> dict:
             times[i, which] = time.perf_counter() - start
     backend.all_reduce(times, op="max")  # a call lasts until its slowest rank is done
     return {"median_s": statistics.median(times[:, 0].tolist()),
-            "raw_median_s": statistics.median(times[:, 1].tolist())}
+            "raw_median_s": statistics.median(times[:, 1].tolist()),
+            "paired_ratio": statistics.median((times[:, 0] / times[:, 1]).tolist())}
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 For each op and size the two are timed alternately in the same loop (engine first on even
 repeats, raw first on odd ones), each call after a barrier; a repeat's time is the slowest rank's,
-and the figure is the median over repeats. Buffers are float32. The raw calls are the blocking
+and the figure is the median over repeats; ``paired_ratio`` is the median over repeats of the engine's
+time over the raw call's in the same repeat. Buffers are float32. The raw calls are the blocking
 in-place forms on NumPy views of the same preallocated torch tensors the engine gets (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
 out)``, ``Reduce_scatter_block(buf, out)``); the engine call gets preallocated outputs too
 (``out=``). Sizes are the full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
@@ -59,7 +60,8 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
             raw.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a call lasts until its slowest rank ends
             rows.append({"engine": "mpi", "op": op, "size_bytes": elements * 4, "world_size": n,
                          "median_s": statistics.median(times[:, 0].tolist()),
-                         "raw_median_s": statistics.median(times[:, 1].tolist())})
+                         "raw_median_s": statistics.median(times[:, 1].tolist()),
+                         "paired_ratio": statistics.median((times[:, 0] / times[:, 1]).tolist())})
     raw.Free()
     return rows
 
