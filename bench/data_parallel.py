@@ -23,11 +23,13 @@ Then, because a step's time swings by up to 10% between runs on 2 shared cores, 
 ratios the targets name are measured once more with both sides in the same two processes:
 DDPModel beside torch DDP and FSDPModel beside FSDP2 (gloo), and with DeepSpeed installed ZeRO-1/2
 beside its stages, alternating step by step (ours first on even steps), ``--pair-steps`` steps
-each; the figure is the ratio of median step times.
+each; the figures are the ratio of median step times and ("paired") the median over steps of
+the baseline's step time over ours in the same step.
 
     python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp] [--pair-steps 12]
     python bench/data_parallel.py --only gloo:torch-fsdp2,gloo:fsdp    # just the FSDP pair
     python bench/data_parallel.py --only pairs                         # just the interleaved ratios
+    python bench/data_parallel.py --only pairs --pairs ddp --pair-steps 40   # one pair, longer
 """
 from __future__ import annotations
 
@@ -255,24 +257,25 @@ def run_torch(kind: str, steps: int, warmup: int) -> list[dict]:
 
 
 # ---- the same two processes, alternating ------------------------------------------------------
-def run_pairs(backend, steps: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """Median step time of (ours, torch's) for each pair, timed alternately in these processes."""
+def run_pairs(backend, steps: int, warmup: int, pairs: list[str]) -> dict[str, tuple[float, float, float]]:
+    """(ours, theirs, paired) for each pair timed alternately in these processes: median step
+    times and the median over steps of their time over ours in the same step."""
     import torch.distributed as dist
     sys.path.append(_HERE)
     from _gloo_collectives import _join_raw_world
     torch.set_num_threads(1)
     _join_raw_world(backend)
-    names = ["ddp", "fsdp"]
-    if _has_deepspeed():
+    names = [name for name in pairs if name in ("ddp", "fsdp")]
+    if _has_deepspeed() and any(name in ("zero1", "zero2") for name in pairs):
         _deepspeed_env(backend.rank)
-        names += ["zero1", "zero2"]
+        names += [name for name in pairs if name in ("zero1", "zero2")]
     try:
         return {name: _time_pair(backend, name, steps, warmup) for name in names}
     finally:
         dist.destroy_process_group()
 
 
-def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, float]:
+def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, float, float]:
     import statistics
 
     model_cls, opt_cls = strategies()[name]
@@ -292,20 +295,22 @@ def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, floa
                 times[which].append(time.perf_counter() - start)
     slowest = torch.tensor(times, dtype=torch.float64)
     backend.all_reduce(slowest, op="max")  # a step lasts until its slower rank is done
-    return statistics.median(slowest[0].tolist()), statistics.median(slowest[1].tolist())
+    return (statistics.median(slowest[0].tolist()), statistics.median(slowest[1].tolist()),
+            statistics.median((slowest[1] / slowest[0]).tolist()))
 
 
-def print_pairs(steps: int, warmup: int) -> None:
+def print_pairs(steps: int, warmup: int, pairs: list[str]) -> None:
     from distframe.launch import spawn
-    results = spawn(functools.partial(run_pairs, steps=steps, warmup=warmup), WORLD, "gloo",
-                    timeout=900, start_method="spawn")[0]
+    results = spawn(functools.partial(run_pairs, steps=steps, warmup=warmup, pairs=pairs), WORLD, "gloo",
+                    timeout=1800, start_method="spawn")[0]
     print(f"\ninterleaved in the same processes ({steps} steps each, after {warmup} warm-up):")
-    print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12}")
+    print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12} {'paired':>7}")
     labels = {"ddp": "DDPModel / torch DDP", "fsdp": "FSDPModel / FSDP2",
               "zero1": "ZeRO-1 / DeepSpeed", "zero2": "ZeRO-2 / DeepSpeed"}
-    for name, (ours, theirs) in results.items():
+    for name, (ours, theirs, paired) in results.items():
         label = labels[name]
-        print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f}", flush=True)
+        print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f} {paired:7.3f}",
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -315,6 +320,8 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="", help="comma-separated subset of the rows ('pairs': "
                         "the interleaved speed ratios)")
     parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per side of each pair")
+    parser.add_argument("--pairs", default="ddp,fsdp,zero1,zero2",
+                        help="which pairs to time (zero1/zero2 only with DeepSpeed installed)")
     args = parser.parse_args(argv)
     from distframe.launch import spawn
     # Each torch baseline runs right beside its counterpart, so load changes hit both alike.
@@ -352,7 +359,7 @@ def main(argv=None) -> None:
         ratio = f"{speeds[label] / base:8.3f}" if base else f"{'-':>8}"
         print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {formula} {peak}", flush=True)
     if not only or "pairs" in only:
-        print_pairs(args.pair_steps, max(args.warmup, 1))
+        print_pairs(args.pair_steps, max(args.warmup, 1), args.pairs.split(","))
 
 
 if __name__ == "__main__":
