@@ -9,21 +9,17 @@ for, on preallocated outputs; the engine call gets preallocated outputs too (``o
 process group for both, because two groups of the same kind, timed alternately, differed by up
 to 2x at 1 MB and by a different factor in each run (each group's TCP connections settle into
 their own pace on 2 shared cores; measured with the engine's group beside a separate
-``init_process_group`` world), which compared connections, not the engine. For each op and size
-the engine call and the raw call are timed alternately in one loop (engine first on even repeats,
-raw first on odd ones), each after a barrier; a repeat's time is the slowest rank's, the figure
-the median over repeats; ``paired_ratio`` is the median over repeats of the engine's time over the
-raw call's in the same repeat. Tensors are float32. Sizes are the full buffer: all_reduce's tensor,
-all_gather's output, reduce_scatter's input.
+``init_process_group`` world), which compared connections, not the engine. Each op and size is
+timed as ``_alternate`` says (single calls and back-to-back blocks, engine and raw alternating),
+each after the process group's own barrier. Tensors are float32. Sizes are the full buffer:
+all_reduce's tensor, all_gather's output, reduce_scatter's input.
 
     python bench/_gloo_collectives.py 2    # a quick table for 2 ranks
 """
 from __future__ import annotations
 
 import datetime
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import torch
@@ -46,15 +42,21 @@ def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OP
 
 def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
                      repeats: int | dict[int, int]) -> list[dict]:
+    from _alternate import time_alternately
     n = backend.world_size
+    # The process group's own barrier, as the MPI side uses MPI's: no engine code runs before a call.
+    barrier = lambda: backend._pg.barrier().wait()  # noqa: E731
     rows = []
+
+    def max_over_ranks(times):  # a call lasts until its slowest rank is done
+        backend.all_reduce(torch.from_numpy(times), op="max")
     for op in ops:
         for size in sizes_bytes:
             elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
             engine_call, raw_call = _calls(op, backend, elements)
             rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
-                         **_time_alternately(backend, engine_call, raw_call,
-                                             repeats if isinstance(repeats, int) else repeats[size])})
+                         **time_alternately(barrier, max_over_ranks, engine_call, raw_call,
+                                            repeats if isinstance(repeats, int) else repeats[size])})
     return rows
 
 
@@ -90,24 +92,6 @@ def _calls(op: str, backend, elements: int):
     options.reduceOp = dist.ReduceOp.SUM
     return ((lambda: backend.reduce_scatter(tensor, out=out)),
             (lambda: pg._reduce_scatter_base(raw_out, tensor, options).wait()))
-
-
-def _time_alternately(backend, engine_call, raw_call, repeats: int) -> dict:
-    for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
-        call()
-    calls = (engine_call, raw_call)
-    times = torch.zeros(repeats, 2, dtype=torch.float64)
-    for i in range(repeats):
-        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-            call = calls[which]
-            backend.barrier()
-            start = time.perf_counter()
-            call()
-            times[i, which] = time.perf_counter() - start
-    backend.all_reduce(times, op="max")  # a call lasts until its slowest rank is done
-    return {"median_s": statistics.median(times[:, 0].tolist()),
-            "raw_median_s": statistics.median(times[:, 1].tolist()),
-            "paired_ratio": statistics.median((times[:, 0] / times[:, 1]).tolist())}
 
 
 if __name__ == "__main__":

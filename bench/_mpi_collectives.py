@@ -1,23 +1,19 @@
 """MPI engine vs the raw mpi4py call it wraps, measured in one mpiexec job (used by collectives.py).
 
-For each op and size the two are timed alternately in the same loop (engine first on even
-repeats, raw first on odd ones), each call after a barrier; a repeat's time is the slowest rank's,
-and the figure is the median over repeats; ``paired_ratio`` is the median over repeats of the engine's
-time over the raw call's in the same repeat. Buffers are float32. The raw calls are the blocking
-in-place forms on NumPy views of the same preallocated torch tensors the engine gets (``Allreduce(IN_PLACE, buf)``, ``Allgather(buf,
-out)``, ``Reduce_scatter_block(buf, out)``); the engine call gets preallocated outputs too
-(``out=``). Sizes are the full buffer: all_reduce's tensor, all_gather's output, reduce_scatter's input.
+Each op and size is timed as ``_alternate`` says (single calls and back-to-back blocks, engine
+and raw alternating), each after MPI's own ``Barrier``. Buffers are float32. The raw calls are the
+blocking in-place forms on NumPy views of the same preallocated torch tensors the engine gets
+(``Allreduce(IN_PLACE, buf)``, ``Allgather(buf, out)``, ``Reduce_scatter_block(buf, out)``); the
+engine call gets preallocated outputs too (``out=``). Sizes are the full buffer: all_reduce's
+tensor, all_gather's output, reduce_scatter's input.
 
     python bench/_mpi_collectives.py 2    # a quick table for 2 ranks
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -38,30 +34,20 @@ def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OP
 def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
                      repeats: int | dict[int, int]) -> list[dict]:
     from mpi4py import MPI
+    from _alternate import time_alternately
     raw = MPI.COMM_WORLD.Dup()
     n = backend.world_size
     rows = []
+
+    def max_over_ranks(times):  # a call lasts until its slowest rank ends
+        raw.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     for size in sizes_bytes:
         elements = max(n, size // 4 // n * n)  # divisible by the world size for reduce_scatter
         for op in ops:
             engine_call, raw_call = _calls(op, backend, raw, MPI, elements)
-            for call in (engine_call, raw_call, engine_call, raw_call):  # warm up both
-                call()
             count = repeats if isinstance(repeats, int) else repeats[size]
-            times = np.zeros((count, 2))
-            for i in range(count):
-                order = (0, 1) if i % 2 == 0 else (1, 0)
-                for which in order:
-                    call = engine_call if which == 0 else raw_call
-                    raw.Barrier()
-                    start = time.perf_counter()
-                    call()
-                    times[i, which] = time.perf_counter() - start
-            raw.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a call lasts until its slowest rank ends
             rows.append({"engine": "mpi", "op": op, "size_bytes": elements * 4, "world_size": n,
-                         "median_s": statistics.median(times[:, 0].tolist()),
-                         "raw_median_s": statistics.median(times[:, 1].tolist()),
-                         "paired_ratio": statistics.median((times[:, 0] / times[:, 1]).tolist())})
+                         **time_alternately(raw.Barrier, max_over_ranks, engine_call, raw_call, count)})
     raw.Free()
     return rows
 

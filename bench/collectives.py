@@ -10,7 +10,8 @@ others x (n-1)/n). Beside each engine: the raw library call it wraps, measured i
 "engine / raw time" divides the two medians; "paired ratio" is the median over repeats of the
 engine's time over the raw call's timed next to it, which drift of the machine between calls
 moves less (at 1 MB on 2 shared cores a call's time spans 5x between its 10th and 90th
-percentiles).
+percentiles). Those two time single calls after a barrier; "back to back" is the ratio of
+per-call medians over blocks of 10 calls in a row (nccl-tests' way; see bench/_alternate.py).
 all_gather and reduce_scatter write into preallocated outputs (``out=``) on both sides.
 """
 from __future__ import annotations
@@ -95,8 +96,8 @@ def fmt_size(size: int) -> str:
 
 def print_table(rows: list[dict], memcpy: dict[int, float]) -> None:
     print("| engine | op | world | size | median ms | algbw GB/s | busbw GB/s | raw call busbw GB/s "
-          "| engine / raw time | paired ratio | busbw / memcpy bw |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| engine / raw time | paired ratio | back to back | busbw / memcpy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         size, n, t = r["size_bytes"], r["world_size"], r["median_s"]
         alg = size / t / 1e9
@@ -105,9 +106,10 @@ def print_table(rows: list[dict], memcpy: dict[int, float]) -> None:
         raw_bus = f"{size / raw / 1e9 * busbw_factor(r['op'], n):.2f}" if raw else "-"
         ratio = f"{t / raw:.3f}" if raw else "-"
         paired = f"{r['paired_ratio']:.3f}" if raw else "-"
+        block = f"{r['block_median_s'] / r['block_raw_median_s']:.3f}" if raw else "-"
         mem_bw = size / memcpy[size] / 1e9
         print(f"| {r['engine']} | {r['op']} | {n} | {fmt_size(size)} | {t * 1e3:.3f} | {alg:.2f} | "
-              f"{bus:.2f} | {raw_bus} | {ratio} | {paired} | {bus / mem_bw:.2f} |")
+              f"{bus:.2f} | {raw_bus} | {ratio} | {paired} | {block} | {bus / mem_bw:.2f} |")
 
 
 def main() -> None:
