@@ -18,6 +18,8 @@
    and interleaved 1F1B with v = 2 chunks per rank (formula (p-1)/(v*m+p-1)).
 4. Memory (in-memory threads, p = 4, m = 8): peak bytes of storage saved for backward on each
    stage (``ActivationMemoryMeter``: saved_tensors_hooks, unique storages), GPipe vs 1F1B.
+5. Op-time spread: the throughput part's stage alone in one process (m = 8, no messages, one
+   thread): how much its forward and backward times vary from one micro-batch to the next.
 """
 from __future__ import annotations
 
@@ -177,6 +179,42 @@ def sleep_bubble(p, ms, seconds, steps):
                   f"| {(measured - formula) / formula:+.1%} |")
 
 
+# ---- 5: how much one stage's op times vary with nothing else running --------------------------
+def op_spread(m, steps, batch_size):
+    """One stage (half the blocks) alone in this process, one thread, no messages: m forwards then
+    m backwards per step as GPipe runs them, gradients set to None between steps as the pipeline's
+    optimizer does. The spread here is what the replayed bubble inherits on this machine."""
+    torch.set_num_threads(1)
+    stage = build_model()[:BLOCKS // 2]
+    rows = batch_size // m
+    times = {"forward": [[] for _ in range(m)], "backward": [[] for _ in range(m)]}
+    for step in range(steps + 2):  # two untimed steps first
+        inputs = [torch.randn(rows, WIDTH, requires_grad=True) for _ in range(m)]
+        outputs = []
+        for i, x in enumerate(inputs):
+            start = time.perf_counter()
+            outputs.append(stage(x))
+            if step >= 2:
+                times["forward"][i].append(time.perf_counter() - start)
+        for i, y in enumerate(outputs):
+            start = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            if step >= 2:
+                times["backward"][i].append(time.perf_counter() - start)
+        for param in stage.parameters():
+            param.grad = None
+    print(f"\n## Op-time spread of one stage alone: {BLOCKS // 2} blocks of width {WIDTH}, micro-batch "
+          f"{rows} rows, m={m}, {steps} steps, 1 thread, no messages")
+    print("| op | median ms | sd / median | min ms | max ms | median of the step's first op / all |")
+    print("|---|---|---|---|---|---|")
+    for op, per_position in times.items():
+        every = [t * 1e3 for ts in per_position for t in ts]
+        median = statistics.median(every)
+        first = statistics.median(per_position[0]) * 1e3
+        print(f"| {op} | {median:.2f} | {statistics.stdev(every) / median:.3f} | {min(every):.2f} "
+              f"| {max(every):.2f} | {first / median:.3f} |")
+
+
 # ---- 4: activation memory ---------------------------------------------------------------------------
 def activation_memory(p, m):
     from distframe.launch import spawn
@@ -206,7 +244,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
-    parser.add_argument("--only", default="throughput,sleep,memory")
+    parser.add_argument("--only", default="throughput,sleep,memory,spread")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="global batch of the throughput part (split into m micro-batches)")
     args = parser.parse_args(argv)
@@ -220,6 +258,8 @@ def main(argv=None) -> None:
         sleep_bubble(4, [4] if args.quick else [4, 8, 16], 0.02, 2 if args.quick else 3)
     if "memory" in parts:
         activation_memory(4, 8)
+    if "spread" in parts:
+        op_spread(8, 3 if args.quick else 12, args.batch)
 
 
 if __name__ == "__main__":
