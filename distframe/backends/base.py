@@ -100,7 +100,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and tensor.is_contiguous() and self._posted(
+        if self._may_post(async_op) and tensor.is_cpu and tensor.is_contiguous() and self._posted(
                 "all_reduce", tensor.nbytes, self._post_all_reduce, tensor,
                 ReduceOp.SUM if applied is ReduceOp.AVG else applied):
             return tensor.div_(self._world_size) if applied is ReduceOp.AVG else tensor
@@ -126,7 +126,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         shape = (self._world_size * flat.shape[0], *flat.shape[1:])
         if out is not None:
             self._check_out("all_gather", out, shape, tensor)
-        if self._may_post(async_op):
+        if self._may_post(async_op) and flat.is_cpu:
             result = out if out is not None else flat.new_empty(shape)
             if self._posted("all_gather", tensor.nbytes, self._post_all_gather, flat, result):
                 return result
@@ -148,7 +148,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         if out is not None:
             self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and tensor.is_contiguous():
+        if self._may_post(async_op) and tensor.is_cpu and tensor.is_contiguous():
             result = out if out is not None else tensor.new_empty(shape)
             if self._posted("reduce_scatter", tensor.nbytes, self._post_reduce_scatter, tensor, result,
                             ReduceOp.SUM if applied is ReduceOp.AVG else applied):

@@ -106,19 +106,19 @@ class MPICommunicationBackend(CommunicationBackendBase):
         detail += "; this group is unusable now, shut it down"
         return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout, detail)
 
-    # ---- post first (see distframe.backends.posted): CPU tensors, no upcast --------------------
+    # ---- post first (see distframe.backends.posted): dtypes MPI reduces as they are -----------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        if tensor.is_cpu and tensor.dtype in _POSTABLE:
+        if tensor.dtype in _POSTABLE:
             return self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(tensor), self._ops[op]), tensor
         return None
 
     def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
-        if tensor.is_cpu and out.is_cpu:
+        if out.is_cpu:
             return self._comm.Iallgather(self._address(tensor), self._address(out)), (tensor, out)
         return None
 
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
-        if tensor.is_cpu and out.is_cpu and tensor.dtype in _POSTABLE:
+        if out.is_cpu and tensor.dtype in _POSTABLE:
             return (self._comm.Ireduce_scatter_block(self._address(tensor), self._address(out),
                                                      self._ops[op]), (tensor, out))
         return None

@@ -2,17 +2,17 @@
 
 [Note: post first] A synchronous call's bookkeeping (its sequence number, ``stats``, the progress
 board) can wait until the transport is moving data. An engine that can start one of these
-collectives on the caller's tensors as they are (contiguous, on its device, a dtype it moves
-natively) sets ``_posts_first`` and does so in the ``_post_*`` hooks below; the bookkeeping then
-runs while the peers' data is in flight. Python before a post is dear: after a 1 MB transfer has
+collectives on the caller's CPU tensors as they are (contiguous, a dtype it moves natively) sets
+``_posts_first`` and does so in the ``_post_*`` hooks below; the bookkeeping then runs while the
+peers' data is in flight. Python before a post is dear: after a 1 MB transfer has
 pushed the interpreter's working set out of the caches it costs several times its warm time
 (BENCHMARKS.md, issue 2), and every microsecond of it delays every peer.
 
 ``CommunicationBackendBase`` calls a hook only for a synchronous call outside ``debug`` mode,
-with no asynchronous call pending, on an open backend, after validating the arguments, so the
-errors, numbering and ordering are those of the general path. A hook returns a handle for
-``_wait_posted``, or None when it cannot post this call (nothing has happened then, and the call
-takes the general path).
+with no asynchronous call pending, on an open backend, with a contiguous CPU input, after
+validating the arguments, so the errors, numbering and ordering are those of the general path.
+A hook returns a handle for ``_wait_posted``, or None when it cannot post this call (nothing has
+happened then, and the call takes the general path).
 """
 from __future__ import annotations
 

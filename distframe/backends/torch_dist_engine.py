@@ -290,19 +290,19 @@ class TorchDistributedBackend(CommunicationBackendBase):
                 raise
             raise error from exc
 
-    # ---- post first (see distframe.backends.posted); Gloo only: CPU tensors, native dtypes ------
+    # ---- post first (see distframe.backends.posted; Gloo only): native dtypes ------------------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        if tensor.is_cpu and tensor.dtype in _POSTABLE:
+        if tensor.dtype in _POSTABLE:
             return self._pg.allreduce([tensor], _ALLREDUCE_OPTIONS[op])
         return None
 
     def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
-        if tensor.is_cpu and out.is_cpu:
+        if out.is_cpu:
             return self._pg._allgather_base(movable(out), movable(tensor))
         return None
 
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
-        if tensor.is_cpu and out.is_cpu and tensor.dtype in _POSTABLE:
+        if out.is_cpu and tensor.dtype in _POSTABLE:
             return self._pg._reduce_scatter_base(out, tensor, _REDUCE_SCATTER_OPTIONS[op])
         return None
 
@@ -367,6 +367,7 @@ def _options(cls: type, **fields: Any) -> Any:
     return options
 
 
-_ALLREDUCE_OPTIONS = {op: _options(dist.AllreduceOptions, reduceOp=torch_op) for op, torch_op in _TORCH_OPS.items()}
+_ALLREDUCE_OPTIONS = {op: _options(dist.AllreduceOptions, reduceOp=torch_op)
+                      for op, torch_op in _TORCH_OPS.items()}
 _REDUCE_SCATTER_OPTIONS = {op: _options(dist.ReduceScatterOptions, reduceOp=torch_op)
                            for op, torch_op in _TORCH_OPS.items()}
