@@ -283,14 +283,9 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
     def _run(self, op: str, make_signature: Callable[[], Signature], nbytes: int,
              fn: Callable[[Call], Any], async_op: bool) -> Any:
         # [Note: hot path] A synchronous call costs a few microseconds of Python here and in the
-        # engine, which is what separates the MPI engine from a raw mpi4py call at 1 MB
-        # (BENCHMARKS.md): no closure and no extra calls on the synchronous path.
-        with self._lock:
-            if self._closed:
-                self._check_open(op)
-            self._seq += 1
-            call = Call(op, self._seq, make_signature, self.timeout)
-            self.stats.record_locked(op, nbytes)
+        # engine (BENCHMARKS.md, MPI at 1 MB): no closure on the synchronous path. Gloo and MPI
+        # take a shorter one where they can (distframe.backends.posted).
+        call = Call(op, self._count(op, nbytes), make_signature, self.timeout)
         if not async_op:
             if self._pending:
                 self._drain()

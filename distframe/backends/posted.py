@@ -4,9 +4,9 @@
 board) can wait until the transport is moving data. An engine that can start one of these
 collectives on the caller's CPU tensors as they are (contiguous, a dtype it moves natively) sets
 ``_posts_first`` and does so in the ``_post_*`` hooks below; the bookkeeping then runs while the
-peers' data is in flight. Python before a post is dear: after a 1 MB transfer has
-pushed the interpreter's working set out of the caches it costs several times its warm time
-(BENCHMARKS.md, issue 2), and every microsecond of it delays every peer.
+peers' data is in flight. Python before a post is dear: after a 1 MB transfer has pushed the
+interpreter's working set out of the caches it costs several times its warm time (BENCHMARKS.md,
+issue 2), and every microsecond of it delays every peer.
 
 ``CommunicationBackendBase`` calls a hook only for a synchronous call outside ``debug`` mode,
 with no asynchronous call pending, on an open backend, with a contiguous CPU input, after
@@ -35,6 +35,7 @@ class PostedCollectives:
     _closed: bool
     debug: bool
     stats: CommStats
+    _check_open: Callable[[str], None]
 
     def _may_post(self, async_op: bool) -> bool:
         return self._posts_first and not (async_op or self.debug or self._pending or self._closed)
@@ -70,8 +71,11 @@ class PostedCollectives:
         return True
 
     def _count(self, op: str, nbytes: int) -> int:
-        """Numbers and counts a call; returns its sequence number."""
+        """Numbers and counts a call (any path; ValueError after ``shutdown``); returns its
+        sequence number."""
         with self._lock:
+            if self._closed:
+                self._check_open(op)
             self._seq += 1
             self.stats.record_locked(op, nbytes)
             return self._seq
