@@ -63,13 +63,17 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
         by_parent.setdefault(parent, {})[child] = style
     for parent_name, children in by_parent.items():
         parent = model.get_submodule(parent_name) if parent_name else model
-        if include is not None and not all(include(parent.get_submodule(c)) for c in children):
+        # A pipeline stage may hold only some of a parent's planned children (the LM's embedding
+        # and head): it splits those. Whether a column's output stays split follows from the
+        # whole plan, so the stages agree on what crosses between them.
+        mine = {c: s for c, s in children.items() if include is None or include(parent.get_submodule(c))}
+        if not mine:
             continue
         if isinstance(parent, MultiheadDilatedAttention):
             _record(origins, parent, _replace_attention(model, parent_name, parent, children, backend, shared))
             continue
         styles = set(children.values())
-        for child, style in children.items():
+        for child, style in mine.items():
             dense = parent.get_submodule(child)
             layer = _parallel_layer(dense, style, styles, backend, shared, f"{parent_name}.{child}")
             setattr(parent, child, layer)

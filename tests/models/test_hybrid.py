@@ -122,6 +122,20 @@ def test_zero_moves_two_thirds_of_an_all_reduce_and_gather(data_parallel):
         assert sent.get("all_reduce", 0) <= 8, sent  # the loss (a float64 scalar), never gradients
 
 
+def test_tensor_parallel_splits_planned_layers_of_every_stage():
+    # The plan's embedding and head are children of the model itself, which pipelining puts on
+    # different stages: each stage must still split the planned layers it holds.
+    config = tiny_lm().config
+
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(tp=2, pp=2), num_microbatches=2)
+        return {lp.name: (lp.split_dim, tuple(lp.param.shape)) for lp in model.local_parameters}
+
+    for params in spawn(run, 4):  # the tied embedding / head weight is on both stages
+        assert params["tok_embedding.weight"] == (0, (config.vocab_size // 2, config.embed_dim))
+        assert all(split == 0 for name, (split, _) in params.items() if name.endswith("fc_in.weight"))
+
+
 def test_zero_needs_its_optimizer():
     def run(b):
         model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2), data_parallel="zero1")
