@@ -92,7 +92,8 @@ class HybridShardedModel(ShardedModelBase):
         self.accepts_plain_optimizer = data_parallel == "ddp"
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
-        self.zero = (ZeroShards(self._parameters_list(), self.groups.replicas, stage=int(data_parallel[-1]))
+        self.zero = (ZeroShards(self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]),
+                                device=self._device)
                      if data_parallel != "ddp" else None)
         self._gradients_synchronized = False
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
@@ -242,6 +243,10 @@ class HybridShardedModel(ShardedModelBase):
     def _parameters_list(self) -> list[torch.Tensor]:
         return [lp.param for lp in self.local_parameters]
 
+    def _trainable(self) -> list[torch.Tensor]:
+        # Frozen parameters get no gradient (torch.optim skips them), so no communication either.
+        return [lp.param for lp in self.local_parameters if lp.param.requires_grad]
+
     def local_parameter_shard(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates: this rank's parameters, or with ZeRO its master chunk."""
         return self._parameters_list() if self.zero is None else [self.zero.master]
@@ -253,11 +258,11 @@ class HybridShardedModel(ShardedModelBase):
         if self._gradients_synchronized or not self._synchronize:
             return
         for group, tied in self._tied_groups:
-            _all_reduce_grads([lp.param for lp in tied], group, ReduceOp.SUM)
+            _all_reduce_grads([lp.param for lp in tied if lp.param.requires_grad], group, ReduceOp.SUM)
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
-            _all_reduce_grads(self._parameters_list(), self.groups.replicas, ReduceOp.AVG)
+            _all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG)
         self._gradients_synchronized = True
 
     def synchronize_parameters(self) -> None:
@@ -276,7 +281,8 @@ class HybridShardedModel(ShardedModelBase):
         """Dense ranges of ``local_parameter_shard()`` (what optimizer state is keyed by)."""
         layout = self._parameter_layout()
         if self.zero is not None:
-            return self.zero.layout(layout.segments)
+            return self.zero.layout([segs for lp, segs in zip(self.local_parameters, layout.segments)
+                                     if lp.param.requires_grad])
         writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups)
                   for lp in self.local_parameters]
         return WrittenOnceLayout(layout.shards, layout.segments, writes=writes)

@@ -1,6 +1,6 @@
 """ZeRO-1/2 over the data-parallel group of a model-parallel rank.
 
-The rank's local parameters (its stage's, its tensor shard) are laid end to end in one flat space
+The rank's trainable local parameters (its stage's, its tensor shard) are laid end to end in one flat space
 padded to a multiple of ``dp``; data-parallel rank d owns chunk d and keeps a master copy of it,
 which is what the optimizer (ZeRO1Optimizer / ZeRO2Optimizer) updates, so optimizer state is
 ``1/dp`` of the rank's parameters.
@@ -27,9 +27,10 @@ from distframe.models.sharded_state import ShardLayout
 class ZeroShards:
     """This rank's master chunk of the flat local-parameter space (see the module docstring)."""
 
-    def __init__(self, params: list[torch.Tensor], backend: ICommunicationBackend, *, stage: int) -> None:
+    def __init__(self, params: list[torch.Tensor], backend: ICommunicationBackend, *, stage: int,
+                 device: torch.device | None = None) -> None:
         dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
+        if len(dtypes) > 1:
             raise ConfigError(f"data_parallel='zero{stage}' flattens a rank's parameters into one space "
                               f"but they have dtypes {sorted(map(str, dtypes))}; convert the model to one dtype")
         self.params, self.backend, self.stage = params, backend, stage
@@ -41,7 +42,9 @@ class ZeroShards:
         self.chunk = -(-total // backend.world_size)
         self.total, self.padded = total, self.chunk * backend.world_size
         self.lo = backend.rank * self.chunk
-        self.master = torch.zeros(self.chunk, dtype=params[0].dtype, device=params[0].device)
+        # A stage with nothing to train (all frozen) keeps an empty chunk and still takes part.
+        dtype = params[0].dtype if params else torch.get_default_dtype()
+        self.master = torch.zeros(self.chunk, dtype=dtype, device=params[0].device if params else device)
         self.refresh_master()
 
     def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:

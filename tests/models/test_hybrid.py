@@ -16,7 +16,7 @@ from distframe.models.hybrid import HybridShardedModel
 from distframe.models.hybrid_factory import build_model_parallel
 from distframe.models.pipeline import PipelineParallelModel
 from distframe.models.tensor_parallel_model import TensorParallelModel
-from tests.models.common import lm_loss, tiny_lm
+from tests.models.common import SEED_LOCK, lm_loss, tiny_lm
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 STEPS, BATCH, SEQ, LR = 2, 8, 16, 1e-2
@@ -134,6 +134,48 @@ def test_tensor_parallel_splits_planned_layers_of_every_stage():
     for params in spawn(run, 4):  # the tied embedding / head weight is on both stages
         assert params["tok_embedding.weight"] == (0, (config.vocab_size // 2, config.embed_dim))
         assert all(split == 0 for name, (split, _) in params.items() if name.endswith("fc_in.weight"))
+
+
+def _partly_frozen_mlp():
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                    torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    model[0].requires_grad_(False)  # with pp=2 split at 2: a first stage with nothing to train
+    return model
+
+
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_frozen_parameters_stay_frozen(data_parallel, pp):
+    # torch.optim skips a parameter whose .grad is None: averaging the gradients over dp must not
+    # hand frozen ones a zero gradient, which weight decay (or ZeRO's master chunk) would apply.
+    from distframe.optimizers import ZeRO1Optimizer, ZeRO2Optimizer
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    dense = _partly_frozen_mlp()
+    opt = torch.optim.SGD(dense.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        torch.nn.functional.mse_loss(dense(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def run(b):
+        model = HybridShardedModel(_partly_frozen_mlp(), b, dims=ParallelDims(dp=2, pp=pp),
+                                   num_microbatches=2, data_parallel=data_parallel,
+                                   split_points=[2] if pp > 1 else None)
+        kw = dict(lr=0.1, weight_decay=0.1)
+        opt = (torch.optim.SGD(model.parameters(), **kw) if data_parallel == "ddp" else
+               (ZeRO1Optimizer if data_parallel == "zero1" else ZeRO2Optimizer)(model, torch.optim.SGD, **kw))
+        for _ in range(2):
+            model.train_step(dp_slice((x, y), model.groups.dp_index, 2), torch.nn.functional.mse_loss, opt)
+        return model.gather_full_parameters()
+
+    for full in spawn(run, 2 * pp):
+        for name, tensor in dense.state_dict().items():
+            torch.testing.assert_close(full[name], tensor, **TOL, msg=name)
 
 
 def test_zero_needs_its_optimizer():
