@@ -142,7 +142,9 @@ class PipelineRunner:
 
     def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor, microbatch: int) -> None:
         stage = self._stage(chunk)
-        grad_out = (None if stage == self.num_stages - 1
+        # The next stage sends back the gradient of every floating-point input it receives (it
+        # sets requires_grad on those, see _forward); an integer activation (token ids) has none.
+        grad_out = (None if stage == self.num_stages - 1 or not out.is_floating_point()
                     else self.links.recv_gradient(out, self._rank_of(stage + 1), stage))
         with self.timeline.busy("B", chunk, microbatch):
             if out.requires_grad:

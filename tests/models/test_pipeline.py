@@ -263,6 +263,39 @@ def test_indivisible_batch_is_a_config_error():
         spawn(run, 2, timeout=10)
 
 
+class _Bucketize(nn.Module):
+    """A parameterless first layer whose output is integer (bucket ids): nothing to differentiate."""
+
+    def forward(self, x):
+        return torch.bucketize(x, torch.linspace(-2, 2, 7, dtype=x.dtype))
+
+
+class _BucketEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(8, 4)
+
+    def forward(self, ids):
+        return self.embedding(ids).sum(1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_integer_activation_between_stages(schedule):
+    # Stage 1 receives integers: it has no input gradient to send back, so stage 0 must not wait
+    # for one (it used to block until the timeout).
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Bucketize(), _BucketEmbedding(), nn.Linear(4, 3)).double()
+    x, y = data(8)
+    loss, out, grads = _reference(model, x, y)
+    results = spawn(lambda b: _pipeline_run(b, model, x, y, 2, schedule, split_points=[1, 2]), 3, timeout=20)
+    for rank_loss, rank_out, rank_grads in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
+        torch.testing.assert_close(rank_out, out, rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
 # ---- measured memory and bubble -------------------------------------------------------------------
 def _peak_activation_bytes(b, model, x, y, m, schedule):
     pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
