@@ -40,14 +40,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 backend: ICommunicationBackend, *, reduction: str = "mean") -> torch.Tensor:
+                                 backend: ICommunicationBackend, *, reduction: str = "mean",
+                                 ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of vocab-sharded ``logits (..., V/t)`` against global ``targets (...)``.
 
-    ``reduction``: ``"mean"`` (over every target, as ``F.cross_entropy``), ``"sum"`` or ``"none"``.
+    ``reduction``: ``"mean"`` (over every target not equal to ``ignore_index``, as
+    ``F.cross_entropy``), ``"sum"`` or ``"none"``; ignored targets add no loss and no gradient.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    losses = _VocabParallelCrossEntropy.apply(logits, targets, backend)
+    ignored = targets == ignore_index
+    # The masked_fill also zeroes the ignored positions' gradient.
+    losses = _VocabParallelCrossEntropy.apply(logits, targets, backend).masked_fill(ignored, 0.0)
     if reduction == "mean":
-        return losses.mean()
+        return losses.sum() / (~ignored).sum()
     return losses.sum() if reduction == "sum" else losses

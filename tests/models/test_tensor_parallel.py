@@ -100,6 +100,28 @@ def test_vocab_parallel_embedding_and_cross_entropy():
     spawn(run, 3)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_cross_entropy_ignores_padding_targets(reduction):
+    # As F.cross_entropy: targets equal to ignore_index (-100, the usual label padding) add no
+    # loss and no gradient, and the mean is over the other targets.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 12, (3, 7), generator=g)
+    ids[0, :4] = -100
+    ids[2, 1] = 5
+    expected = F.cross_entropy(logits.transpose(1, 2), ids, reduction=reduction)
+    expected.sum().backward()
+
+    def run(b):
+        local = _chunk(logits.detach(), -1, b).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, ids, b, reduction=reduction)
+        loss.sum().backward()
+        torch.testing.assert_close(loss, expected.detach(), **TOL)
+        torch.testing.assert_close(local.grad, _chunk(logits.grad, -1, b), **TOL)
+
+    spawn(run, 3)
+
+
 def test_sharded_layer_norm():
     torch.manual_seed(0)
     norm = nn.LayerNorm(8).double()
