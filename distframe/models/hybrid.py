@@ -280,12 +280,14 @@ class HybridShardedModel(ShardedModelBase):
     def shard_layout(self) -> ShardLayout:
         """Dense ranges of ``local_parameter_shard()`` (what optimizer state is keyed by)."""
         layout = self._parameter_layout()
+        # Frozen parameters have no optimizer state (and no place in ZeRO's chunk).
+        trainable = [i for i, lp in enumerate(self.local_parameters) if lp.param.requires_grad]
+        segments = [layout.segments[i] for i in trainable]
         if self.zero is not None:
-            return self.zero.layout([segs for lp, segs in zip(self.local_parameters, layout.segments)
-                                     if lp.param.requires_grad])
-        writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups)
-                  for lp in self.local_parameters]
-        return WrittenOnceLayout(layout.shards, layout.segments, writes=writes)
+            return self.zero.layout(segments)
+        lps = [self.local_parameters[i] for i in trainable]
+        writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups) for lp in lps]
+        return WrittenOnceLayout([lp.param for lp in lps], segments, writes=writes)
 
     def _gather_parameters(self) -> dict[str, torch.Tensor]:
         full = self.gather_full_parameters()

@@ -46,6 +46,8 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
     scalars: dict[str, dict[str, list]] = {}
     owned = layout.owned(rank, world_size)
     for i, shard in enumerate(layout.shards):
+        if shard.numel() == 0:  # an empty ZeRO chunk (a stage with nothing to train) holds no state
+            continue
         for key, value in optimizer.state.get(shard, {}).items():
             if isinstance(value, torch.Tensor) and value.numel() == shard.numel() and value.numel() > 1:
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value

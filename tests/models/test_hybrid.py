@@ -147,33 +147,39 @@ def _partly_frozen_mlp():
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "zero1", "zero2"])
 @pytest.mark.parametrize("pp", [1, 2])
-def test_frozen_parameters_stay_frozen(data_parallel, pp):
+def test_frozen_parameters_stay_frozen(data_parallel, pp, tmp_path):
     # torch.optim skips a parameter whose .grad is None: averaging the gradients over dp must not
-    # hand frozen ones a zero gradient, which weight decay (or ZeRO's master chunk) would apply.
+    # hand frozen ones a zero gradient, which weight decay (or ZeRO's master chunk) would apply;
+    # and they have no optimizer state for a checkpoint to save or load.
+    from distframe import checkpoint
     from distframe.optimizers import ZeRO1Optimizer, ZeRO2Optimizer
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 5, generator=g, dtype=torch.float64)
     y = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.1)
     dense = _partly_frozen_mlp()
-    opt = torch.optim.SGD(dense.parameters(), lr=0.1, weight_decay=0.1)
+    opt = torch.optim.SGD(dense.parameters(), **kw)
     for _ in range(2):
         torch.nn.functional.mse_loss(dense(x), y).backward()
         opt.step()
         opt.zero_grad()
 
-    def run(b):
+    def run(b, step):  # the first step, then a checkpoint; a fresh model loads it for the second
         model = HybridShardedModel(_partly_frozen_mlp(), b, dims=ParallelDims(dp=2, pp=pp),
                                    num_microbatches=2, data_parallel=data_parallel,
                                    split_points=[2] if pp > 1 else None)
-        kw = dict(lr=0.1, weight_decay=0.1)
         opt = (torch.optim.SGD(model.parameters(), **kw) if data_parallel == "ddp" else
                (ZeRO1Optimizer if data_parallel == "zero1" else ZeRO2Optimizer)(model, torch.optim.SGD, **kw))
-        for _ in range(2):
-            model.train_step(dp_slice((x, y), model.groups.dp_index, 2), torch.nn.functional.mse_loss, opt)
+        if step == 1:
+            checkpoint.load(tmp_path, model, opt)
+        model.train_step(dp_slice((x, y), model.groups.dp_index, 2), torch.nn.functional.mse_loss, opt)
+        if step == 0:
+            checkpoint.save(tmp_path, model, opt, step=1)
         return model.gather_full_parameters()
 
-    for full in spawn(run, 2 * pp):
+    spawn(lambda b: run(b, 0), 2 * pp)
+    for full in spawn(lambda b: run(b, 1), 2 * pp):
         for name, tensor in dense.state_dict().items():
             torch.testing.assert_close(full[name], tensor, **TOL, msg=name)
 
