@@ -114,6 +114,14 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(names[name], wanted):
             raise ConfigError(f"plan[{name!r}]={style!r} needs an nn.{wanted.__name__}, "
                               f"got {type(names[name]).__name__}")
+    # A weight tied between a planned layer and another module would be split on one side only,
+    # silently untying them: both must be planned (split the same way) or neither.
+    planned = {id(p): name for name in plan for p in names[name].parameters()}
+    for alias, param in model.named_parameters(remove_duplicate=False):
+        owner = alias.rpartition(".")[0]
+        if id(param) in planned and owner not in plan:
+            raise ConfigError(f"{alias} is tied to {planned[id(param)]}, which the plan splits; plan "
+                              f"{owner!r} too (a tied embedding 'vocab' with its head 'column') or neither")
     return dict(plan)
 
 

@@ -225,3 +225,17 @@ def test_plan_errors():
         spawn(lambda b: TensorParallelModel(tiny_lm(), b), 3)
     with pytest.raises(ConfigError, match="default tensor-parallel plan"):
         default_tp_plan(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tied_weight_planned_on_one_side_only_is_a_config_error(pp):
+    # Splitting the head alone would cut the tie: the embedding would keep the whole weight and
+    # train it apart from the head's slice (or, pipelined, all-reduce tensors of two shapes).
+    from distframe.mesh import ParallelDims
+    from distframe.models.hybrid import HybridShardedModel
+
+    def run(b):
+        HybridShardedModel(tiny_lm(), b, dims=ParallelDims(tp=2, pp=pp), tp_plan={"head": "column"})
+
+    with pytest.raises(ConfigError, match="tok_embedding"):
+        spawn(run, 2 * pp, timeout=20)
