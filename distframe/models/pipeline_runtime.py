@@ -135,6 +135,9 @@ class PipelineRunner:
         with self.timeline.busy("F", chunk, microbatch), self.memory.hooks():
             out = self.chunks[chunk](x)
         if stage < self.num_stages - 1:
+            if not isinstance(out, torch.Tensor):
+                raise ConfigError(f"pipeline stage {stage} returned a {type(out).__name__}; a stage passes "
+                                  "one tensor to the next: make its last layer return one tensor")
             self.links.send_activation(out, self._rank_of(stage + 1), stage + 1)
             if grad and out.requires_grad:
                 self.links.expect_gradient(out, self._rank_of(stage + 1), stage)

@@ -296,6 +296,21 @@ def test_integer_activation_between_stages(schedule):
             torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_stage_output_that_is_not_a_tensor_is_a_config_error():
+    model = nn.Sequential(nn.Linear(5, 3), _Pair(), nn.Identity()).double()
+
+    def run(b):
+        PipelineParallelModel(model, b, num_microbatches=2, split_points=[2]).forward_backward(data(4), mse)
+
+    with pytest.raises(ConfigError, match="one tensor"):
+        spawn(run, 2, timeout=20)
+
+
 # ---- measured memory and bubble -------------------------------------------------------------------
 def _peak_activation_bytes(b, model, x, y, m, schedule):
     pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
