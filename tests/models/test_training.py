@@ -33,6 +33,33 @@ def test_no_sync_accumulation_equals_one_step_on_the_k_times_batch(strategy):
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("strategy, policy", [(s, None) for s in STRATEGIES] + [
+    ("zero1", MixedPrecisionPolicy(reduce_dtype=torch.float32))])
+def test_accumulation_over_synchronised_backwards_equals_one_step_on_the_k_times_batch(strategy, policy):
+    # Several backwards before one step, each synchronising (no no_sync): as with torch DDP, the
+    # averaged gradients add up. ZeRO-1 used to reduce the previous backward's gradients again.
+    k, world, micro = 3, 2, 4
+    big = global_batches(1, k * micro * world)[0]
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        extra = {} if policy is None else {"mixed_precision": policy}
+        model = model_cls(build_model(), backend, **SETTINGS[strategy], **extra)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for j in range(k):
+            x, y = rank_slice(big, j * world + backend.rank, k * world)
+            (loss_fn(model(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad()
+        return model.gather_full_parameters()
+    expected = reference_run([big])[0]
+    # A float32 reduction of float64 gradients rounds them to ~1e-7 of their size.
+    atol = 1e-10 if policy is None else 1e-6
+    for params in spawn(run, world):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_float32_parity(strategy):
     def run(backend):
