@@ -68,7 +68,10 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
     verify_files(path, meta)
     _check_parameters(meta, model)
     reader = open_reader(path, meta)
-    model.load_state_dict(reader)
+    try:
+        model.load_state_dict(reader)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
@@ -168,11 +171,22 @@ def _existing(path: Path) -> Path:
 
 
 def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
-    saved = meta["parameters"]
-    for name, info in model.parameter_metadata().items():
-        if name not in saved:
-            raise CheckpointError(f"parameter {name!r} is not in the checkpoint; it holds "
+    """CheckpointError naming the first parameter, frozen parameter or buffer that the model and
+    the checkpoint do not share (a parameter frozen on one side only is shared)."""
+    saved, replicated = meta["parameters"], set(meta["replicated"])
+    shapes = {name: info["shape"] for name, info in model.parameter_metadata().items()}
+    ours = set(shapes)
+    for name, tensor in model.replicated_tensors():
+        shapes.setdefault(name, list(tensor.shape))
+    for name, shape in shapes.items():
+        if name not in saved and name not in replicated:
+            kind = "parameter" if name in ours else "buffer or frozen parameter"
+            raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds "
                                   f"{sorted(saved)[:5]}...")
-        if info["shape"] != saved[name]["shape"]:
-            raise CheckpointError(f"parameter {name!r} has shape {info['shape']} here but "
+        if name in saved and shape != saved[name]["shape"]:
+            raise CheckpointError(f"parameter {name!r} has shape {shape} here but "
                                   f"{saved[name]['shape']} in the checkpoint")
+    unexpected = sorted((set(saved) | replicated) - set(shapes))
+    if unexpected:
+        raise CheckpointError(f"the checkpoint holds {unexpected[:5]} that this model does not have "
+                              "(it was saved from a different model)")
