@@ -87,8 +87,9 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
 
 
 def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full state dict (parameters, frozen parameters, buffers) of the checkpoint at ``path``,
-    for single-process use. Reads every file; no communication."""
+    """The full state dict (parameters, frozen parameters, buffers; a tied weight under each of
+    its names) of the checkpoint at ``path``, for single-process use. Reads every file; no
+    communication."""
     path = _existing(Path(path))
     meta = read_metadata(path)
     verify_files(path, meta)
@@ -101,6 +102,10 @@ def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
         out[name] = reader.read("param", name, 0, numel).reshape(info["shape"]).clone()
     for name in meta["replicated"]:
         out[name] = reader.buffer(name).clone()
+    # A tied weight is stored once; the unwrapped model's state_dict() has it under every name.
+    for alias, name in meta.get("aliases", {}).items():
+        if name in out:
+            out[alias] = out[name]
     return out
 
 
@@ -143,11 +148,25 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
         "world_size": model.backend.world_size, "step": step,
         "parameters": model.parameter_metadata(),
         "replicated": [n for n, _ in model.replicated_tensors()],
+        "aliases": _aliases(model),
         "files": tables,
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
     }
+
+
+def _aliases(model: ShardedModelBase) -> dict[str, str]:
+    """Every further state_dict() name of a tensor the wrapped model holds under several names
+    (tied weights), mapped to the name it is stored under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.wrapped_model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
 
 
 def _rename_into_place(tmp: Path, path: Path) -> None:
