@@ -111,8 +111,9 @@ def test_an_optimizer_instance_with_groups_of_different_settings_is_refused():
             ZeRO2Optimizer(model, groups)
         same = torch.optim.SGD([{"params": decay}, {"params": no_decay}], lr=0.01)
         assert ZeRO2Optimizer(model, same).param_groups[0]["lr"] == 0.01
-        stepped = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        loss_fn(model(global_batches(1, 4)[0][0]), global_batches(1, 4)[0][1]).backward()
+        weight = nn.Parameter(torch.ones(2))
+        weight.grad = torch.ones(2)
+        stepped = torch.optim.SGD([weight], lr=0.01, momentum=0.9)
         stepped.step()
         with pytest.raises(ConfigError, match="already taken steps"):
             ZeRO2Optimizer(model, stepped)

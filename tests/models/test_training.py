@@ -149,3 +149,30 @@ def test_construction_broadcasts_rank_0_weights():
     for name, value in build_model(seed=0).state_dict().items():
         for params in results:
             torch.testing.assert_close(params[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_ddp_gradients_are_averaged_when_backward_returns(max_norm):
+    # The torch DDP loop with a plain optimizer: backward, (clip,) step. Nothing calls
+    # synchronize_gradients, so backward itself must leave the averaged gradients (it used to
+    # leave each rank's own, and the replicas drifted apart).
+    def step(model, opt, x, y):
+        loss_fn(model(x), y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+
+    def run(backend):
+        model = DDPModel(build_model(), backend, **SETTINGS["ddp"])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for batch in global_batches(4, 12):
+            step(model, opt, *rank_slice(batch, backend.rank, backend.world_size))
+        return model.gather_full_parameters()
+    reference = build_model()
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for batch in global_batches(4, 12):
+        step(reference, opt, *batch)
+    for params in spawn(run, 3):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
