@@ -98,4 +98,10 @@ def open_reader(path: Path, meta: dict[str, Any]) -> RangeReader:
         if hi is None:
             return handles[name].get_tensor(key)
         return handles[name].get_slice(key)[lo:hi]
-    return RangeReader(pieces, fetch)
+
+    def shape_of(key: str) -> list[int]:
+        name = where[key]
+        if name not in handles:
+            handles[name] = safe_open(str(path / name), framework="pt")
+        return handles[name].get_slice(key).get_shape()
+    return RangeReader(pieces, fetch, shape_of)

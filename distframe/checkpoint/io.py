@@ -68,7 +68,10 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
     verify_files(path, meta)
     _check_parameters(meta, model)
     reader = open_reader(path, meta)
-    model.load_state_dict(reader)
+    try:
+        model.load_state_dict(reader)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
@@ -84,8 +87,9 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
 
 
 def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
-    """The full state dict (parameters, frozen parameters, buffers) of the checkpoint at ``path``,
-    for single-process use. Reads every file; no communication."""
+    """The full state dict (parameters, frozen parameters, buffers; a tied weight under each of
+    its names) of the checkpoint at ``path``, for single-process use. Reads every file; no
+    communication."""
     path = _existing(Path(path))
     meta = read_metadata(path)
     verify_files(path, meta)
@@ -98,6 +102,10 @@ def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
         out[name] = reader.read("param", name, 0, numel).reshape(info["shape"]).clone()
     for name in meta["replicated"]:
         out[name] = reader.buffer(name).clone()
+    # A tied weight is stored once; the unwrapped model's state_dict() has it under every name.
+    for alias, name in meta.get("aliases", {}).items():
+        if name in out:
+            out[alias] = out[name]
     return out
 
 
@@ -140,11 +148,25 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
         "world_size": model.backend.world_size, "step": step,
         "parameters": model.parameter_metadata(),
         "replicated": [n for n, _ in model.replicated_tensors()],
+        "aliases": _aliases(model),
         "files": tables,
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
     }
+
+
+def _aliases(model: ShardedModelBase) -> dict[str, str]:
+    """Every further state_dict() name of a tensor the wrapped model holds under several names
+    (tied weights), mapped to the name it is stored under."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.wrapped_model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
 
 
 def _rename_into_place(tmp: Path, path: Path) -> None:
@@ -168,11 +190,22 @@ def _existing(path: Path) -> Path:
 
 
 def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
-    saved = meta["parameters"]
-    for name, info in model.parameter_metadata().items():
-        if name not in saved:
-            raise CheckpointError(f"parameter {name!r} is not in the checkpoint; it holds "
+    """CheckpointError naming the first parameter, frozen parameter or buffer that the model and
+    the checkpoint do not share (a parameter frozen on one side only is shared)."""
+    saved, replicated = meta["parameters"], set(meta["replicated"])
+    shapes = {name: info["shape"] for name, info in model.parameter_metadata().items()}
+    ours = set(shapes)
+    for name, tensor in model.replicated_tensors():
+        shapes.setdefault(name, list(tensor.shape))
+    for name, shape in shapes.items():
+        if name not in saved and name not in replicated:
+            kind = "parameter" if name in ours else "buffer or frozen parameter"
+            raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds "
                                   f"{sorted(saved)[:5]}...")
-        if info["shape"] != saved[name]["shape"]:
-            raise CheckpointError(f"parameter {name!r} has shape {info['shape']} here but "
+        if name in saved and shape != saved[name]["shape"]:
+            raise CheckpointError(f"parameter {name!r} has shape {shape} here but "
                                   f"{saved[name]['shape']} in the checkpoint")
+    unexpected = sorted((set(saved) | replicated) - set(shapes))
+    if unexpected:
+        raise CheckpointError(f"the checkpoint holds {unexpected[:5]} that this model does not have "
+                              "(it was saved from a different model)")

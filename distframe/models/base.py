@@ -207,11 +207,19 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
         checkpoint reader); each rank reads the ranges it holds. Collective."""
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        replicated = self.replicated_tensors()
+        for name, tensor in replicated:  # before anything changes, as copy_ would broadcast
+            stored = reader.replicated_shape(name, tensor.shape)
+            if stored is None:
+                raise ConfigError(f"buffer or frozen parameter {name!r} is not in the state loaded")
+            if stored != tuple(tensor.shape):
+                raise ConfigError(f"buffer or frozen parameter {name!r} has shape {list(tensor.shape)} "
+                                  f"here but {list(stored)} in the state loaded")
         layout = self.shard_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
-            for name, tensor in self.replicated_tensors():
-                tensor.copy_(reader.buffer(name))
+            for name, tensor in replicated:
+                tensor.copy_(reader.replicated(name, tensor.shape))
         self._after_load()
 
     # ---- memory ------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ class DDPModel(ShardedModelBase):
     into its bucket's flat buffer) and, with DDPOptimizer or a plain torch.optim optimizer, the
     full optimizer state. Collectives: per bucket (reverse registration order, ``bucket_cap_mb``,
     the first ``first_bucket_cap_mb``), one ``all_reduce(AVG)`` started asynchronously from the
-    gradient hooks as soon as the bucket's gradients are accumulated during backward, waited for in
-    ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
+    gradient hooks as soon as the bucket's gradients are accumulated during backward, waited for when
+    backward finishes (so a plain optimizer, or clipping, sees averaged gradients), or at the latest
+    in ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
     ``no_sync()`` nothing is communicated.
 
     ``register_comm_hook(hook)`` replaces the per-bucket all_reduce: ``hook(backend, bucket)``

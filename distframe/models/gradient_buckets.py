@@ -4,7 +4,9 @@ Shared by DDP, ZeRO-1 and ZeRO-2 (and usable over any backend or data-parallel s
 Each parameter's ``.grad`` is a view into its bucket's flat buffer, so accumulation writes
 straight into the buffer that is communicated. When every gradient of a bucket has been
 accumulated, the bucket's collective is started asynchronously (``launch(bucket) -> Work``);
-``finish()`` waits for them in bucket order and hands each result to ``complete(bucket, result)``.
+``finish()`` waits for them in bucket order and hands each result to ``complete(bucket, result)``;
+a synchronising backward runs it as its last act (as torch DDP does), so gradients are averaged
+when ``backward()`` returns, whoever steps: a plain torch.optim optimizer, clipping, a user.
 
 [Note: launch order] Buckets are launched strictly in index order (a ready bucket waits for its
 predecessors), and ``finish()`` launches whatever has not been launched yet, so every rank issues
@@ -63,6 +65,8 @@ class GradientBuckets:
         self._armed = False
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
+        self._finish_queued = False
+        self._backward_finished = False
         self._pending: list[tuple[GradBucket, Work]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient_accumulated)
                          for bucket in self.buckets for p in bucket.parameters]
@@ -76,6 +80,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             self._attach(bucket)
         self._armed = synchronize
+        self._backward_finished = False
         self._ready = [set() for _ in self.buckets]
 
     def finish(self) -> None:
@@ -131,16 +136,26 @@ class GradientBuckets:
             # The gradient was replaced (for example zero_grad(set_to_none=True) after forward).
             view.copy_(param.grad)
             param.grad = view
-        if not self._armed:
-            return
-        if bucket.index < self._next_launch:
+        if self._backward_finished or self._armed and bucket.index < self._next_launch:
             raise RuntimeError(
                 f"a gradient arrived for bucket {bucket.index} after it was reduced: run one "
                 "backward per forward, or accumulate inside model.no_sync()")
+        if not self._armed:
+            return
+        if not self._finish_queued:
+            # Runs when this backward pass is done (torch DDP's reducer does the same).
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._ready[bucket.index].add(k)
         while (self._next_launch < len(self.buckets) and len(self._ready[self._next_launch])
                == len(self.buckets[self._next_launch].parameters)):
             self._launch_next()
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        if self._armed:
+            self.finish()
+            self._backward_finished = True
 
     def _complete_leading(self, *, block: bool) -> None:
         """Completes launched buckets in order: all of them (``block``), or those whose

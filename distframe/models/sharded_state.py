@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -69,10 +69,13 @@ def shard_pieces(layout: ShardLayout, rank: int, world_size: int, kind: str,
 class RangeReader:
     """Reads ranges of flattened parameters (and whole buffers) from pieces named by
     ``piece_key``; ``fetch(key, lo, hi)`` returns elements lo:hi of one stored piece (the whole
-    tensor, shaped, when ``hi`` is None)."""
+    tensor, shaped, when ``hi`` is None); ``shape_of(key)`` its shape without reading it."""
 
-    def __init__(self, pieces: Iterable[tuple[str, int]], fetch: Callable[[str, int, int | None], torch.Tensor]) -> None:
+    def __init__(self, pieces: Iterable[tuple[str, int]],
+                 fetch: Callable[[str, int, int | None], torch.Tensor],
+                 shape_of: Callable[[str], Sequence[int]] | None = None) -> None:
         self._fetch = fetch
+        self._shape_of = shape_of or (lambda key: fetch(key, 0, None).shape)
         self._index: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         self.keys: set[str] = set()
         for key, numel in pieces:
@@ -87,13 +90,17 @@ class RangeReader:
     @classmethod
     def from_tensors(cls, state: dict[str, torch.Tensor]) -> RangeReader:
         return cls(((k, v.numel()) for k, v in state.items()),
-                   lambda key, lo, hi: state[key] if hi is None else state[key].reshape(-1)[lo:hi])
+                   lambda key, lo, hi: state[key] if hi is None else state[key].reshape(-1)[lo:hi],
+                   lambda key: state[key].shape)
 
     def kinds(self) -> set[str]:
         return {kind for kind, _ in self._index}
 
     def read(self, kind: str, name: str, start: int, length: int) -> torch.Tensor:
         runs = self._index.get((kind, name))
+        if not runs and kind == "param" and f"buffer/{name}" in self.keys:
+            # Stored frozen (whole, as buffers are), read by a model that trains it.
+            return self.buffer(name).reshape(-1)[start:start + length]
         if not runs:
             raise KeyError(f"no stored {kind} data for parameter {name!r}")
         parts, pos, end = [], start, start + length
@@ -113,6 +120,30 @@ class RangeReader:
         if key not in self.keys:
             raise KeyError(f"no stored buffer {name!r}")
         return self._fetch(key, 0, None)
+
+    def replicated_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...] | None:
+        """The stored shape of buffer or frozen parameter ``name`` (None when it is not stored).
+        Parameter pieces (the saving model trained it) hold no shape: ``shape`` when their
+        element count is that shape's, else their count."""
+        if f"buffer/{name}" in self.keys:
+            return tuple(self._shape_of(f"buffer/{name}"))
+        runs = self._index.get(("param", name), [])
+        covered = sum(n for _, n, _ in runs)
+        return None if not runs else tuple(shape) if covered == _numel(shape) else (covered,)
+
+    def replicated(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """Buffer or frozen parameter ``name`` of ``shape``: stored whole, or as parameter pieces
+        when the saving model trained it."""
+        if f"buffer/{name}" in self.keys:
+            return self.buffer(name)
+        return self.read("param", name, 0, _numel(shape)).reshape(tuple(shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
 
 
 def fill_shards(layout: ShardLayout, reader: RangeReader, kind: str,

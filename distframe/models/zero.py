@@ -69,6 +69,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         self.gradient_buckets = GradientBuckets(
             self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
             complete=self._complete, keep_buffers=not self.free_gradients)
+        self._reduced_buckets: set[int] = set()  # kept buffers already reduced (ZeRO-1)
 
     def _launch(self, bucket: GradBucket) -> Work:
         grad = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
@@ -85,6 +86,8 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
             chunk = bucket.space.shard_of(bucket.buffer, self.backend.rank)
             chunk.copy_(shard_grad)
             shard_grad = chunk
+        if not self.free_gradients:
+            self._reduced_buckets.add(bucket.index)
         shard_grad = shard_grad.to(master.dtype)
         if master.grad is None:
             master.grad = shard_grad
@@ -95,6 +98,22 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
     def _pre_forward(self) -> None:
         if torch.is_grad_enabled():
             self.gradient_buckets.prepare_for_backward(self._synchronize)
+            self._restart_kept_buffers()
+
+    def _restart_kept_buffers(self) -> None:
+        """A backward after a synchronisation, with no zero_grad in between, adds to the averaged
+        gradients (as with torch DDP). ZeRO-1's kept buffers then still hold the local gradients
+        that were already reduced, with this rank's chunk overwritten by the average (which is
+        also its master's ``.grad``): reduced again they would count twice. So the average moves
+        to a ``.grad`` of its own and the buffers restart from zero."""
+        for index in sorted(self._reduced_buckets):
+            bucket, master = self.gradient_buckets.buckets[index], self.masters[index]
+            grad = master.grad
+            buffer_storage = bucket.buffer.untyped_storage().data_ptr()
+            if grad is not None and grad.untyped_storage().data_ptr() == buffer_storage:
+                master.grad = grad.clone()
+            bucket.buffer.zero_()
+        self._reduced_buckets.clear()
 
     def synchronize_gradients(self) -> None:
         self.gradient_buckets.finish()
@@ -115,6 +134,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
 
     def _zero_grad(self) -> None:
         self.gradient_buckets.zero_grad()
+        self._reduced_buckets.clear()
 
     def local_parameter_shard(self) -> list[torch.Tensor]:
         return list(self.masters)

@@ -2,6 +2,7 @@
 model's synchronisation points around each step."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -16,21 +17,49 @@ from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_p
 def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str, Any],
                     owner: str) -> torch.optim.Optimizer:
     """``optimizer`` is a torch.optim.Optimizer subclass (built with ``kwargs``) or an instance
-    (re-built over ``params`` with its hyperparameters; it must not have taken a step yet)."""
+    (re-built over ``params`` with its settings; it must not have taken a step yet, and its param
+    groups, if several, must share their settings: the shards mix every group's parameters)."""
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer(params, **kwargs)
     if isinstance(optimizer, torch.optim.Optimizer):
         if kwargs:
             raise ConfigError(f"{owner}: pass either an optimizer instance or a class with keyword "
                               f"settings, not both (got {sorted(kwargs)})")
-        if optimizer.state:
+        if _has_stepped(optimizer):
             raise ConfigError(f"{owner}: the optimizer instance has already taken steps; pass a "
                               "fresh one (or its class) so its state can be sharded from the start")
-        settings = {k: v for k, v in optimizer.param_groups[0].items()
-                    if k in optimizer.defaults}
-        return type(optimizer)(params, **settings)
+        settings = _shared_settings(optimizer, owner)
+        # Pass what the constructor accepts (AdamW's defaults hold decoupled_weight_decay, which
+        # its constructor refuses), then set every setting on the group as the instance had it.
+        accepted = inspect.signature(type(optimizer).__init__).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted):
+            names = {p.name for p in accepted}
+            rebuilt = type(optimizer)(params, **{k: v for k, v in settings.items() if k in names})
+        else:
+            rebuilt = type(optimizer)(params, **settings)
+        for group in rebuilt.param_groups:
+            group.update(settings)
+        return rebuilt
     raise ConfigError(f"{owner}: optimizer must be a torch.optim.Optimizer class or instance, e.g. "
                       f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """State from a step (Adagrad creates state with step 0 at construction: not a step)."""
+    return any("step" not in state or float(state["step"]) > 0 for state in optimizer.state.values())
+
+
+def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, Any]:
+    """The settings every param group of ``optimizer`` has; ConfigError when groups differ."""
+    groups = [{k: v for k, v in g.items() if k in optimizer.defaults} for g in optimizer.param_groups]
+    differing = sorted({k for g in groups[1:] for k in g if g[k] != groups[0].get(k)})
+    if differing:
+        raise ConfigError(
+            f"{owner}: the optimizer instance has {len(groups)} param groups with different "
+            f"{differing}, but a sharded optimizer updates flat shards that mix parameters of "
+            "every group, so it takes one setting for all; pass one group (or the class with "
+            "keyword settings). A DDPModel also trains with the plain optimizer itself.")
+    return groups[0]
 
 
 class ShardedOptimizerBase:

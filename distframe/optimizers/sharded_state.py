@@ -1,8 +1,9 @@
 """Optimizer state as parameter-range pieces, so it re-shards like the parameters.
 
-State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD's momentum)
-become ``optim.<key>/<name>@<offset>`` pieces over the same segments as the parameters;
-per-parameter scalars (Adam's step) are kept per parameter name; hyperparameters per group.
+State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD's momentum: the
+shard's shape, even when that is one element) become ``optim.<key>/<name>@<offset>`` pieces over
+the same segments as the parameters; per-parameter scalars (Adam's step, 0-d) are kept per
+parameter name; hyperparameters per group.
 Pure copies; no communication.
 """
 from __future__ import annotations
@@ -49,7 +50,9 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
         if shard.numel() == 0:  # an empty ZeRO chunk (a stage with nothing to train) holds no state
             continue
         for key, value in optimizer.state.get(shard, {}).items():
-            if isinstance(value, torch.Tensor) and value.numel() == shard.numel() and value.numel() > 1:
+            # Per-element state has the shard's shape, however few elements it has (a bias of
+            # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d.
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value
             elif isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Number):
                 is_tensor = isinstance(value, torch.Tensor)

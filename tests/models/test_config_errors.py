@@ -75,3 +75,46 @@ def test_different_models_on_different_ranks_name_the_parameter_and_ranks():
         DDPModel(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, width)), backend)
     with pytest.raises(ConfigError, match=r"1.weight \(4, 4\).*1.weight \(5, 4\).*rank\(s\) \[2\]"):
         spawn(run, 3)
+
+
+@pytest.mark.parametrize("optimizer_cls, settings", [
+    (torch.optim.AdamW, {"lr": 0.02, "weight_decay": 0.3}),   # its defaults hold a setting its
+    (torch.optim.Adagrad, {"lr": 0.05}),                      # constructor refuses; state at init
+    (torch.optim.Adam, {"lr": 0.02, "betas": (0.8, 0.9)}),
+])
+def test_an_optimizer_instance_trains_as_its_class_with_the_same_settings(optimizer_cls, settings):
+    def run(backend):
+        results = []
+        for instance in (True, False):
+            model = ZeRO2Model(build_model(), backend)
+            opt = (ZeRO2Optimizer(model, optimizer_cls(model.parameters(), **settings)) if instance
+                   else ZeRO2Optimizer(model, optimizer_cls, **settings))
+            for batch in global_batches(2, 4):
+                model.train_step(batch, loss_fn, opt)
+            results.append(model.gather_full_parameters())
+        return results
+    from_instance, from_class = _one_rank(run)
+    for name, value in from_class.items():
+        torch.testing.assert_close(from_instance[name], value, rtol=0, atol=0)
+
+
+def test_an_optimizer_instance_with_groups_of_different_settings_is_refused():
+    # Sharded optimizers update flat chunks that mix every group's parameters: taking the first
+    # group's settings for all of them would silently change the training.
+    def run(backend):
+        model = ZeRO2Model(build_model(), backend)
+        decay = [p for p in model.parameters() if p.dim() > 1]
+        no_decay = [p for p in model.parameters() if p.dim() <= 1]
+        groups = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                    {"params": no_decay, "weight_decay": 0.0}], lr=0.01)
+        with pytest.raises(ConfigError, match="2 param groups.*weight_decay"):
+            ZeRO2Optimizer(model, groups)
+        same = torch.optim.SGD([{"params": decay}, {"params": no_decay}], lr=0.01)
+        assert ZeRO2Optimizer(model, same).param_groups[0]["lr"] == 0.01
+        weight = nn.Parameter(torch.ones(2))
+        weight.grad = torch.ones(2)
+        stepped = torch.optim.SGD([weight], lr=0.01, momentum=0.9)
+        stepped.step()
+        with pytest.raises(ConfigError, match="already taken steps"):
+            ZeRO2Optimizer(model, stepped)
+    _one_rank(run)

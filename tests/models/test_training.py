@@ -33,6 +33,33 @@ def test_no_sync_accumulation_equals_one_step_on_the_k_times_batch(strategy):
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("strategy, policy", [(s, None) for s in STRATEGIES] + [
+    ("zero1", MixedPrecisionPolicy(reduce_dtype=torch.float32))])
+def test_accumulation_over_synchronised_backwards_equals_one_step_on_the_k_times_batch(strategy, policy):
+    # Several backwards before one step, each synchronising (no no_sync): as with torch DDP, the
+    # averaged gradients add up. ZeRO-1 used to reduce the previous backward's gradients again.
+    k, world, micro = 3, 2, 4
+    big = global_batches(1, k * micro * world)[0]
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        extra = {} if policy is None else {"mixed_precision": policy}
+        model = model_cls(build_model(), backend, **SETTINGS[strategy], **extra)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for j in range(k):
+            x, y = rank_slice(big, j * world + backend.rank, k * world)
+            (loss_fn(model(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad()
+        return model.gather_full_parameters()
+    expected = reference_run([big])[0]
+    # A float32 reduction of float64 gradients rounds them to ~1e-7 of their size.
+    atol = 1e-10 if policy is None else 1e-6
+    for params in spawn(run, world):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_float32_parity(strategy):
     def run(backend):
@@ -122,3 +149,30 @@ def test_construction_broadcasts_rank_0_weights():
     for name, value in build_model(seed=0).state_dict().items():
         for params in results:
             torch.testing.assert_close(params[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_ddp_gradients_are_averaged_when_backward_returns(max_norm):
+    # The torch DDP loop with a plain optimizer: backward, (clip,) step. Nothing calls
+    # synchronize_gradients, so backward itself must leave the averaged gradients (it used to
+    # leave each rank's own, and the replicas drifted apart).
+    def step(model, opt, x, y):
+        loss_fn(model(x), y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+
+    def run(backend):
+        model = DDPModel(build_model(), backend, **SETTINGS["ddp"])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for batch in global_batches(4, 12):
+            step(model, opt, *rank_slice(batch, backend.rank, backend.world_size))
+        return model.gather_full_parameters()
+    reference = build_model()
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for batch in global_batches(4, 12):
+        step(reference, opt, *batch)
+    for params in spawn(run, 3):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)

@@ -6,6 +6,7 @@ from torch import nn
 
 from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe import checkpoint
+from distframe.checkpoint.format import read_metadata
 from distframe.launch import spawn
 from tests.models.common import SEED_LOCK, STRATEGIES
 
@@ -156,8 +157,13 @@ def test_checkpoint_moves_between_zero3_and_ddp(tmp_path, kind):
                 assert_states_equal(loaded, last, atol=0)
             assert_states_equal(history[-1], reference[2 * k + 1], atol=1e-10)
         last = results[0][1][-1]
+        saved = read_metadata(target)["parameters"]
+        assert TIED[kind][1] not in saved, "a tied weight is saved once, under its first name"
         stored = checkpoint.consolidate(target)
-        assert TIED[kind][1] not in stored, "a tied weight is saved once, under its first name"
+        # ... and consolidated as the unwrapped model's state_dict() has it: under both names.
+        assert stored[TIED[kind][1]] is stored[TIED[kind][0]]
         for name, value in stored.items():
             torch.testing.assert_close(value, last[name], rtol=0, atol=0)
+        with SEED_LOCK:
+            MODELS[kind]().double().load_state_dict(stored)  # strict: every key is there
         previous = target
