@@ -83,6 +83,10 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def _pre_forward(self) -> None:
         """Runs before the wrapped model's forward."""
 
+    def _post_forward(self, output: Any) -> Any:
+        """Runs on the wrapped model's output; returns what ``forward`` returns."""
+        return output
+
     def _after_load(self) -> None:
         """Runs after shards were overwritten by ``load_state_dict``; collective."""
 
@@ -96,7 +100,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
     # ---- shared life cycle -------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._pre_forward()
-        return self.wrapped_model(*args, **kwargs)
+        return self._post_forward(self.wrapped_model(*args, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -80,6 +80,11 @@ class DDPModel(ShardedModelBase):
         if torch.is_grad_enabled():
             self.gradient_buckets.prepare_for_backward(self._synchronize)
 
+    def _post_forward(self, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.gradient_buckets.watch(output)
+        return output
+
     def synchronize_gradients(self) -> None:
         self.gradient_buckets.finish()
 

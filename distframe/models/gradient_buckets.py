@@ -81,7 +81,18 @@ class GradientBuckets:
             self._attach(bucket)
         self._armed = synchronize
         self._backward_finished = False
+        self._finish_queued = False  # a backward that raised never ran its callback
         self._ready = [set() for _ in self.buckets]
+
+    def watch(self, output: Any) -> None:
+        """Hooks the tensors of a forward's ``output`` so that the backward starting from them
+        queues the finish. Its first gradient is the output's, so the finish lands on the user's
+        backward pass, not on one nested inside it (reentrant activation checkpointing runs a
+        backward of its own, which may reach parameters first)."""
+        if self._armed:
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._queue_finish)
 
     def finish(self) -> None:
         """Launches the buckets that have not been launched (in order), waits for all of them and
@@ -142,14 +153,17 @@ class GradientBuckets:
                 "backward per forward, or accumulate inside model.no_sync()")
         if not self._armed:
             return
-        if not self._finish_queued:
-            # Runs when this backward pass is done (torch DDP's reducer does the same).
-            self._finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queue_finish()  # in case no output was watched (a loss that bypasses the outputs)
         self._ready[bucket.index].add(k)
         while (self._next_launch < len(self.buckets) and len(self._ready[self._next_launch])
                == len(self.buckets[self._next_launch].parameters)):
             self._launch_next()
+
+    def _queue_finish(self, *_: Any) -> None:
+        if not self._finish_queued:
+            # Runs when this backward pass is done (torch DDP's reducer does the same).
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         self._finish_queued = False
@@ -173,3 +187,14 @@ class GradientBuckets:
             self._attach(bucket)
         self._pending.append((bucket, self.launch_fn(bucket)))
         self._next_launch += 1
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output (nested tuples, lists and dicts)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []

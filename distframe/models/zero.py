@@ -100,6 +100,11 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
             self.gradient_buckets.prepare_for_backward(self._synchronize)
             self._restart_kept_buffers()
 
+    def _post_forward(self, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            self.gradient_buckets.watch(output)
+        return output
+
     def _restart_kept_buffers(self) -> None:
         """A backward after a synchronisation, with no zero_grad in between, adds to the averaged
         gradients (as with torch DDP). ZeRO-1's kept buffers then still hold the local gradients

@@ -176,3 +176,38 @@ def test_ddp_gradients_are_averaged_when_backward_returns(max_norm):
     for params in spawn(run, 3):
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+class Checkpointed(nn.Module):
+    """build_model() with every layer after the first (whose input needs no gradient, which
+    reentrant checkpointing requires) recomputed in backward, the last layer included."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.m, self.reentrant = build_model(), reentrant
+
+    def forward(self, x):
+        x = self.m[0](x)
+        for layer in self.m[1:]:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_of_the_last_layer(strategy, reentrant):
+    # Reentrant checkpointing runs a backward of its own inside the user's, and with the last
+    # layer checkpointed that nested backward reaches parameters first: the reductions must
+    # still finish when the user's backward does, not the nested one (that raised 'a gradient
+    # arrived ... after it was reduced').
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(Checkpointed(reentrant), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(4, 12):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+        return model.gather_full_parameters()
+    expected = reference_run(global_batches(4, 12))[-1]
+    for params in spawn(run, 2, timeout=20):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[f"m.{name}"], value, rtol=0, atol=1e-10)
