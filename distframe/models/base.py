@@ -16,7 +16,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
-from distframe.models.replicas import broadcast_module_state, check_same_structure
+from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
 
 
@@ -98,7 +98,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
         return []
 
     # ---- shared life cycle -------------------------------------------------------------------
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank (``config.broadcast_buffers``); collective."""
+        if self.config.broadcast_buffers and self.backend.world_size > 1:
+            buffers = list(self.wrapped_model.buffers())
+            if buffers:
+                broadcast_tensors(buffers, self.backend)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._synchronize and torch.is_grad_enabled():
+            self._sync_buffers()
         self._pre_forward()
         return self._post_forward(self.wrapped_model(*args, **kwargs))
 
@@ -174,7 +183,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
     # ---- full and sharded state --------------------------------------------------------------
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         """The wrapped model's full state dict (parameters gathered, buffers copied), identical
-        on every rank; collective for sharded strategies."""
+        on every rank (buffers are rank 0's unless ``config.broadcast_buffers`` is False);
+        collective for sharded strategies."""
+        self._sync_buffers()
         params = self._gather_parameters()
         out = {}
         for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():

@@ -37,6 +37,9 @@ class ShardingConfig:
     replicate_below_numel: ZeRO-3 keeps modules with fewer parameters than this gathered between
         steps (their master weights, gradients and optimizer state stay sharded).
     check_structure: compare parameter names, shapes and dtypes across ranks at construction.
+    broadcast_buffers: as torch DDP, copy rank 0's buffers (BatchNorm's running statistics) to
+        every rank before each forward that will synchronise gradients, and before
+        ``gather_full_parameters()``, so replicas agree; False keeps each rank's own.
     """
 
     bucket_cap_mb: float = 25.0
@@ -48,6 +51,7 @@ class ShardingConfig:
     auto_wrap_policy: Callable[[nn.Module, str], bool] | None = None
     replicate_below_numel: int = 0
     check_structure: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         for field in ("bucket_cap_mb", "first_bucket_cap_mb"):
@@ -66,7 +70,7 @@ class ShardingConfig:
         if self.auto_wrap_policy is not None and not callable(self.auto_wrap_policy):
             raise ConfigError("ShardingConfig.auto_wrap_policy must be callable as "
                               "policy(module, qualified_name) -> bool, or None for the size rule")
-        for field in ("reshard_after_forward", "prefetch", "check_structure"):
+        for field in ("reshard_after_forward", "prefetch", "check_structure", "broadcast_buffers"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"ShardingConfig.{field} must be True or False")
 

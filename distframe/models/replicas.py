@@ -3,6 +3,7 @@
 check_same_structure: one all_gather of a fingerprint per parameter and buffer (plus, only when
 they differ, one all_gather of the descriptions) so every rank raises the same ConfigError.
 broadcast_module_state: one broadcast per dtype of all parameters and buffers, flattened.
+broadcast_tensors: the same for any tensors (the buffers DDP-style strategies re-broadcast).
 """
 from __future__ import annotations
 
@@ -59,7 +60,11 @@ def check_same_structure(module: nn.Module, backend: ICommunicationBackend) -> N
 
 def broadcast_module_state(module: nn.Module, backend: ICommunicationBackend, src: int = 0) -> None:
     """Copies rank ``src``'s parameters and buffers into every rank's module, in place."""
-    tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+    broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), backend, src)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], backend: ICommunicationBackend, src: int = 0) -> None:
+    """Copies rank ``src``'s ``tensors`` into every rank's, in place: one broadcast per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -5,8 +5,8 @@ from torch import nn
 
 from distframe.launch import spawn
 from distframe.models import DDPModel, MixedPrecisionPolicy
-from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
-                                 rank_slice, reference_run)
+from tests.models.common import (HIDDEN, IN, OUT, SETTINGS, STRATEGIES, build_model, global_batches,
+                                 loss_fn, rank_slice, reference_run)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -211,3 +211,40 @@ def test_activation_checkpointing_of_the_last_layer(strategy, reentrant):
     for params in spawn(run, 2, timeout=20):
         for name, value in expected.items():
             torch.testing.assert_close(params[f"m.{name}"], value, rtol=0, atol=1e-10)
+
+
+def batch_norm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, OUT)).double()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_follow_rank_0_as_torch_ddp(strategy, broadcast):
+    # Each rank's BatchNorm sees its own slice, so its running statistics drift from its peers'.
+    # As with torch DDP (broadcast_buffers=True) rank 0's are copied to every rank before each
+    # synchronising forward, and before gather_full_parameters, which DESIGN.md promises is the
+    # same on every rank; broadcast_buffers=False keeps each rank's own.
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(batch_norm_model(), backend, broadcast_buffers=broadcast, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.SGD, lr=0.1)
+        own_means, full = [], []
+        for batch in global_batches(3, 12):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+            own_means.append(model.wrapped_model[1].running_mean.clone())
+            full.append(model.gather_full_parameters())
+        return own_means, full
+    results = spawn(run, 3, timeout=20)
+    for step in range(3):
+        rank0_mean = results[0][0][step]
+        for rank, (own_means, full) in enumerate(results):
+            got = full[step]["1.running_mean"]
+            if broadcast:
+                torch.testing.assert_close(got, rank0_mean, rtol=0, atol=0)
+                torch.testing.assert_close(full[step]["1.num_batches_tracked"],
+                                           torch.tensor(step + 1), rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(got, own_means[step], rtol=0, atol=0)
+                assert rank == 0 or not torch.equal(got, rank0_mean)
