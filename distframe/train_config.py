@@ -8,6 +8,7 @@ and says what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -145,10 +146,13 @@ class TrainConfig:
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        if self.seed >= 2 ** 63:  # torch.manual_seed takes a signed 64-bit seed
+            raise ConfigError(f"--seed {self.seed}: use an integer below 2**63")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                    name == "lr" and value == 0):
+            # NaN passes every comparison below, and an infinite rate trains to NaN at once
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
         if not isinstance(self.round_robin, bool):

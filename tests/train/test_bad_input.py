@@ -39,6 +39,10 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--strategyy", "ddp"], ["unrecognized arguments"]),
     (["--preset", "huge"], ["--preset", "tiny"]),
     (["--lr", "-1"], ["--lr"]),
+    (["--lr", "nan"], ["--lr nan", "positive number"]),
+    (["--lr", "inf"], ["--lr inf", "positive number"]),
+    (["--weight-decay", "nan"], ["--weight-decay nan"]),
+    (["--seed", str(2 ** 64)], ["--seed", "2**63"]),
 ])
 def test_bad_flags(capsys, tmp_path, flags, needles):
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
