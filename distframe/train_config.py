@@ -116,6 +116,10 @@ class TrainConfig:
         self._check_model()
         self._check_optimizer()
         self._check_parallel()
+        _check_out(self.out)
+        if self.data is not None and not isinstance(self.data, str):
+            raise ConfigError(f"--data {self.data!r}: use the path of a text file, a directory of "
+                              "text files or a .bin token file")
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory; pass a text file, "
                               "a directory of text files or a .bin token file (or leave --data out "
@@ -326,6 +330,19 @@ def _check_unused(config: TrainConfig, applies: Mapping[str, tuple[str, ...]], o
         if getattr(config, name) != defaults[name] and getattr(config, owner) not in owners:
             raise ConfigError(f"{flag(name)} applies to --{owner} {' or '.join(owners)}, not "
                               f"{getattr(config, owner)}; drop {flag(name)} or change --{owner}")
+
+
+def _check_out(out: Any) -> None:
+    """``--out`` must be a directory or a path where one can be created (checked before any rank
+    starts, which would otherwise fail inside ``os.makedirs`` with a traceback)."""
+    if not isinstance(out, str) or not out:
+        raise ConfigError(f"--out {out!r}: use the path of a directory (created if missing)")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
+                          "(created if missing)")
 
 
 def _check_divides(value: int, divisor: int, what: str, by: str) -> None:

@@ -70,6 +70,17 @@ def test_config_file_errors(capsys, tmp_path):
     _fails_with(capsys, ["train", "--config", str(broken)], "not valid TOML")
 
 
+def test_out_that_cannot_be_a_directory(capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run directory")
+    _fails_with(capsys, ["train", *TINY, "--out", str(a_file)], f"--out {a_file}", "not a directory")
+    _fails_with(capsys, ["train", *TINY, "--out", str(a_file / "run")], "--out", "not a directory")
+    typed = tmp_path / "typed.toml"
+    typed.write_text("out = 5\n")
+    _fails_with(capsys, ["train", *TINY, "--config", str(typed)], "--out 5", "path")
+    assert a_file.read_text() == "not a run directory"
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     assert main(["train", "--strategy", "bogus", "--debug", "--out", str(tmp_path)]) == 2
     assert "Traceback" in capsys.readouterr().err
