@@ -24,10 +24,12 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> Tr
     resume = flags.get("resume", file_settings.get("resume", False))
     out = flags.get("out", file_settings.get("out", TrainConfig.out))
     given = {**file_settings, **flags}
+    if not isinstance(resume, bool):  # bool("false") would resume
+        raise ConfigError(f"--resume {resume!r}: use true or false")
     if resume:
         settings.update(_saved_settings(out, given))
     settings.update(given)
-    settings["resume"] = bool(resume)
+    settings["resume"] = resume
     return TrainConfig(**settings)
 
 
@@ -46,6 +48,9 @@ def load_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file; pass the path of a TOML file") from None
+    except OSError as exc:  # a directory, no permission to read, ...
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror}); pass the path of "
+                          "a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
     return _known_settings(raw, f"--config {path}")

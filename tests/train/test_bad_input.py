@@ -68,6 +68,10 @@ def test_config_file_errors(capsys, tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text("strategy = \n")
     _fails_with(capsys, ["train", "--config", str(broken)], "not valid TOML")
+    _fails_with(capsys, ["train", "--config", str(tmp_path)], f"--config {tmp_path}")
+    quoted = tmp_path / "quoted.toml"
+    quoted.write_text('resume = "false"\n')  # a string, which bool() would take for True
+    _fails_with(capsys, ["train", "--config", str(quoted)], "--resume 'false'", "true or false")
 
 
 def test_out_that_cannot_be_a_directory(capsys, tmp_path):
