@@ -4,12 +4,12 @@ validated :class:`~distframe.train_config.TrainConfig`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
+from distframe.train_checkpoint import read_config_json
 from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
@@ -63,8 +63,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     path = os.path.join(out, "config.json")
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = read_config_json(path)
     saved = dict(raw.get("train", raw))
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")

@@ -85,6 +85,15 @@ def test_out_that_cannot_be_a_directory(capsys, tmp_path):
     assert a_file.read_text() == "not a run directory"
 
 
+def test_corrupt_config_json_is_bad_input(capsys, tmp_path):
+    """``--resume`` and ``generate`` read OUT/config.json: a damaged one is named in one line."""
+    (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-1" / "metadata.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"train": {"steps": ')
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--resume"], "config.json")
+    _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json")
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     assert main(["train", "--strategy", "bogus", "--debug", "--out", str(tmp_path)]) == 2
     assert "Traceback" in capsys.readouterr().err
