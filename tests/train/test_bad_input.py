@@ -2,6 +2,7 @@
 (unless --debug); Ctrl-C exits 130 and leaves only complete checkpoints."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from distframe.cli import main
+from distframe.train_config import TrainConfig
 from tests.train.conftest import TINY
 
 
@@ -92,6 +94,22 @@ def test_corrupt_config_json_is_bad_input(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"train": {"steps": ')
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--resume"], "config.json")
     _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json")
+
+
+def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):
+    from distframe import train_loop
+    config = TrainConfig(out=str(tmp_path), resume=True)
+    log = train_loop.MetricsLog(str(tmp_path))
+    train_loop.prepare_out(config, {"model": {"seq_len": 64}}, log)
+
+    def dies_midway(obj, f, **kwargs):
+        f.write('{"model": ')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_loop.json, "dump", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train_loop.prepare_out(config, {"model": {"seq_len": 32}}, log)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"model": {"seq_len": 64}}
 
 
 def test_debug_shows_the_traceback(capsys, tmp_path):
