@@ -76,6 +76,9 @@ def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperat
     if model.config.vocab_size != 256:
         raise ConfigError("this checkpoint was trained on a uint16 token file; generate samples "
                           "byte-level models (trained on text) only")
-    out = sample(model, prompt.encode("utf-8"), max_new_tokens=max_new_tokens,
-                 temperature=temperature, top_k=top_k, seed=seed)
+    # A command-line byte that is not UTF-8 reaches Python as a surrogate escape (PEP 383):
+    # hand the model that byte, as it is a byte-level model.
+    prompt_bytes = prompt.encode("utf-8", errors="surrogateescape")
+    out = sample(model, prompt_bytes, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, seed=seed)
     return out.decode("utf-8", errors="replace")

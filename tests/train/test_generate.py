@@ -25,6 +25,16 @@ def _sample(model, prompt=b"def ", **settings):
     return generate.sample(model, prompt, **settings)
 
 
+def test_prompt_bytes_that_are_not_utf8(model):
+    """A command line holding bytes that are not UTF-8 reaches Python as surrogate escapes; the
+    model reads the bytes themselves (it is a byte-level model)."""
+    text = generate.generate_text("run", "a\udcff\udcfe", max_new_tokens=0)
+    assert text == "a\ufffd\ufffd"
+    seen = generate.generate_text("run", "a\udcff\udcfe", max_new_tokens=3, temperature=0)
+    expected = _sample(model, b"a\xff\xfe", max_new_tokens=3, temperature=0)
+    assert seen == expected.decode("utf-8", errors="replace")
+
+
 @pytest.mark.parametrize("temperature", [1e-300, 1e-320])
 def test_tiny_temperature_is_greedy(model, temperature):
     greedy = _sample(model, temperature=0)
