@@ -314,6 +314,8 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
     try:
+        if any(isinstance(v, (bool, float)) for v in value):  # TOML 16.5 or true: int() would take them
+            raise TypeError
         items = tuple(int(v) for v in value)
     except (TypeError, ValueError):
         raise ConfigError(f"{flag(name)} {value!r}: use comma-separated integers such as "
