@@ -125,7 +125,7 @@ class BlockSparseDilatedAttention(nn.Module):
 def _active_index(layout: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(H, nb, K)`` active key-block indices per query block (padded) and their validity."""
     counts = layout.sum(-1)
-    kmax = max(int(counts.max()), 1)
+    kmax = max(int(counts.max()), 1) if counts.numel() else 1  # no blocks: an empty sequence
     order = torch.argsort((~layout).to(torch.int8), dim=-1, stable=True)[..., :kmax]
     valid = torch.arange(kmax).view(1, 1, -1) < counts.unsqueeze(-1)
     return order.contiguous().to(device), valid.to(device)

@@ -96,6 +96,8 @@ class DilatedAttention(nn.Module):
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, H, D)`` q, k, v -> ``(B, T, H, D)``."""
         validate_inputs(query, key, value, key_padding_mask)
+        if query.numel() == 0:  # an empty batch or sequence: no segments, nothing to attend to
+            return (query + key + value) * 0.0  # (B, T, H, D), in the graph of q, k and v
         batch, seq_len, num_heads, head_dim = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
         sources = self._key_sources(seq_len, num_heads, query.device, is_causal)

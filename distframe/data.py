@@ -51,8 +51,11 @@ def load_corpus(path: str | None, *, token_dtype: str = "uint8") -> TokenCorpus:
                                             f"library sources ({len(files)} files)")
     elif os.path.isdir(path):
         corpus = _split_files(path, _text_files(path), f"text files under {path}")
-    elif not os.path.isfile(path):
+    elif not os.path.exists(path):
         raise ConfigError(f"--data {path}: no such file or directory")
+    elif not os.path.isfile(path):  # a device such as /dev/null, a pipe, a socket
+        raise ConfigError(f"--data {path}: not a regular file or a directory; pass a text file, a "
+                          "directory of text files or a .bin token file")
     elif path.endswith(".bin"):
         corpus = _token_file(path, token_dtype)
     else:

@@ -44,8 +44,11 @@ def resolve_checkpoint(path: str) -> str:
 def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
            temperature: float, top_k: int, seed: int) -> bytes:
     """Continues ``prompt`` by ``max_new_tokens`` tokens (the last ``seq_len`` as context)."""
-    if max_new_tokens < 0 or temperature < 0 or top_k < 0:
-        raise ConfigError("--tokens, --temperature and --top-k must not be negative")
+    if max_new_tokens < 0 or not temperature >= 0 or top_k < 0:  # `not >=`: NaN is refused too
+        raise ConfigError(f"--tokens, --temperature and --top-k must be numbers >= 0, got "
+                          f"{max_new_tokens}, {temperature}, {top_k}")
+    if not -2 ** 63 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
+        raise ConfigError(f"--seed {seed}: use an integer in [-2**63, 2**64)")
     generator = torch.Generator().manual_seed(seed)
     tokens = list(prompt) or [ord("\n")]
     vocab = model.config.vocab_size
@@ -55,7 +58,9 @@ def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
         if temperature == 0:
             tokens.append(int(logits.argmax()))
             continue
-        logits = logits / temperature
+        # Shifted first so that the largest is 0: a tiny temperature then gives -inf for the
+        # others (greedy), where dividing first overflowed to inf and softmax gave NaN.
+        logits = (logits - logits.max()) / temperature
         if 0 < top_k < vocab:
             threshold = torch.topk(logits, top_k).values[-1]
             logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -71,6 +76,9 @@ def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperat
     if model.config.vocab_size != 256:
         raise ConfigError("this checkpoint was trained on a uint16 token file; generate samples "
                           "byte-level models (trained on text) only")
-    out = sample(model, prompt.encode("utf-8"), max_new_tokens=max_new_tokens,
-                 temperature=temperature, top_k=top_k, seed=seed)
+    # A command-line byte that is not UTF-8 reaches Python as a surrogate escape (PEP 383):
+    # hand the model that byte, as it is a byte-level model.
+    prompt_bytes = prompt.encode("utf-8", errors="surrogateescape")
+    out = sample(model, prompt_bytes, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, seed=seed)
     return out.decode("utf-8", errors="replace")

@@ -69,5 +69,18 @@ def run_info(path: str) -> dict[str, Any]:
     if not os.path.exists(config):
         raise ConfigError(f"{config} is missing: a checkpoint is read with the config.json of the "
                           "run that wrote it; keep OUT/config.json beside OUT/checkpoints")
-    with open(config, encoding="utf-8") as f:
-        return json.load(f)
+    return read_config_json(config)
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """A run's ``OUT/config.json``; ConfigError naming the file if it is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, not UTF-8
+        raise ConfigError(f"{path} cannot be read ({exc}); it holds the run's settings and model "
+                          "shape: restore it from the run that wrote OUT") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds {type(raw).__name__}, not the JSON object distframe train "
+                          "writes; restore it from the run that wrote OUT")
+    return raw

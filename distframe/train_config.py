@@ -8,6 +8,7 @@ and says what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -115,6 +116,10 @@ class TrainConfig:
         self._check_model()
         self._check_optimizer()
         self._check_parallel()
+        _check_out(self.out)
+        if self.data is not None and not isinstance(self.data, str):
+            raise ConfigError(f"--data {self.data!r}: use the path of a text file, a directory of "
+                              "text files or a .bin token file")
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory; pass a text file, "
                               "a directory of text files or a .bin token file (or leave --data out "
@@ -145,10 +150,13 @@ class TrainConfig:
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
+        if self.seed >= 2 ** 63:  # torch.manual_seed takes a signed 64-bit seed
+            raise ConfigError(f"--seed {self.seed}: use an integer below 2**63")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                    name == "lr" and value == 0):
+            # NaN passes every comparison below, and an infinite rate trains to NaN at once
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
         if not isinstance(self.round_robin, bool):
@@ -306,6 +314,8 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").split(",") if v]
     try:
+        if any(isinstance(v, (bool, float)) for v in value):  # TOML 16.5 or true: int() would take them
+            raise TypeError
         items = tuple(int(v) for v in value)
     except (TypeError, ValueError):
         raise ConfigError(f"{flag(name)} {value!r}: use comma-separated integers such as "
@@ -322,6 +332,19 @@ def _check_unused(config: TrainConfig, applies: Mapping[str, tuple[str, ...]], o
         if getattr(config, name) != defaults[name] and getattr(config, owner) not in owners:
             raise ConfigError(f"{flag(name)} applies to --{owner} {' or '.join(owners)}, not "
                               f"{getattr(config, owner)}; drop {flag(name)} or change --{owner}")
+
+
+def _check_out(out: Any) -> None:
+    """``--out`` must be a directory or a path where one can be created (checked before any rank
+    starts, which would otherwise fail inside ``os.makedirs`` with a traceback)."""
+    if not isinstance(out, str) or not out:
+        raise ConfigError(f"--out {out!r}: use the path of a directory (created if missing)")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
+                          "(created if missing)")
 
 
 def _check_divides(value: int, divisor: int, what: str, by: str) -> None:

@@ -141,8 +141,12 @@ def prepare_out(config: TrainConfig, info: dict, log: MetricsLog) -> None:
               "instead)", file=sys.stderr)
         train_checkpoint.remove_checkpoints(out)
         log.clear()
-    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+    # Written aside and renamed into place: an interrupted write must not leave a truncated
+    # config.json, without which no checkpoint of the run can be resumed or sampled from.
+    path = os.path.join(out, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 class Job:

@@ -4,12 +4,12 @@ validated :class:`~distframe.train_config.TrainConfig`."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
+from distframe.train_checkpoint import read_config_json
 from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
@@ -24,10 +24,12 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> Tr
     resume = flags.get("resume", file_settings.get("resume", False))
     out = flags.get("out", file_settings.get("out", TrainConfig.out))
     given = {**file_settings, **flags}
+    if not isinstance(resume, bool):  # bool("false") would resume
+        raise ConfigError(f"--resume {resume!r}: use true or false")
     if resume:
         settings.update(_saved_settings(out, given))
     settings.update(given)
-    settings["resume"] = bool(resume)
+    settings["resume"] = resume
     return TrainConfig(**settings)
 
 
@@ -46,6 +48,9 @@ def load_toml(path: str) -> dict[str, Any]:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file; pass the path of a TOML file") from None
+    except OSError as exc:  # a directory, no permission to read, ...
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror}); pass the path of "
+                          "a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
     return _known_settings(raw, f"--config {path}")
@@ -58,8 +63,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     path = os.path.join(out, "config.json")
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = read_config_json(path)
     saved = dict(raw.get("train", raw))
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")

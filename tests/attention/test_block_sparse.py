@@ -62,3 +62,12 @@ def test_invalid_arguments():
     q, k, v = random_qkv(1, 10, 1, 2)
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockSparseDilatedAttention(4, local_window=1)(q, k, v)
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
+def test_empty_batch_or_sequence(shape):
+    q, k, v = random_qkv(*shape)
+    out = BlockSparseDilatedAttention(4, local_window=1)(q, k, v, is_causal=True)
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == shape

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from attention import DilatedAttention, dense_dilated_attention
+from attention import DilatedAttention, MultiheadDilatedAttention, dense_dilated_attention
 from attention.autograd_path import dilated_attention_autograd
 from attention_helpers import max_error, outputs_and_grads, random_qkv
 
@@ -144,3 +144,19 @@ def test_head_dim_mismatch():
     q, k, v = random_qkv(1, 8, 2, 4)
     with pytest.raises(ValueError, match="head_dim"):
         DilatedAttention([4], [1])(q, k[..., :3], v)
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_batch_or_sequence(shape, causal):
+    """As ``nn.MultiheadAttention`` and SDPA do: an empty output, and gradients that flow."""
+    q, k, v = random_qkv(*shape)
+    mask = torch.zeros(shape[:2], dtype=torch.bool)
+    out = DilatedAttention([4, 8], [1, 2])(q, k, v, is_causal=causal, key_padding_mask=mask)
+    assert out.shape == shape
+    out.sum().backward()
+    assert q.grad.shape == shape and k.grad.shape == shape
+    mha = MultiheadDilatedAttention(8, 2, segment_lengths=[4, 8], dilation_rates=[1, 2],
+                                    dtype=torch.float64)
+    x = torch.randn(shape[0], shape[1], 8, dtype=torch.float64)
+    assert mha(x, x, x, is_causal=causal)[0].shape == x.shape

@@ -2,6 +2,7 @@
 (unless --debug); Ctrl-C exits 130 and leaves only complete checkpoints."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from distframe.cli import main
+from distframe.train_config import TrainConfig
 from tests.train.conftest import TINY
 
 
@@ -39,6 +41,10 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--strategyy", "ddp"], ["unrecognized arguments"]),
     (["--preset", "huge"], ["--preset", "tiny"]),
     (["--lr", "-1"], ["--lr"]),
+    (["--lr", "nan"], ["--lr nan", "positive number"]),
+    (["--lr", "inf"], ["--lr inf", "positive number"]),
+    (["--weight-decay", "nan"], ["--weight-decay nan"]),
+    (["--seed", str(2 ** 64)], ["--seed", "2**63"]),
 ])
 def test_bad_flags(capsys, tmp_path, flags, needles):
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
@@ -64,6 +70,46 @@ def test_config_file_errors(capsys, tmp_path):
     broken = tmp_path / "broken.toml"
     broken.write_text("strategy = \n")
     _fails_with(capsys, ["train", "--config", str(broken)], "not valid TOML")
+    _fails_with(capsys, ["train", "--config", str(tmp_path)], f"--config {tmp_path}")
+    quoted = tmp_path / "quoted.toml"
+    quoted.write_text('resume = "false"\n')  # a string, which bool() would take for True
+    _fails_with(capsys, ["train", "--config", str(quoted)], "--resume 'false'", "true or false")
+
+
+def test_out_that_cannot_be_a_directory(capsys, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run directory")
+    _fails_with(capsys, ["train", *TINY, "--out", str(a_file)], f"--out {a_file}", "not a directory")
+    _fails_with(capsys, ["train", *TINY, "--out", str(a_file / "run")], "--out", "not a directory")
+    typed = tmp_path / "typed.toml"
+    typed.write_text("out = 5\n")
+    _fails_with(capsys, ["train", *TINY, "--config", str(typed)], "--out 5", "path")
+    assert a_file.read_text() == "not a run directory"
+
+
+def test_corrupt_config_json_is_bad_input(capsys, tmp_path):
+    """``--resume`` and ``generate`` read OUT/config.json: a damaged one is named in one line."""
+    (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-1" / "metadata.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"train": {"steps": ')
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--resume"], "config.json")
+    _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json")
+
+
+def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):
+    from distframe import train_loop
+    config = TrainConfig(out=str(tmp_path), resume=True)
+    log = train_loop.MetricsLog(str(tmp_path))
+    train_loop.prepare_out(config, {"model": {"seq_len": 64}}, log)
+
+    def dies_midway(obj, f, **kwargs):
+        f.write('{"model": ')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_loop.json, "dump", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        train_loop.prepare_out(config, {"model": {"seq_len": 32}}, log)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"model": {"seq_len": 64}}
 
 
 def test_debug_shows_the_traceback(capsys, tmp_path):

@@ -44,6 +44,8 @@ def test_resume_takes_the_saved_settings_but_not_how_it_was_launched(tmp_path):
     ({"preset": "tiny", "segment_lengths": "16,32,128"}, "--segment-lengths 16,32,128 do not fit"),
     ({"preset": "tiny", "heads": 3}, "divisible"),
     ({"segment_lengths": "a,b"}, "comma-separated"),
+    ({"preset": "tiny", "segment_lengths": [16.5, 32, 64]}, "comma-separated"),  # TOML floats
+    ({"preset": "tiny", "dilation_rates": [True, 2, 4]}, "comma-separated"),
     ({"eval_every": -1}, "--eval-every"),
     ({"dtype": "float8"}, "--dtype"),
 ])

@@ -2,6 +2,8 @@
 that do not depend on the world size."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -91,3 +93,12 @@ def test_too_little_data(tmp_path):
         load_corpus(str(path))
     with pytest.raises(ConfigError, match="--seq-len"):
         BatchSampler(np.zeros(10, dtype=np.uint8), batch_size=1, seq_len=32, seed=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_data_that_is_neither_file_nor_directory(tmp_path):
+    """It exists (as /dev/null does): the error must not say there is no such file."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_corpus(str(pipe))
