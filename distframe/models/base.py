@@ -16,6 +16,8 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
+from distframe.models.flat import Segment
+from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
 
@@ -122,11 +124,14 @@ class ShardedModelBase(nn.Module, abc.ABC):
             self._synchronize = previous
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor],
-                   optimizer: Any) -> float:
-        """One optimisation step on this rank's slice; returns the global mean loss."""
+                   optimizer: Any, *, max_grad_norm: float | None = None) -> float:
+        """One optimisation step on this rank's slice; returns the global mean loss.
+        ``max_grad_norm``: clip gradients by the whole model's norm first (``clip_grad_norm_``)."""
         self.check_optimizer(optimizer)
         loss = self.forward_backward(batch, loss_fn)
         self.synchronize_gradients()
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         return self._global_mean_loss(loss)
@@ -181,6 +186,20 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._zero_grad()
 
     # ---- full and sharded state --------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Synchronises gradients, then clips them by the norm of the whole model's gradients,
+        as ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model would (each element counted
+        once across ranks). Returns that norm (float64), the same on every rank; collective.
+        Call it between backward and ``optimizer.step()``."""
+        self.synchronize_gradients()
+        layout = self.shard_layout()
+        return clip_sharded_grad_norm(layout.shards, self._counted_segments(layout), self.backend,
+                                      max_norm, norm_type)
+
+    def _counted_segments(self, layout: ShardLayout) -> list[list[Segment]]:
+        """The ranges of each local shard this rank adds to a global norm: one rank per range."""
+        return layout.owned(self.backend.rank, self.backend.world_size)
+
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         """The wrapped model's full state dict (parameters gathered, buffers copied), identical
         on every rank (buffers are rank 0's unless ``config.broadcast_buffers`` is False);

@@ -38,8 +38,10 @@ from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.devices import module_device
 from distframe.models.hybrid_zero import ZeroShards
+from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
-                                           gather_full, owns_piece, shard_layout)
+                                           all_reduce_grads, gather_full, owns_piece, shard_layout,
+                                           zero_counted_segments)
 from distframe.models.pipeline_comm import decode_header, encode_header
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.pipeline_schedules import SCHEDULES
@@ -220,12 +222,15 @@ class HybridShardedModel(ShardedModelBase):
         """This rank's buffers under their names in the unsplit model."""
         return list(self.local_buffers.items())
 
-    def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any) -> float:
+    def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any, *,
+                   max_grad_norm: float | None = None) -> float:
         self.check_optimizer(optimizer)
         if isinstance(optimizer, torch.optim.Optimizer):
             self._plain_optimizer = optimizer
         loss = self.forward_backward(batch, loss_fn)
         self.synchronize_gradients()
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         return self._global_mean_loss(loss)
@@ -258,11 +263,11 @@ class HybridShardedModel(ShardedModelBase):
         if self._gradients_synchronized or not self._synchronize:
             return
         for group, tied in self._tied_groups:
-            _all_reduce_grads([lp.param for lp in tied if lp.param.requires_grad], group, ReduceOp.SUM)
+            all_reduce_grads([lp.param for lp in tied if lp.param.requires_grad], group, ReduceOp.SUM)
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
-            _all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG)
+            all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG)
         self._gradients_synchronized = True
 
     def synchronize_parameters(self) -> None:
@@ -288,6 +293,11 @@ class HybridShardedModel(ShardedModelBase):
         lps = [self.local_parameters[i] for i in trainable]
         writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups) for lp in lps]
         return WrittenOnceLayout([lp.param for lp in lps], segments, writes=writes)
+
+    def _counted_segments(self, layout: ShardLayout) -> list[list[Segment]]:
+        if self.zero is None:  # WrittenOnceLayout: one writer per range in the world
+            return layout.owned(self.backend.rank, self.backend.world_size)
+        return zero_counted_segments(layout, self.local_parameters, self.catalog, self.groups)
 
     def _gather_parameters(self) -> dict[str, torch.Tensor]:
         full = self.gather_full_parameters()
@@ -357,26 +367,6 @@ def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches
                           "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
-
-
-def _all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:
-    """One all_reduce per dtype of the flattened gradients (missing ones count as zeros)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for dtype in sorted(by_dtype, key=str):
-        group_params = by_dtype[dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in group_params])
-        group.all_reduce(flat, op)
-        offset = 0
-        for p in group_params:
-            piece = flat[offset:offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
-            offset += p.numel()
 
 
 def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,

@@ -18,6 +18,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import ReduceOp
 from distframe.models.flat import Segment
 from distframe.models.sharded_state import ShardLayout
 from distframe.mesh import ParallelGroups
@@ -150,3 +152,33 @@ def _broadcast_group(group: list[Entry], held: dict[str, torch.Tensor], stage: i
     for e, size in zip(group, sizes):
         held[e.name] = flat[offset:offset + size].view(e.shape).clone()
         offset += size
+
+
+def all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:
+    """One all_reduce per dtype of the flattened gradients (missing ones count as zeros)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype in sorted(by_dtype, key=str):
+        group_params = by_dtype[dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in group_params])
+        group.all_reduce(flat, op)
+        offset = 0
+        for p in group_params:
+            piece = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += p.numel()
+
+
+def zero_counted_segments(layout: ShardLayout, local: list[LocalParameter], catalog: ParameterCatalog,
+                          groups: ParallelGroups) -> list[list[Segment]]:
+    """The ranges of a ZeRO master chunk this rank adds to a global gradient norm. Chunks are
+    disjoint over the data-parallel group; across the tensor and pipeline groups a replicated
+    or tied range is counted once, by the rank ``owns_piece`` names (data-parallel index aside)."""
+    split = {lp.name: lp.split_dim for lp in local}
+    return [[s for s in segs if groups.pp_index == catalog.by_name[s.name].owner_stage
+             and (split[s.name] is not None or groups.tp_index == 0)] for segs in layout.segments]
