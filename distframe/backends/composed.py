@@ -1,5 +1,6 @@
 """Collectives composed from the few every engine implements (all_reduce, all_gather,
-broadcast, point to point), used where an engine has no native version of its own."""
+broadcast, point to point), used where an engine has no native version of its own; and
+``scattered_to``, where the engines with a scatter of their own place its result."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -86,3 +87,14 @@ class ComposedCollectives:
     def _barrier(self, call: Call) -> None:
         self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
 
+
+def scattered_to(out: torch.Tensor, source_on_cpu: bool) -> torch.Tensor:
+    """A scatter's received chunk where ``scatter`` promises it: on the CPU when the source rank's
+    chunks were CPU tensors, else on a GPU (this rank's own, or the current CUDA device of an
+    engine that stages GPU tensors through the host). Only ``src`` knows where its chunks live;
+    the engines send that along with their shape."""
+    if source_on_cpu:
+        return out.cpu()
+    if out.device.type == "cpu":
+        return out.to(torch.device("cuda", torch.cuda.current_device()))
+    return out

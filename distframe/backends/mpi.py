@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.composed import scattered_to
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.composed import scattered_to
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import DTYPES, Signature
 from distframe.backends.torch_dist_board import ProgressBoard

@@ -333,3 +333,38 @@ def check_post_first(backend) -> None:
     for op, count in (("all_reduce", 2), ("all_gather", 1), ("reduce_scatter", 1)):
         if backend.stats.calls.get(op, 0) - calls.get(op, 0) != count:
             raise AssertionError(f"stats counted {op} wrongly")
+
+
+def check_tensors_that_require_grad(backend) -> None:
+    """Collectives act on a tensor's data outside autograd, as torch.distributed's do (the
+    differentiable ones are in ``functional``): a parameter can be broadcast, averaged, reduced
+    and received into in place, results do not require grad, and backward through a tensor
+    all-reduced in place runs on this rank's own graph alone (the communication is ignored)."""
+    n, r = backend.world_size, backend.rank
+    param = torch.nn.Parameter(torch.full((2, 3), float(r + 1), dtype=torch.float64))
+    if backend.broadcast(param, n - 1) is not param or param.detach().ne(n).any():
+        raise AssertionError(f"rank {r}: broadcast into a parameter gave {param.detach().tolist()}")
+    if backend.all_reduce(param.t(), ReduceOp.AVG).requires_grad is not True or param.detach().ne(n).any():
+        raise AssertionError("all_reduce(AVG) of a parameter's transposed view")
+    backend.reduce(param, 0)
+    if param.detach().ne(n * n if r == 0 else n).any():
+        raise AssertionError(f"rank {r}: reduce into a parameter gave {param.detach().tolist()}")
+    source = torch.nn.Parameter(torch.full((2,), float(r)))
+    results = [backend.all_gather(source), backend.reduce_scatter(source.repeat(n)),
+               *backend.all_to_all([source] * n), backend.scatter([source] * n if r == 0 else None, 0),
+               *(backend.gather(source, 0) or [])]
+    if any(t.requires_grad for t in results):
+        raise AssertionError("the result of a collective must not require grad (it has no graph)")
+    if n > 1:
+        backend.send(source.double().repeat(2)[:3], (r + 1) % n)
+        backend.recv(param[0], (r - 1) % n)  # a parameter's row, written in place
+        if param.detach()[0].tolist() != [float((r - 1) % n)] * 3:
+            raise AssertionError(f"rank {r}: recv into a parameter gave {param.detach().tolist()}")
+    x = torch.nn.Parameter(torch.full((4,), float(r + 1), dtype=torch.float64))
+    y = x * 2
+    backend.all_reduce(y)
+    backend.barrier()
+    (y * y).sum().backward()  # d/dx of (2x reduced)^2 on this rank's graph: 2 * y * 2
+    if x.grad.ne(4.0 * n * (n + 1)).any():
+        raise AssertionError(f"rank {r}: gradient {x.grad.tolist()}, expected {4.0 * n * (n + 1)}")
+    backend.barrier()

@@ -109,3 +109,7 @@ def test_byte_objects(runner):
 
 def test_post_first(runner):
     runner.run(checks.check_post_first)
+
+
+def test_tensors_that_require_grad(runner):
+    runner.run(checks.check_tensors_that_require_grad)
