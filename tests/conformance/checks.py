@@ -132,6 +132,18 @@ def check_point_to_point(backend, dtype_name: str = "float32") -> None:
         backend.recv(first, 0, tag=1)
         if first.tolist() != [1.0] * 3 or second.tolist() != [2.0] * 3:
             raise AssertionError(f"tagged recv mixed messages: {first}, {second}")
+    # Receives on one channel match messages in the order they were posted (MPI's non-overtaking
+    # rule), whichever is waited for first.
+    if r == 0:
+        backend.send(torch.full((2,), 1.0), 1, tag=4)
+        backend.send(torch.full((2,), 2.0), 1, tag=4)
+    elif r == 1:
+        first, second = torch.zeros(2), torch.zeros(2)
+        works = [backend.irecv(first, 0, tag=4), backend.irecv(second, 0, tag=4)]
+        works[1].wait()
+        works[0].wait()
+        if first.tolist() != [1.0] * 2 or second.tolist() != [2.0] * 2:
+            raise AssertionError(f"irecvs waited for out of order got {first}, {second}")
     backend.barrier()
 
 
