@@ -217,7 +217,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         stage = any(needs_staging(c, self._device_aware) for c in chunks)
         host = [stage_in(c, stage) for c in chunks]
         trailing = tuple(host[0].shape[1:])
-        per_row = max(1, int(torch.Size(trailing).numel()))
+        per_row = torch.Size(trailing).numel()  # 1 for 1-dim chunks, 0 for rows of no elements
         send_rows = torch.tensor([c.shape[0] for c in host], dtype=torch.int64)
         recv_rows = torch.empty_like(send_rows)
         send_meta, recv_meta = wire(send_rows), wire(recv_rows)

@@ -250,6 +250,12 @@ def check_float_edge_shapes(backend) -> None:
     if backend.all_gather(empty).shape != (0, 3) or backend.reduce_scatter(empty).shape != (0, 3):
         raise AssertionError("empty tensors keep their shape")
     backend.broadcast(torch.zeros(0), 0)
+    # all_to_all of chunks without elements: no rows, and rows of no elements (rank j sends j + 1).
+    if [tuple(t.shape) for t in backend.all_to_all([torch.zeros(0, 2)] * n)] != [(0, 2)] * n:
+        raise AssertionError("all_to_all of empty chunks")
+    got = backend.all_to_all([torch.zeros(r + 1, 0) for _ in range(n)])
+    if [tuple(t.shape) for t in got] != [(j + 1, 0) for j in range(n)]:
+        raise AssertionError(f"all_to_all of (rows, 0) chunks gave {[tuple(t.shape) for t in got]}")
 
 
 ALL_DTYPES = tuple(DTYPES)
