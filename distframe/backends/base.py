@@ -24,6 +24,7 @@ import torch
 from distframe.backends import validation
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.posted import PostedCollectives
+from distframe.backends.reduction import LOW_PRECISION, work_tensor
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
@@ -100,7 +101,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         data = self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and self._posted(
+        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+                applied is ReduceOp.AVG and data.dtype in LOW_PRECISION) and self._posted(
                 "all_reduce", data.nbytes, self._post_all_reduce, data,
                 ReduceOp.SUM if applied is ReduceOp.AVG else applied):
             if applied is ReduceOp.AVG:
@@ -109,7 +111,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         sig = lambda: Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            work = data if data.is_contiguous() else data.contiguous()
+            work = work_tensor(data, applied)
             self._all_reduce(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
             if applied is ReduceOp.AVG:
                 work.div_(self._world_size)
@@ -150,7 +152,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         if out is not None:
             self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and data.is_cpu and data.is_contiguous():
+        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+                applied is ReduceOp.AVG and data.dtype in LOW_PRECISION):
             result = out if out is not None else data.new_empty(shape)
             if self._posted("reduce_scatter", data.nbytes, self._post_reduce_scatter, data, result,
                             ReduceOp.SUM if applied is ReduceOp.AVG else applied):
@@ -158,9 +161,12 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            result = _into(out, self._reduce_scatter(
-                data.contiguous(), ReduceOp.SUM if applied is ReduceOp.AVG else applied, call, out))
-            return result.div_(self._world_size) if applied is ReduceOp.AVG else result
+            work = work_tensor(data, applied)
+            result = self._reduce_scatter(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied,
+                                          call, out if work.dtype == data.dtype else None)
+            if applied is ReduceOp.AVG:
+                result.div_(self._world_size)
+            return _into(out, result.to(data.dtype))
         return self._run("reduce_scatter", sig, tensor.nbytes, run, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
@@ -185,7 +191,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
                 self._reduce(work, dst, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
                 if applied is ReduceOp.AVG and self._rank == dst:
                     work.div_(self._world_size)
-            return self._in_place(tensor, apply)
+            return self._in_place(tensor, apply, applied)
         return self._run("reduce", sig, tensor.nbytes, run, async_op)
 
     def gather(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False
@@ -346,9 +352,11 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
             raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
 
     @staticmethod
-    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None],
+                  op: ReduceOp | None = None) -> torch.Tensor:
+        """Runs ``apply`` on ``tensor``'s data, or on the copy ``work_tensor`` makes for ``op``."""
         data = validation.plain(tensor)
-        work = data if data.is_contiguous() else data.contiguous()
+        work = work_tensor(data, op)
         apply(work)
         if work is not data:
             data.copy_(work)

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.conformance import checks
+from tests.conformance import checks, checks_precision
 from tests.conformance.oracle import DTYPES, FLOAT_NAMES
 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
@@ -113,3 +113,7 @@ def test_post_first(runner):
 
 def test_tensors_that_require_grad(runner):
     runner.run(checks.check_tensors_that_require_grad)
+
+
+def test_low_precision_average(runner):
+    runner.run(checks_precision.check_low_precision_average)
