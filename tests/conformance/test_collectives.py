@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.conformance import checks, checks_precision
+from tests.conformance import checks, checks_dtypes
 from tests.conformance.oracle import DTYPES, FLOAT_NAMES
 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
@@ -116,4 +116,8 @@ def test_tensors_that_require_grad(runner):
 
 
 def test_low_precision_average(runner):
-    runner.run(checks_precision.check_low_precision_average)
+    runner.run(checks_dtypes.check_low_precision_average)
+
+
+def test_scatter_of_rarer_dtypes(runner):
+    runner.run(checks_dtypes.check_scatter_of_rarer_dtypes)
