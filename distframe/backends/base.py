@@ -24,6 +24,7 @@ import torch
 from distframe.backends import validation
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.posted import PostedCollectives
+from distframe.backends.reduction import LOW_PRECISION, work_tensor
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
@@ -98,21 +99,24 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
                    async_op: bool = False) -> torch.Tensor | Work:
         """Reduces ``tensor`` across ranks, in place on every rank; returns it."""
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
-        self._check_tensor("all_reduce", tensor)
+        data = self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and tensor.is_cpu and tensor.is_contiguous() and self._posted(
-                "all_reduce", tensor.nbytes, self._post_all_reduce, tensor,
+        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+                applied is ReduceOp.AVG and data.dtype in LOW_PRECISION) and self._posted(
+                "all_reduce", data.nbytes, self._post_all_reduce, data,
                 ReduceOp.SUM if applied is ReduceOp.AVG else applied):
-            return tensor.div_(self._world_size) if applied is ReduceOp.AVG else tensor
+            if applied is ReduceOp.AVG:
+                data.div_(self._world_size)
+            return tensor
         sig = lambda: Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            work = work_tensor(data, applied)
             self._all_reduce(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
             if applied is ReduceOp.AVG:
                 work.div_(self._world_size)
-            if work is not tensor:
-                tensor.copy_(work)
+            if work is not data:
+                data.copy_(work)
             return tensor
         return self._run("all_reduce", sig, tensor.nbytes, run, async_op)
 
@@ -121,8 +125,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         """Concatenation of every rank's ``tensor`` along dim 0 in rank order (a 0-dim tensor
         counts as shape (1,)). Every rank must pass the same shape. ``out`` (optional, contiguous,
         not overlapping ``tensor``) receives the result, saving an allocation per call."""
-        self._check_tensor("all_gather", tensor)
-        flat = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        data = self._check_tensor("all_gather", tensor)
+        flat = data.reshape(1) if data.dim() == 0 else data.contiguous()
         shape = (self._world_size * flat.shape[0], *flat.shape[1:])
         if out is not None:
             self._check_out("all_gather", out, shape, tensor)
@@ -139,7 +143,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         """Reduces ``tensor`` across ranks and returns chunk ``rank`` of dim 0 (in ``out`` if given:
         contiguous, not overlapping ``tensor``)."""
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
-        self._check_tensor("reduce_scatter", tensor)
+        data = self._check_tensor("reduce_scatter", tensor)
         if tensor.dim() == 0 or tensor.shape[0] % self._world_size:
             raise ValueError(
                 f"reduce_scatter needs dim 0 divisible by the world size {self._world_size}, got "
@@ -148,17 +152,21 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         if out is not None:
             self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and tensor.is_cpu and tensor.is_contiguous():
-            result = out if out is not None else tensor.new_empty(shape)
-            if self._posted("reduce_scatter", tensor.nbytes, self._post_reduce_scatter, tensor, result,
+        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+                applied is ReduceOp.AVG and data.dtype in LOW_PRECISION):
+            result = out if out is not None else data.new_empty(shape)
+            if self._posted("reduce_scatter", data.nbytes, self._post_reduce_scatter, data, result,
                             ReduceOp.SUM if applied is ReduceOp.AVG else applied):
                 return result.div_(self._world_size) if applied is ReduceOp.AVG else result
         sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            result = _into(out, self._reduce_scatter(
-                tensor.contiguous(), ReduceOp.SUM if applied is ReduceOp.AVG else applied, call, out))
-            return result.div_(self._world_size) if applied is ReduceOp.AVG else result
+            work = work_tensor(data, applied)
+            result = self._reduce_scatter(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied,
+                                          call, out if work.dtype == data.dtype else None)
+            if applied is ReduceOp.AVG:
+                result.div_(self._world_size)
+            return _into(out, result.to(data.dtype))
         return self._run("reduce_scatter", sig, tensor.nbytes, run, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
@@ -183,17 +191,17 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
                 self._reduce(work, dst, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
                 if applied is ReduceOp.AVG and self._rank == dst:
                     work.div_(self._world_size)
-            return self._in_place(tensor, apply)
+            return self._in_place(tensor, apply, applied)
         return self._run("reduce", sig, tensor.nbytes, run, async_op)
 
     def gather(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False
                ) -> list[torch.Tensor] | None | Work:
         """Rank ``dst`` gets the list of every rank's ``tensor`` (rank order); others get None."""
-        self._check_tensor("gather", tensor)
+        data = self._check_tensor("gather", tensor)
         self._check_peer("gather", "dst", dst)
         sig = lambda: Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
         return self._run("gather", sig, tensor.nbytes,
-                         lambda call: self._gather(tensor.contiguous(), dst, call), async_op)
+                         lambda call: self._gather(data.contiguous(), dst, call), async_op)
 
     def scatter(self, chunks: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False) -> torch.Tensor | Work:
@@ -239,14 +247,14 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         return self.irecv(tensor, src, tag).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        self._check_p2p("isend", tensor, dst, tag)
+        data = self._check_p2p("isend", tensor, dst, tag)
         self.stats.record("send", tensor.nbytes)
-        return self._isend(tensor.contiguous(), dst, tag)
+        return self._isend(data.contiguous(), dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        self._check_p2p("irecv", tensor, src, tag)
+        data = self._check_p2p("irecv", tensor, src, tag)
         self.stats.record("recv", tensor.nbytes)
-        return self._irecv(tensor, src, tag)
+        return self._irecv(data, src, tag)
 
     def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
         """Number of this message on its (direction, peer, tag) channel, for error messages."""
@@ -344,11 +352,14 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
             raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
 
     @staticmethod
-    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None],
+                  op: ReduceOp | None = None) -> torch.Tensor:
+        """Runs ``apply`` on ``tensor``'s data, or on the copy ``work_tensor`` makes for ``op``."""
+        data = validation.plain(tensor)
+        work = work_tensor(data, op)
         apply(work)
-        if work is not tensor:
-            tensor.copy_(work)
+        if work is not data:
+            data.copy_(work)
         return tensor
 
     def _check_open(self, op: str) -> None:
@@ -356,15 +367,15 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
             raise ValueError(f"{op} called on {self!r} after shutdown(); create a new backend "
                              "(or call it inside spawn) instead of reusing a closed one")
 
-    def _check_tensor(self, op: str, tensor: object) -> None:
-        validation.check_tensor(op, tensor)
+    def _check_tensor(self, op: str, tensor: object) -> torch.Tensor:
+        return validation.check_tensor(op, tensor)
 
     def _check_peer(self, op: str, name: str, peer: object) -> None:
         validation.check_peer(op, name, peer, self._world_size)
 
-    def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> None:
+    def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> torch.Tensor:
         self._check_open(op)
-        validation.check_p2p(op, tensor, peer, tag, self._rank, self._world_size, RESERVED_TAG)
+        return validation.check_p2p(op, tensor, peer, tag, self._rank, self._world_size, RESERVED_TAG)
 
     def _check_out(self, op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
         validation.check_out(op, out, shape, like)
@@ -374,18 +385,6 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
 
     def _check_group_ranks(self, ranks: object) -> list[int]:
         return validation.check_group_ranks(ranks, self._world_size)
-
-
-def scattered_to(out: torch.Tensor, source_on_cpu: bool) -> torch.Tensor:
-    """A scatter's received chunk where ``scatter`` promises it: on the CPU when the source rank's
-    chunks were CPU tensors, else on a GPU (this rank's own, or the current CUDA device of an
-    engine that stages GPU tensors through the host). Only ``src`` knows where its chunks live;
-    the engines send that along with their shape."""
-    if source_on_cpu:
-        return out.cpu()
-    if out.device.type == "cpu":
-        return out.to(torch.device("cuda", torch.cuda.current_device()))
-    return out
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Collectives composed from the few every engine implements (all_reduce, all_gather,
-broadcast, point to point), used where an engine has no native version of its own."""
+broadcast, point to point), used where an engine has no native version of its own; and
+``scattered_to``, where the engines with a scatter of their own place its result."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -54,15 +55,11 @@ class ComposedCollectives:
         return list(gathered.unbind(0)) if self._rank == dst else None
 
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
-        meta = torch.zeros(2 + 8, dtype=torch.int64)
-        if chunks is not None:
-            shape = tuple(chunks[0].shape)
-            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
-            meta[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        meta = scatter_header(chunks, 8)
         self._broadcast(meta, src, call)
-        shape = tuple(meta[2:2 + int(meta[0])].tolist())
+        shape, dtype, _ = read_scatter_header(meta, src)
         full = (torch.stack(chunks) if chunks is not None
-                else torch.empty((self._world_size, *shape), dtype=DTYPES[int(meta[1])]))
+                else torch.empty((self._world_size, *shape), dtype=dtype))
         self._broadcast(full, src, call)
         return full[self._rank].clone()
 
@@ -86,3 +83,45 @@ class ComposedCollectives:
     def _barrier(self, call: Call) -> None:
         self._all_reduce(torch.zeros(1), ReduceOp.SUM, call)
 
+
+def scatter_header(chunks: list[torch.Tensor] | None, max_dims: int) -> torch.Tensor:
+    """What rank ``src`` of a scatter sends the others before the data, since only it knows:
+    the chunks' number of dims, dtype code (``signature.DTYPES``), whether they are CPU tensors,
+    then their shape. More than ``max_dims`` dims or a dtype without a code is sent as such, so
+    every rank raises alike in ``read_scatter_header`` instead of the others waiting for data
+    that never comes. Other ranks pass None (their header is overwritten by src's)."""
+    meta = torch.zeros(3 + max_dims, dtype=torch.int64)
+    if chunks is not None:
+        shape, dtype = chunks[0].shape, chunks[0].dtype
+        meta[1] = DTYPES.index(dtype) if dtype in DTYPES else 0
+        meta[2] = int(chunks[0].device.type == "cpu")
+        if len(shape) > max_dims:
+            meta[0] = -1
+        else:
+            meta[0] = len(shape)
+            meta[3:3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return meta
+
+
+def read_scatter_header(meta: torch.Tensor, src: int) -> tuple[tuple[int, ...], torch.dtype, bool]:
+    """(shape, dtype, source on the CPU) from a ``scatter_header``, or ValueError on every rank."""
+    ndim, code, on_cpu = meta[:3].tolist()
+    if ndim < 0:
+        raise ValueError(f"scatter: rank {src}'s chunks have more than {meta.numel() - 3} dims; "
+                         "reshape them to fewer and back")
+    if not 0 < code < len(DTYPES):
+        raise ValueError(f"scatter: rank {src}'s chunks have a dtype this engine cannot send "
+                         "(quantized or bit-packed); scatter a view of them as an integer dtype")
+    return tuple(meta[3:3 + ndim].tolist()), DTYPES[code], bool(on_cpu)
+
+
+def scattered_to(out: torch.Tensor, source_on_cpu: bool) -> torch.Tensor:
+    """A scatter's received chunk where ``scatter`` promises it: on the CPU when the source rank's
+    chunks were CPU tensors, else on a GPU (this rank's own, or the current CUDA device of an
+    engine that stages GPU tensors through the host). Only ``src`` knows where its chunks live;
+    the engines send that along with their shape."""
+    if source_on_cpu:
+        return out.cpu()
+    if out.device.type == "cpu":
+        return out.to(torch.device("cuda", torch.cuda.current_device()))
+    return out

@@ -144,7 +144,7 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         seq = self._next_p2p_seq("send", dst, tag)
         # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once.
-        self._rdv.post(self._rank, dst, tag, (seq, tensor.clone()))
+        self._rdv.post(self._rank, dst, tag, seq, tensor.clone())
         return CompletedWork(None)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
@@ -176,4 +176,5 @@ class _RecvWork(Work):
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or self._backend._rdv.has_message(self._src, self._backend.rank, self._tag)
+        return self._done or self._backend._rdv.has_message(self._src, self._backend.rank, self._tag,
+                                                            self._seq)

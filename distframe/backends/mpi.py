@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
-from distframe.backends.signature import DTYPES
 from distframe.backends.types import ReduceOp, Work
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
@@ -192,31 +192,23 @@ class MPICommunicationBackend(CommunicationBackendBase):
 
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
         # Only src knows the chunks' shape, dtype and device kind: broadcast them first.
-        meta = torch.zeros(3 + _MAX_SCATTER_DIMS, dtype=torch.int64)
-        full = None
-        if chunks is not None:
-            shape = tuple(chunks[0].shape)
-            if len(shape) > _MAX_SCATTER_DIMS:
-                raise ValueError(f"scatter supports chunks of at most {_MAX_SCATTER_DIMS} dims")
-            meta[0], meta[1] = len(shape), DTYPES.index(chunks[0].dtype)
-            meta[2] = int(chunks[0].device.type == "cpu")
-            meta[3:3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-            full = torch.stack([c.to("cpu") if needs_staging(c, self._device_aware) else c
-                                for c in chunks])
+        meta = scatter_header(chunks, _MAX_SCATTER_DIMS)
         meta_buf = wire(meta)
         self._complete(call, lambda: self._comm.Ibcast(meta_buf, root=src), meta_buf)
-        shape, dtype = tuple(meta[3:3 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
+        shape, dtype, source_on_cpu = read_scatter_header(meta, src)
+        full = None if chunks is None else torch.stack(
+            [c.to("cpu") if needs_staging(c, self._device_aware) else c for c in chunks])
         device = full.device if full is not None else "cpu"
         out = torch.empty(shape, dtype=dtype, device=device)
         send, recv = (None if full is None else wire(full)), wire(out)
         self._complete(call, lambda: self._comm.Iscatter(send, recv, root=src), (send, recv))
-        return scattered_to(out, source_on_cpu=bool(meta[2]))
+        return scattered_to(out, source_on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         stage = any(needs_staging(c, self._device_aware) for c in chunks)
         host = [stage_in(c, stage) for c in chunks]
         trailing = tuple(host[0].shape[1:])
-        per_row = max(1, int(torch.Size(trailing).numel()))
+        per_row = torch.Size(trailing).numel()  # 1 for 1-dim chunks, 0 for rows of no elements
         send_rows = torch.tensor([c.shape[0] for c in host], dtype=torch.int64)
         recv_rows = torch.empty_like(send_rows)
         send_meta, recv_meta = wire(send_rows), wire(recv_rows)

@@ -7,12 +7,22 @@ import torch
 
 from distframe.backends.types import ReduceOp
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float16 and bfloat16 are reduced in float32 and rounded once at the end."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def work_tensor(tensor: torch.Tensor, op: ReduceOp | None) -> torch.Tensor:
+    """What the engine reduces with ``op`` (None: moves) for ``tensor``: itself when contiguous, else
+    a contiguous copy. AVG of float16/bfloat16 reduces a float32 copy and the caller rounds the mean
+    once: a sum rounded to the dtype first is rounded twice, and float16 values near its largest
+    (65504) overflow in their sum but not in their mean."""
+    if op is ReduceOp.AVG and tensor.dtype in LOW_PRECISION:
+        return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def reduce_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:

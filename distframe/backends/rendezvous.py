@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any
 
 import torch
@@ -109,7 +108,8 @@ class Rendezvous:
         self.size = len(global_ranks)
         self.cond = threading.Condition()
         self._slots: dict[int, Slot] = {}
-        self._mailboxes: dict[tuple[int, int, int], deque] = {}
+        # (src, dst, tag) -> {message number on that channel: (number, payload)}
+        self._mailboxes: dict[tuple[int, int, int], dict[int, Any]] = {}
         self._freed_through = 0  # the highest sequence number whose slot is done and freed
         world.register(self)
 
@@ -157,22 +157,26 @@ class Rendezvous:
             return slot.shared[key]
 
     # ---- point to point ----------------------------------------------------------------------
-    def post(self, src: int, dst: int, tag: int, item: Any) -> None:
-        self.world.note_gpus(self.global_ranks[src], item[1] if isinstance(item, tuple) else item)
+    # Messages are numbered per (src, dst, tag) channel by sender and receiver alike, and receive
+    # number k takes message k: receives match in the order they were posted (MPI's
+    # non-overtaking rule), whichever of them is waited for first.
+    def post(self, src: int, dst: int, tag: int, seq: int, payload: Any) -> None:
+        self.world.note_gpus(self.global_ranks[src], payload)
         with self.cond:
-            self._mailboxes.setdefault((src, dst, tag), deque()).append(item)
+            self._mailboxes.setdefault((src, dst, tag), {})[seq] = (seq, payload)
             self.cond.notify_all()
 
-    def has_message(self, src: int, dst: int, tag: int) -> bool:
+    def has_message(self, src: int, dst: int, tag: int, seq: int) -> bool:
         with self.cond:
-            return bool(self._mailboxes.get((src, dst, tag)))
+            return seq in self._mailboxes.get((src, dst, tag), ())
 
     def take(self, src: int, dst: int, tag: int, seq: int, timeout: float) -> Any:
+        """Message ``seq`` of the channel, once it has been posted."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            box = self._mailboxes.setdefault((src, dst, tag), deque())
-            self._wait(lambda: bool(box), deadline, timeout, "recv", seq, lambda: {src})
-            return box.popleft()
+            box = self._mailboxes.setdefault((src, dst, tag), {})
+            self._wait(lambda: seq in box, deadline, timeout, "recv", seq, lambda: {src})
+            return box.pop(seq)
 
     # ---- waiting -----------------------------------------------------------------------------
     def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing) -> None:

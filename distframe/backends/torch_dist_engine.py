@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase, scattered_to
+from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.reduction import reduce_into
-from distframe.backends.signature import DTYPES, Signature
+from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import ProgressBoard
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
@@ -163,20 +164,14 @@ class TorchDistributedBackend(CommunicationBackendBase):
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
         self._arrive(call)
         # Only src knows the chunks' shape and dtype (and whether they live on the CPU).
-        meta = torch.zeros(3 + _SCATTER_MAX_DIMS, dtype=torch.int64)
-        if chunks is not None:
-            if chunks[0].dim() > _SCATTER_MAX_DIMS:
-                raise ValueError(f"scatter supports chunks of at most {_SCATTER_MAX_DIMS} dims")
-            meta[0], meta[1] = chunks[0].dim(), DTYPES.index(chunks[0].dtype)
-            meta[2] = int(chunks[0].device.type == "cpu")
-            meta[3:3 + chunks[0].dim()] = torch.tensor(chunks[0].shape, dtype=torch.int64)
+        meta = scatter_header(chunks, _SCATTER_MAX_DIMS)
         self._broadcast(meta, src, call)
-        shape, dtype = tuple(meta[3:3 + int(meta[0])].tolist()), DTYPES[int(meta[1])]
+        shape, dtype, source_on_cpu = read_scatter_header(meta, src)
         out = torch.empty(shape, dtype=dtype, device=self._device)
         sources = [[movable(self._stage(c.contiguous())) for c in chunks]] if chunks is not None else []
         self._complete(call, self._pg.scatter, [movable(out)], sources,
                        _options(dist.ScatterOptions, rootRank=src))
-        return scattered_to(out, source_on_cpu=bool(meta[2]))
+        return scattered_to(out, source_on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         self._arrive(call)

@@ -4,9 +4,19 @@ from __future__ import annotations
 import torch
 
 
-def check_tensor(op: str, tensor: object) -> None:
+def check_tensor(op: str, tensor: object) -> torch.Tensor:
+    """``tensor`` as the engines see it (:func:`plain`), or TypeError."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op} expects a torch.Tensor, got {type(tensor).__name__}")
+    return plain(tensor)
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the engines see it: a detached alias when it requires grad. Collectives move
+    data outside autograd, as torch.distributed's do (``functional`` has differentiable ones), so
+    a parameter can be broadcast into in place, and in-memory ranks, which write into each other's
+    tensors, never join their autograd graphs."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def check_peer(op: str, name: str, peer: object, world_size: int) -> None:
@@ -15,13 +25,15 @@ def check_peer(op: str, name: str, peer: object, world_size: int) -> None:
                          f"{world_size}; use a rank in 0..{world_size - 1}")
 
 
-def check_p2p(op: str, tensor: object, peer: int, tag: int, rank: int, world_size: int, tag_limit: int) -> None:
-    check_tensor(op, tensor)
+def check_p2p(op: str, tensor: object, peer: int, tag: int, rank: int, world_size: int,
+              tag_limit: int) -> torch.Tensor:
+    data = check_tensor(op, tensor)
     check_peer(op, "dst" if "send" in op else "src", peer, world_size)
     if peer == rank:
         raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
     if not isinstance(tag, int) or not 0 <= tag < tag_limit:
         raise ValueError(f"{op}: tag must be an int in 0..{tag_limit - 1}, got {tag!r}")
+    return data
 
 
 def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
@@ -39,9 +51,7 @@ def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) 
 def check_chunks(op: str, chunks: object, world_size: int, *, same_shape: bool) -> list[torch.Tensor]:
     if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != world_size:
         raise ValueError(f"{op} needs a list of world_size={world_size} tensors, got {chunks!r:.80}")
-    chunks = list(chunks)
-    for c in chunks:
-        check_tensor(op, c)
+    chunks = [check_tensor(op, c) for c in chunks]
     first = chunks[0]
     for j, c in enumerate(chunks):
         if c.dtype != first.dtype or (same_shape and c.shape != first.shape) or (

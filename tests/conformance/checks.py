@@ -132,6 +132,18 @@ def check_point_to_point(backend, dtype_name: str = "float32") -> None:
         backend.recv(first, 0, tag=1)
         if first.tolist() != [1.0] * 3 or second.tolist() != [2.0] * 3:
             raise AssertionError(f"tagged recv mixed messages: {first}, {second}")
+    # Receives on one channel match messages in the order they were posted (MPI's non-overtaking
+    # rule), whichever is waited for first.
+    if r == 0:
+        backend.send(torch.full((2,), 1.0), 1, tag=4)
+        backend.send(torch.full((2,), 2.0), 1, tag=4)
+    elif r == 1:
+        first, second = torch.zeros(2), torch.zeros(2)
+        works = [backend.irecv(first, 0, tag=4), backend.irecv(second, 0, tag=4)]
+        works[1].wait()
+        works[0].wait()
+        if first.tolist() != [1.0] * 2 or second.tolist() != [2.0] * 2:
+            raise AssertionError(f"irecvs waited for out of order got {first}, {second}")
     backend.barrier()
 
 
@@ -238,6 +250,12 @@ def check_float_edge_shapes(backend) -> None:
     if backend.all_gather(empty).shape != (0, 3) or backend.reduce_scatter(empty).shape != (0, 3):
         raise AssertionError("empty tensors keep their shape")
     backend.broadcast(torch.zeros(0), 0)
+    # all_to_all of chunks without elements: no rows, and rows of no elements (rank j sends j + 1).
+    if [tuple(t.shape) for t in backend.all_to_all([torch.zeros(0, 2)] * n)] != [(0, 2)] * n:
+        raise AssertionError("all_to_all of empty chunks")
+    got = backend.all_to_all([torch.zeros(r + 1, 0) for _ in range(n)])
+    if [tuple(t.shape) for t in got] != [(j + 1, 0) for j in range(n)]:
+        raise AssertionError(f"all_to_all of (rows, 0) chunks gave {[tuple(t.shape) for t in got]}")
 
 
 ALL_DTYPES = tuple(DTYPES)
@@ -333,3 +351,38 @@ def check_post_first(backend) -> None:
     for op, count in (("all_reduce", 2), ("all_gather", 1), ("reduce_scatter", 1)):
         if backend.stats.calls.get(op, 0) - calls.get(op, 0) != count:
             raise AssertionError(f"stats counted {op} wrongly")
+
+
+def check_tensors_that_require_grad(backend) -> None:
+    """Collectives act on a tensor's data outside autograd, as torch.distributed's do (the
+    differentiable ones are in ``functional``): a parameter can be broadcast, averaged, reduced
+    and received into in place, results do not require grad, and backward through a tensor
+    all-reduced in place runs on this rank's own graph alone (the communication is ignored)."""
+    n, r = backend.world_size, backend.rank
+    param = torch.nn.Parameter(torch.full((2, 3), float(r + 1), dtype=torch.float64))
+    if backend.broadcast(param, n - 1) is not param or param.detach().ne(n).any():
+        raise AssertionError(f"rank {r}: broadcast into a parameter gave {param.detach().tolist()}")
+    if backend.all_reduce(param.t(), ReduceOp.AVG).requires_grad is not True or param.detach().ne(n).any():
+        raise AssertionError("all_reduce(AVG) of a parameter's transposed view")
+    backend.reduce(param, 0)
+    if param.detach().ne(n * n if r == 0 else n).any():
+        raise AssertionError(f"rank {r}: reduce into a parameter gave {param.detach().tolist()}")
+    source = torch.nn.Parameter(torch.full((2,), float(r)))
+    results = [backend.all_gather(source), backend.reduce_scatter(source.repeat(n)),
+               *backend.all_to_all([source] * n), backend.scatter([source] * n if r == 0 else None, 0),
+               *(backend.gather(source, 0) or [])]
+    if any(t.requires_grad for t in results):
+        raise AssertionError("the result of a collective must not require grad (it has no graph)")
+    if n > 1:
+        backend.send(source.double().repeat(2)[:3], (r + 1) % n)
+        backend.recv(param[0], (r - 1) % n)  # a parameter's row, written in place
+        if param.detach()[0].tolist() != [float((r - 1) % n)] * 3:
+            raise AssertionError(f"rank {r}: recv into a parameter gave {param.detach().tolist()}")
+    x = torch.nn.Parameter(torch.full((4,), float(r + 1), dtype=torch.float64))
+    y = x * 2
+    backend.all_reduce(y)
+    backend.barrier()
+    (y * y).sum().backward()  # d/dx of (2x reduced)^2 on this rank's graph: 2 * y * 2
+    if x.grad.ne(4.0 * n * (n + 1)).any():
+        raise AssertionError(f"rank {r}: gradient {x.grad.tolist()}, expected {4.0 * n * (n + 1)}")
+    backend.barrier()

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.conformance import checks
+from tests.conformance import checks, checks_dtypes
 from tests.conformance.oracle import DTYPES, FLOAT_NAMES
 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
@@ -109,3 +109,15 @@ def test_byte_objects(runner):
 
 def test_post_first(runner):
     runner.run(checks.check_post_first)
+
+
+def test_tensors_that_require_grad(runner):
+    runner.run(checks.check_tensors_that_require_grad)
+
+
+def test_low_precision_average(runner):
+    runner.run(checks_dtypes.check_low_precision_average)
+
+
+def test_scatter_of_rarer_dtypes(runner):
+    runner.run(checks_dtypes.check_scatter_of_rarer_dtypes)

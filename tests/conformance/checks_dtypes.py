@@ -1,0 +1,71 @@
+"""Conformance checks of dtypes beyond those of checks.py: what a reduction of float16 or
+bfloat16 rounds, and when; scatter of dtypes outside the usual set. Run on every engine by
+test_collectives.py, like the checks in checks.py."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from distframe.backends import ReduceOp
+from tests.conformance.oracle import assert_matches, input_device
+
+
+def check_low_precision_average(backend) -> None:
+    """AVG of float16 is the mean rounded once to float16: near float16's largest value (65504)
+    the sum of the ranks' values overflows float16, their mean does not. all_reduce,
+    reduce_scatter and reduce alike, each with a synchronous and an asynchronous call."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    values = [65504.0 - 32 * k for k in range(n)]  # each exactly a float16
+    expected = np.full(4, np.mean(values))  # assert_matches rounds it to float16 once
+    for async_op in (False, True):
+        mine = torch.full((4,), values[r], dtype=torch.float16, device=device)
+        work = backend.all_reduce(mine, ReduceOp.AVG, async_op=async_op)
+        if async_op:
+            work.wait()
+        assert_matches(mine, expected, "float16", f"all_reduce AVG async_op={async_op}")
+        rows = torch.full((4 * n,), values[r], dtype=torch.float16, device=device)
+        work = backend.reduce_scatter(rows, ReduceOp.AVG, async_op=async_op)
+        assert_matches(work.wait() if async_op else work, expected, "float16",
+                       f"reduce_scatter AVG async_op={async_op}")
+        chunk = torch.empty(4, dtype=torch.float16, device=device)
+        backend.reduce_scatter(rows, ReduceOp.AVG, out=chunk)
+        assert_matches(chunk, expected, "float16", "reduce_scatter AVG into out")
+        mine = torch.full((2, 4), values[r], dtype=torch.float16, device=device).t()
+        work = backend.reduce(mine, n - 1, ReduceOp.AVG, async_op=async_op)
+        if async_op:
+            work.wait()
+        assert_matches(mine, np.full((4, 2), np.mean(values) if r == n - 1 else values[r]), "float16",
+                       f"reduce AVG of a transposed view, async_op={async_op}")
+
+
+def check_scatter_of_rarer_dtypes(backend) -> None:
+    """scatter, whose source alone knows the chunks' dtype, sends any dtype the engine moves
+    (uint16, float8) and, for one it has no name for (bit-packed bits8) or more dims than its
+    header holds, raises on every rank instead of leaving the others waiting for the source."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    for dtype in (torch.uint16, torch.uint64, torch.float8_e5m2):
+        if backend.engine == "mpi" and dtype == torch.float8_e5m2:
+            continue  # NumPy has no float8: the MPI engine cannot move it at all
+        chunks = [torch.full((2, 3), float(k + 1), device=device).to(dtype) for k in range(n)]
+        got = backend.scatter(chunks if r == 0 else None, 0)
+        if got.dtype != dtype or got.to(torch.float32).ne(r + 1).any():
+            raise AssertionError(f"scatter of {dtype} gave {got.dtype} {got.to(torch.float32).tolist()}")
+    packed = [torch.full((2,), k, dtype=torch.uint8, device=device).view(torch.bits8) for k in range(n)]
+    try:  # the in-memory engine moves it; the others must say they cannot, on every rank
+        got = backend.scatter(packed if r == n - 1 else None, n - 1)
+    except ValueError as exc:
+        if backend.engine == "inmemory" or "scatter" not in str(exc):
+            raise
+    else:
+        if backend.engine != "inmemory" or got.view(torch.uint8).tolist() != [r, r]:
+            raise AssertionError(f"{backend.engine}: scatter of bits8 gave {got.view(torch.uint8)}")
+    deep = [torch.full((1,) * 40, float(k), device=device) for k in range(n)]  # more dims than
+    try:  # Gloo's (16) or MPI's (32) header has room for: the same rule as for dtypes
+        got = backend.scatter(deep if r == 0 else None, 0)
+    except ValueError as exc:
+        if backend.engine == "inmemory" or "dims" not in str(exc):
+            raise
+    else:
+        if backend.engine != "inmemory" or got.flatten().tolist() != [float(r)]:
+            raise AssertionError(f"{backend.engine}: scatter of 40-dim chunks gave {got.shape}")
+    backend.barrier()
