@@ -24,7 +24,7 @@ import torch
 from distframe.backends import validation
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.posted import PostedCollectives
-from distframe.backends.reduction import LOW_PRECISION, work_tensor
+from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
@@ -42,6 +42,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
     """
 
     engine: str = "base"
+    #: AVG of float16/bfloat16 moves the tensor's own dtype (see ``reduction.work_tensor``).
+    _keeps_half_dtype = False
 
     def __init__(self, rank: int, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,
                  debug: bool = False) -> None:
@@ -111,10 +113,10 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         sig = lambda: Signature("all_reduce", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            work = work_tensor(data, applied)
+            work = work_tensor(data, applied, self._world_size, self._keeps_half_dtype)
             self._all_reduce(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
             if applied is ReduceOp.AVG:
-                work.div_(self._world_size)
+                average_(work, self._world_size, self._keeps_half_dtype)
             if work is not data:
                 data.copy_(work)
             return tensor
@@ -161,11 +163,11 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
 
         def run(call: Call) -> torch.Tensor:
-            work = work_tensor(data, applied)
+            work = work_tensor(data, applied, self._world_size, self._keeps_half_dtype)
             result = self._reduce_scatter(work, ReduceOp.SUM if applied is ReduceOp.AVG else applied,
                                           call, out if work.dtype == data.dtype else None)
             if applied is ReduceOp.AVG:
-                result.div_(self._world_size)
+                average_(result, self._world_size, self._keeps_half_dtype)
             return _into(out, result.to(data.dtype))
         return self._run("reduce_scatter", sig, tensor.nbytes, run, async_op)
 
@@ -190,8 +192,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
             def apply(work: torch.Tensor) -> None:
                 self._reduce(work, dst, ReduceOp.SUM if applied is ReduceOp.AVG else applied, call)
                 if applied is ReduceOp.AVG and self._rank == dst:
-                    work.div_(self._world_size)
-            return self._in_place(tensor, apply, applied)
+                    average_(work, self._world_size, self._keeps_half_dtype)
+            return self._in_place(tensor, apply, applied, write_back=self._rank == dst)
         return self._run("reduce", sig, tensor.nbytes, run, async_op)
 
     def gather(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False
@@ -351,14 +353,14 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
             texts[self._rank] = f"{call.signature.describe()} at sequence number {call.seq}"
             raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
 
-    @staticmethod
-    def _in_place(tensor: torch.Tensor, apply: Callable[[torch.Tensor], None],
-                  op: ReduceOp | None = None) -> torch.Tensor:
-        """Runs ``apply`` on ``tensor``'s data, or on the copy ``work_tensor`` makes for ``op``."""
+    def _in_place(self, tensor: torch.Tensor, apply: Callable[[torch.Tensor], None],
+                  op: ReduceOp | None = None, *, write_back: bool = True) -> torch.Tensor:
+        """Runs ``apply`` on ``tensor``'s data, or on the copy ``work_tensor`` makes for ``op``,
+        copied back when ``write_back`` (not on a rank that only sends: it may be pre-divided)."""
         data = validation.plain(tensor)
-        work = work_tensor(data, op)
+        work = work_tensor(data, op, self._world_size, self._keeps_half_dtype)
         apply(work)
-        if work is not data:
+        if work is not data and write_back:
             data.copy_(work)
         return tensor
 

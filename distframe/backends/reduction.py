@@ -15,14 +15,40 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
-def work_tensor(tensor: torch.Tensor, op: ReduceOp | None) -> torch.Tensor:
-    """What the engine reduces with ``op`` (None: moves) for ``tensor``: itself when contiguous, else
-    a contiguous copy. AVG of float16/bfloat16 reduces a float32 copy and the caller rounds the mean
-    once: a sum rounded to the dtype first is rounded twice, and float16 values near its largest
-    (65504) overflow in their sum but not in their mean."""
+def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
+                keep_dtype: bool = False) -> torch.Tensor:
+    """What the engine reduces with ``op`` (None: moves) for ``tensor``: itself when contiguous,
+    else a contiguous copy. For AVG of float16/bfloat16, and ``average_`` after the SUM:
+
+    - engines that reduce in Python (in-memory, MPI) get a float32 copy and the mean is rounded
+      once: a sum rounded to the dtype first is rounded twice, and float16 values near its
+      largest (65504) overflow in their sum but not in their mean;
+    - engines that move the tensor's own dtype (``keep_dtype``: Gloo, NCCL) keep it, so half
+      precision costs half the bytes of float32 on the wire, as torch DDP's and FSDP's do.
+      float16 is first divided by ``p``, the power of two >= ``world_size`` (exact), so the sum
+      cannot overflow; ``average_`` scales it by ``p / world_size`` in float32.
+    """
     if op is ReduceOp.AVG and tensor.dtype in LOW_PRECISION:
-        return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
+        if not keep_dtype:
+            return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
+        if tensor.dtype == torch.float16:
+            return tensor.div(_power_of_two_at_least(world_size)).contiguous()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def average_(work: torch.Tensor, world_size: int, keep_dtype: bool = False) -> torch.Tensor:
+    """The mean, in place, from the SUM of the tensors ``work_tensor`` made with the same
+    arguments."""
+    if keep_dtype and work.dtype == torch.float16:
+        scale = _power_of_two_at_least(world_size)
+        if scale != world_size:
+            work.copy_(work.float().mul_(scale).div_(world_size))
+        return work
+    return work.div_(world_size)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def reduce_into(out: torch.Tensor, tensors: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:

@@ -71,6 +71,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
     """
 
     engine = "torch"
+    _keeps_half_dtype = True
     _device: torch.device
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, *,
