@@ -225,7 +225,7 @@ class HybridShardedModel(ShardedModelBase):
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any, *,
                    max_grad_norm: float | None = None) -> float:
         self.check_optimizer(optimizer)
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
             self._plain_optimizer = optimizer
         loss = self.forward_backward(batch, loss_fn)
         self.synchronize_gradients()

@@ -19,6 +19,11 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
     """``optimizer`` is a torch.optim.Optimizer subclass (built with ``kwargs``) or an instance
     (re-built over ``params`` with its settings; it must not have taken a step yet, and its param
     groups, if several, must share their settings: the shards mix every group's parameters)."""
+    if getattr(optimizer, "wrapped_optimizer", None) is not None or (
+            isinstance(optimizer, type) and issubclass(optimizer, ShardedOptimizerBase)):
+        raise ConfigError(f"{owner} wraps a torch.optim optimizer, got the sharded "
+                          f"{getattr(optimizer, '__name__', type(optimizer).__name__)}; pass the "
+                          f"torch.optim class, e.g. {owner}(model, torch.optim.AdamW, lr=3e-4)")
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer(params, **kwargs)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -62,12 +67,17 @@ def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, 
     return groups[0]
 
 
-class ShardedOptimizerBase:
+class ShardedOptimizerBase(torch.optim.Optimizer):
     """Wraps a torch.optim optimizer built over ``model.local_parameter_shard()``.
 
     ``step()`` runs ``model.synchronize_gradients()`` (waits for this step's gradient
     collectives), the local update, then ``model.synchronize_parameters()`` (the strategy's
     parameter all_gather, if any). ``should_early_stop`` is one all_reduce(MAX).
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the
+    wrapped optimizer's, so learning-rate schedulers and ``GradScaler`` take it as they take a
+    plain one (torch's ZeroRedundancyOptimizer is one too). It never calls the base class's
+    constructor: step hooks and ``add_param_group`` are not supported.
     """
 
     #: The model class this optimizer belongs with.
@@ -87,12 +97,23 @@ class ShardedOptimizerBase:
         model.attach_optimizer(self)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.wrapped_optimizer.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         return self.wrapped_optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.wrapped_optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ConfigError(f"{type(self).__name__} shards the parameters of the model it was built "
+                          "for; it cannot take more (wrap a model that holds them all)")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.wrapped_optimizer!r})"
 
     def step(self, closure: Any = None) -> Any:
         self.model.synchronize_gradients()
