@@ -3,7 +3,10 @@
 State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD's momentum: the
 shard's shape, even when that is one element) become ``optim.<key>/<name>@<offset>`` pieces over
 the same segments as the parameters; per-parameter scalars (Adam's step, 0-d) are kept per
-parameter name; hyperparameters per group.
+parameter name; hyperparameters per group. A 0-d shard (a 0-d parameter held whole) has 0-d
+state of both kinds: a key is per-element there when another shard has it per-element; when no
+shard of the rank tells, it is kept as a scalar, and loading reads a parameter's per-element
+state from its scalar when no piece holds it (so a shard that mixes parameters still loads it).
 Pure copies; no communication.
 """
 from __future__ import annotations
@@ -46,13 +49,18 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
     per_key: dict[str, list[torch.Tensor | None]] = {}
     scalars: dict[str, dict[str, list]] = {}
     owned = layout.owned(rank, world_size)
+    element_keys = {key for shard in layout.shards if shard.dim() > 0
+                    for key, value in optimizer.state.get(shard, {}).items()
+                    if isinstance(value, torch.Tensor) and value.shape == shard.shape}
     for i, shard in enumerate(layout.shards):
         if shard.numel() == 0:  # an empty ZeRO chunk (a stage with nothing to train) holds no state
             continue
         for key, value in optimizer.state.get(shard, {}).items():
             # Per-element state has the shard's shape, however few elements it has (a bias of
-            # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d.
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
+            # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d, and so is
+            # the per-element state of a 0-d parameter (Adam's exp_avg of a learned temperature).
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape and (
+                    value.dim() > 0 or key in element_keys):
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value
             elif isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Number):
                 is_tensor = isinstance(value, torch.Tensor)
@@ -84,10 +92,12 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
         entry: dict[str, Any] = {}
         for kind in kinds:
             tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
-            fill_shards(ShardLayout([tensor], [segs]), reader, kind, [tensor])
+            _fill_state(tensor, segs, reader, kind, scalars)
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
         named = scalars.get(segs[0].name, fallback) if segs else fallback
         for key, (value, dtype) in named.items():
+            if f"optim.{key}" in kinds:  # a 0-d parameter's per-element state, read above
+                continue
             entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
         if entry:
             state[index[id(shard)]] = entry
@@ -97,3 +107,16 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
         settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _fill_state(tensor: torch.Tensor, segments: list, reader: RangeReader, kind: str,
+                scalars: dict[str, dict[str, list]]) -> None:
+    """Per-element state ``kind`` of every segment: from its pieces, or from the scalar a 0-d
+    parameter's state was saved as (no piece holds it)."""
+    key = kind.removeprefix("optim.")
+    for s in segments:
+        saved = scalars.get(s.name, {}).get(key)
+        if saved is not None and not reader.holds(kind, s.name):
+            tensor[s.shard_offset:s.shard_offset + s.length] = saved[0]
+        else:
+            fill_shards(ShardLayout([tensor], [[s]]), reader, kind, [tensor])

@@ -31,9 +31,9 @@ def _mse(output, target):
     return ((output - target) ** 2).mean()
 
 
-def _train(backend, strategy, steps, load_from=None, save_to=None):
+def _train(backend, strategy, steps, load_from=None, save_to=None, build=_one_output_model):
     model_cls, opt_cls = STRATEGIES[strategy]
-    model = model_cls(_one_output_model(), backend)
+    model = model_cls(build(), backend)
     opt = opt_cls(model, torch.optim.Adam, lr=0.1)
     if load_from is not None:
         checkpoint.load(load_from, model, opt)
@@ -53,6 +53,34 @@ def test_one_element_optimizer_state_round_trips(tmp_path, strategy, save_world,
     spawn(lambda b: _train(b, strategy, [0, 1], save_to=path), save_world, timeout=30)
     resumed = spawn(lambda b: _train(b, strategy, [2, 3], load_from=path), load_world, timeout=30)
     expected = spawn(lambda b: _train(b, strategy, [0, 1, 2, 3]), 1, timeout=30)[0]
+    for params in resumed:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+class _Temperature(nn.Module):
+    """A linear layer times a learned 0-dim parameter: its Adam moments are 0-dim under DDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _one_output_model()
+        self.temperature = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.lin(x) * self.temperature
+
+
+@pytest.mark.parametrize("saved, loaded", [("ddp", s) for s in STRATEGIES] + [("zero1", "ddp"),
+                                                                                ("fsdp", "ddp")])
+@pytest.mark.parametrize("save_world, load_world", [(2, 3), (1, 2)])
+def test_a_zero_dim_parameters_optimizer_state_round_trips(tmp_path, saved, loaded, save_world, load_world):
+    # The 0-dim parameter's exp_avg was stored as a scalar like Adam's step, so every load of an
+    # Adam checkpoint from DDP found no exp_avg pieces for it (a KeyError), DDP's own included.
+    path = tmp_path / "ckpt"
+    spawn(lambda b: _train(b, saved, [0, 1], save_to=path, build=_Temperature), save_world, timeout=30)
+    resumed = spawn(lambda b: _train(b, loaded, [2, 3], load_from=path, build=_Temperature), load_world,
+                    timeout=30)
+    expected = spawn(lambda b: _train(b, "ddp", [0, 1, 2, 3], build=_Temperature), 1, timeout=30)[0]
     for params in resumed:
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
