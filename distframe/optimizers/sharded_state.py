@@ -83,12 +83,16 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
     """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout."""
     kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
     fallback = next(iter(scalars.values()), {})
+    saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
+                                          if any(reader.holds(kind, s.name) for kind in kinds)}
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
     for shard, segs in zip(layout.shards, layout.segments):
         if id(shard) not in index:
             raise ConfigError("the optimizer does not optimise this model's local shards; build it "
                               "from model.local_parameter_shard() (or use the strategy's optimizer)")
+        if (kinds or scalars) and not _saved_state_covers(segs, saved):
+            continue  # state starts fresh on the parameters' first step, as with torch
         entry: dict[str, Any] = {}
         for kind in kinds:
             tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
@@ -120,3 +124,17 @@ def _fill_state(tensor: torch.Tensor, segments: list, reader: RangeReader, kind:
             tensor[s.shard_offset:s.shard_offset + s.length] = saved[0]
         else:
             fill_shards(ShardLayout([tensor], [[s]]), reader, kind, [tensor])
+
+
+def _saved_state_covers(segments: list, saved: set[str]) -> bool:
+    """Whether a shard's state is in the checkpoint: True when every parameter of the shard has
+    state there, False when none has (trained frozen, or unused, when saved). A shard mixing the
+    two is a ConfigError: its one state (one Adam step count) cannot both go on and start fresh."""
+    fresh = sorted({s.name for s in segments if s.name not in saved})
+    if not fresh or len(fresh) == len({s.name for s in segments}):
+        return not fresh
+    raise ConfigError(
+        f"the checkpoint holds no optimizer state for {fresh} (frozen when it was saved?), and this "
+        f"rank's optimizer shard holds them with parameters whose state it continues (one Adam step "
+        "count for all): load the checkpoint under a strategy with per-parameter (DDPModel) or per-module "
+        "(ZeRO3Model) optimizer state, keep them frozen, or load the model without the optimizer")

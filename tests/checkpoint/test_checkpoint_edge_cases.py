@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from distframe import checkpoint
+from distframe.errors import ConfigError
 from distframe.launch import spawn
 from tests.models.common import SEED_LOCK, STRATEGIES
 
@@ -161,3 +162,38 @@ def test_a_parameter_frozen_on_one_side_only_loads(tmp_path, strategy, freeze_wh
         assert error is None, error
         for name, value in expected.items():
             torch.testing.assert_close(after[name], value, rtol=0, atol=0)
+
+
+def _mlp(first_frozen: bool) -> nn.Module:
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    model[0].requires_grad_(not first_frozen)
+    return model
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_optimizer_state_of_a_parameter_frozen_only_when_saved_starts_fresh(tmp_path, strategy):
+    # Unfreezing a layer between runs: the checkpoint holds no optimizer state for it (a KeyError
+    # on load). As torch's load_state_dict leaves it out, its state starts on its first step,
+    # where its shards hold nothing else (DDP's parameters, ZeRO-3's modules); a shard that
+    # also holds saved state keeps one Adam step count for both, so that is a ConfigError.
+    path = tmp_path / "ckpt"
+    spawn(lambda b: _train(b, strategy, [0, 1], save_to=path, build=lambda: _mlp(True)), 2, timeout=30)
+    dense = _mlp(True)
+    opt = torch.optim.Adam(dense.parameters(), lr=0.1)
+    for step in range(4):
+        dense[0].requires_grad_(step >= 2)
+        _mse(dense(_batch(step, 0, 1)[0]), _batch(step, 0, 1)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def resume(b):
+        return _train(b, strategy, [2, 3], load_from=path, build=lambda: _mlp(False))
+    if strategy in ("zero1", "zero2", "fsdp"):
+        with pytest.raises(ConfigError, match="'0.weight'|'0.bias'"):
+            spawn(resume, 2, timeout=30)
+        return
+    for params in spawn(resume, 2, timeout=30):
+        for name, value in dense.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
