@@ -153,6 +153,8 @@ class HybridShardedModel(ShardedModelBase):
         """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
         forward without autograd; the last stage's output is broadcast over the pipeline group."""
         cp = self.groups.cp
+        if self.runner is None and torch.is_grad_enabled():  # a backward through it may follow
+            self._before_backward()
         if self.runner is None and cp is None:
             return self.wrapped_model(*args, **kwargs)
         if len(args) != 1 or kwargs:
@@ -171,7 +173,7 @@ class HybridShardedModel(ShardedModelBase):
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
         inputs, targets = self._sequence_slices(*batch)
-        self._gradients_synchronized = False
+        self._before_backward()
         if self.runner is None:
             loss = loss_fn(self.wrapped_model(inputs), targets)
             loss.backward()
@@ -182,6 +184,13 @@ class HybridShardedModel(ShardedModelBase):
         loss = loss.detach().to(torch.float64).reshape(1).clone()
         self.groups.pp.broadcast(loss, self.dims.pp - 1)
         return loss.reshape(())
+
+    def _before_backward(self) -> None:
+        """The next ``synchronize_gradients`` communicates again; gradients it adds to the ones
+        already synchronised (no zero_grad between) add up as with torch DDP."""
+        self._gradients_synchronized = False
+        if self.zero is not None:
+            self.zero.restart_accumulation()
 
     def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
@@ -258,8 +267,8 @@ class HybridShardedModel(ShardedModelBase):
 
     def synchronize_gradients(self) -> None:
         """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG)
-        (ddp), or ZeRO's reduce_scatter into the master chunk. Once per step:
-        further calls before the next forward_backward do nothing."""
+        (ddp), or ZeRO's reduce_scatter into the master chunk. Once per backward: further calls
+        before the next forward_backward (or differentiable forward) do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return
         for group, tied in self._tied_groups:

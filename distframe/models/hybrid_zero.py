@@ -11,7 +11,9 @@ gradients divided by ``dp``, so each rank averages only the chunk it updates, an
 parameters on the wire per step, as ``ZeRO1Model``/``ZeRO2Model`` (an all_reduce of the gradients
 would make it 3(dp-1)/dp). ZeRO-1 keeps the full gradients, as ``ZeRO1Model`` does: each
 parameter's ``.grad`` holds this rank's own gradient, with the chunk it owns replaced by the
-average. ZeRO-2 keeps only the chunk's averaged gradient.
+average. ZeRO-2 keeps only the chunk's averaged gradient. A further backward before the step (no
+zero_grad) adds to the averages, as with torch DDP: ``restart_accumulation`` sets the average
+aside before it, and the next reduction adds the new average to it.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class ZeroShards:
         # A stage with nothing to train (all frozen) keeps an empty chunk and still takes part.
         dtype = params[0].dtype if params else torch.get_default_dtype()
         self.master = torch.zeros(self.chunk, dtype=dtype, device=params[0].device if params else device)
+        self._reduced = False  # the parameters' .grad holds gradients already reduced
         self.refresh_master()
 
     def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -62,6 +65,9 @@ class ZeroShards:
     def reduce_gradients(self) -> None:
         flat = self._flat([p.grad for p in self.params])
         shard = self.backend.reduce_scatter(flat, ReduceOp.SUM).div_(self.backend.world_size)
+        if self.master.grad is not None:  # an earlier backward's average (no zero_grad since)
+            shard.add_(self.master.grad)
+        self._reduced = True
         if self.stage == 1:
             owned = flat[self.lo:self.lo + self.chunk]
             owned.copy_(shard)
@@ -72,6 +78,19 @@ class ZeroShards:
             self.master.grad = shard
             for p in self.params:
                 p.grad = None
+
+    def restart_accumulation(self) -> None:
+        """Before a backward that follows a reduction (no zero_grad in between). ZeRO-1's ``.grad``
+        still holds the local gradients already reduced, the owned chunk holding the average that
+        is also the master's ``.grad``: reduced again they would count twice. So the average gets
+        a ``.grad`` of its own and the parameters' gradients restart from nothing."""
+        if not self._reduced:
+            return
+        if self.stage == 1 and self.master.grad is not None:
+            self.master.grad = self.master.grad.clone()
+        for p in self.params:
+            p.grad = None
+        self._reduced = False
 
     def gather_parameters(self) -> None:
         flat = self.backend.all_gather(self.master.detach().contiguous())

@@ -96,6 +96,10 @@ class RangeReader:
     def kinds(self) -> set[str]:
         return {kind for kind, _ in self._index}
 
+    def holds(self, kind: str, name: str) -> bool:
+        """Whether any piece of ``kind`` (``"param"``, ``"optim.exp_avg"``) belongs to ``name``."""
+        return (kind, name) in self._index
+
     def read(self, kind: str, name: str, start: int, length: int) -> torch.Tensor:
         runs = self._index.get((kind, name))
         if not runs and kind == "param" and f"buffer/{name}" in self.keys:

@@ -3,7 +3,10 @@
 State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD's momentum: the
 shard's shape, even when that is one element) become ``optim.<key>/<name>@<offset>`` pieces over
 the same segments as the parameters; per-parameter scalars (Adam's step, 0-d) are kept per
-parameter name; hyperparameters per group.
+parameter name; hyperparameters per group. A 0-d shard (a 0-d parameter held whole) has 0-d
+state of both kinds: a key is per-element there when another shard has it per-element; when no
+shard of the rank tells, it is kept as a scalar, and loading reads a parameter's per-element
+state from its scalar when no piece holds it (so a shard that mixes parameters still loads it).
 Pure copies; no communication.
 """
 from __future__ import annotations
@@ -46,13 +49,18 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
     per_key: dict[str, list[torch.Tensor | None]] = {}
     scalars: dict[str, dict[str, list]] = {}
     owned = layout.owned(rank, world_size)
+    element_keys = {key for shard in layout.shards if shard.dim() > 0
+                    for key, value in optimizer.state.get(shard, {}).items()
+                    if isinstance(value, torch.Tensor) and value.shape == shard.shape}
     for i, shard in enumerate(layout.shards):
         if shard.numel() == 0:  # an empty ZeRO chunk (a stage with nothing to train) holds no state
             continue
         for key, value in optimizer.state.get(shard, {}).items():
             # Per-element state has the shard's shape, however few elements it has (a bias of
-            # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d.
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
+            # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d, and so is
+            # the per-element state of a 0-d parameter (Adam's exp_avg of a learned temperature).
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape and (
+                    value.dim() > 0 or key in element_keys):
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value
             elif isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Number):
                 is_tensor = isinstance(value, torch.Tensor)
@@ -75,19 +83,25 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
     """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout."""
     kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
     fallback = next(iter(scalars.values()), {})
+    saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
+                                          if any(reader.holds(kind, s.name) for kind in kinds)}
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
     for shard, segs in zip(layout.shards, layout.segments):
         if id(shard) not in index:
             raise ConfigError("the optimizer does not optimise this model's local shards; build it "
                               "from model.local_parameter_shard() (or use the strategy's optimizer)")
+        if (kinds or scalars) and not _saved_state_covers(segs, saved):
+            continue  # state starts fresh on the parameters' first step, as with torch
         entry: dict[str, Any] = {}
         for kind in kinds:
             tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
-            fill_shards(ShardLayout([tensor], [segs]), reader, kind, [tensor])
+            _fill_state(tensor, segs, reader, kind, scalars)
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
         named = scalars.get(segs[0].name, fallback) if segs else fallback
         for key, (value, dtype) in named.items():
+            if f"optim.{key}" in kinds:  # a 0-d parameter's per-element state, read above
+                continue
             entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
         if entry:
             state[index[id(shard)]] = entry
@@ -97,3 +111,30 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
         settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _fill_state(tensor: torch.Tensor, segments: list, reader: RangeReader, kind: str,
+                scalars: dict[str, dict[str, list]]) -> None:
+    """Per-element state ``kind`` of every segment: from its pieces, or from the scalar a 0-d
+    parameter's state was saved as (no piece holds it)."""
+    key = kind.removeprefix("optim.")
+    for s in segments:
+        saved = scalars.get(s.name, {}).get(key)
+        if saved is not None and not reader.holds(kind, s.name):
+            tensor[s.shard_offset:s.shard_offset + s.length] = saved[0]
+        else:
+            fill_shards(ShardLayout([tensor], [[s]]), reader, kind, [tensor])
+
+
+def _saved_state_covers(segments: list, saved: set[str]) -> bool:
+    """Whether a shard's state is in the checkpoint: True when every parameter of the shard has
+    state there, False when none has (trained frozen, or unused, when saved). A shard mixing the
+    two is a ConfigError: its one state (one Adam step count) cannot both go on and start fresh."""
+    fresh = sorted({s.name for s in segments if s.name not in saved})
+    if not fresh or len(fresh) == len({s.name for s in segments}):
+        return not fresh
+    raise ConfigError(
+        f"the checkpoint holds no optimizer state for {fresh} (frozen when it was saved?), and this "
+        f"rank's optimizer shard holds them with parameters whose state it continues (one Adam step "
+        "count for all): load the checkpoint under a strategy with per-parameter (DDPModel) or per-module "
+        "(ZeRO3Model) optimizer state, keep them frozen, or load the model without the optimizer")

@@ -184,6 +184,48 @@ def test_frozen_parameters_stay_frozen(data_parallel, pp, tmp_path):
             torch.testing.assert_close(full[name], tensor, **TOL, msg=name)
 
 
+@pytest.mark.parametrize("data_parallel", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("pp, via", [(1, "forward_backward"), (1, "backward"), (2, "forward_backward")])
+def test_backwards_synchronised_in_turn_accumulate_like_one_process(data_parallel, pp, via):
+    # Two backwards, each followed by synchronize_gradients, then one step (no no_sync): as with
+    # torch DDP the averages add up. ZeRO re-sent or dropped the first average, and a second
+    # model(x) did not re-arm synchronize_gradients (it communicated once per forward_backward).
+    from distframe.optimizers import ZeRO1Optimizer, ZeRO2Optimizer
+
+    g = torch.Generator().manual_seed(2)
+    xs, ys = torch.randn(2, 8, 5, generator=g, dtype=torch.float64), torch.randn(2, 8, 3, generator=g,
+                                                                                 dtype=torch.float64)
+
+    def half_mse(output, target):
+        return torch.nn.functional.mse_loss(output, target) / 2
+    dense = _partly_frozen_mlp().requires_grad_(True)
+    opt = torch.optim.Adam(dense.parameters(), lr=0.1)
+    for x, y in zip(xs, ys):
+        half_mse(dense(x), y).backward()
+    opt.step()
+
+    def run(b):
+        model = HybridShardedModel(_partly_frozen_mlp().requires_grad_(True), b, num_microbatches=2,
+                                   dims=ParallelDims(dp=2, pp=pp), data_parallel=data_parallel,
+                                   split_points=[2] if pp > 1 else None)
+        zero = ZeRO1Optimizer if data_parallel == "zero1" else ZeRO2Optimizer
+        opt = (torch.optim.Adam(model.parameters(), lr=0.1) if data_parallel == "ddp" else
+               zero(model, torch.optim.Adam, lr=0.1))
+        for x, y in zip(xs, ys):
+            x, y = dp_slice((x, y), model.groups.dp_index, 2)
+            if via == "backward":
+                half_mse(model(x), y).backward()
+            else:
+                model.forward_backward((x, y), half_mse)
+            model.synchronize_gradients()
+        opt.step()
+        return model.gather_full_parameters()
+
+    for full in spawn(run, 2 * pp):
+        for name, tensor in dense.state_dict().items():
+            torch.testing.assert_close(full[name], tensor, **TOL, msg=name)
+
+
 def test_zero_needs_its_optimizer():
     def run(b):
         model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2), data_parallel="zero1")
