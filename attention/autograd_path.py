@@ -15,7 +15,20 @@ import torch.nn.functional as F
 from attention.function import KeySource, accumulate_dtype
 
 
-def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, scale, dropout):
+def generator_dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, *,
+                      inplace: bool = False) -> torch.Tensor:
+    """``F.dropout(x, p)`` in training mode, its mask drawn from ``generator`` (torch's global
+    generator when None), which must be on ``x``'s device."""
+    if p == 0.0:
+        return x
+    if generator is None:
+        return F.dropout(x, p=p, training=True, inplace=inplace)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)  # 1 keeps, 0 drops
+    scaled = keep.div_(1.0 - p)
+    return x.mul_(scaled) if inplace else x * scaled
+
+
+def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, scale, p, generator):
     plan = source.plan
     acc = accumulate_dtype(query.dtype)
     qc = plan.compressed(query).to(acc)  # (B*nseg, H, M, D)
@@ -30,7 +43,7 @@ def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, s
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B*nseg, H, M, 1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse))
-    probs = F.dropout(probs, p=dropout, training=dropout > 0.0)
+    probs = generator_dropout(probs, p, generator)
     out_c = torch.cat([probs @ vc.to(acc), lse], dim=-1)  # (B*nseg, hg, M, D + 1)
     return _scatter(out_c, plan, query.shape)
 
@@ -52,14 +65,15 @@ def _scatter(src, plan, shape):
 def dilated_attention_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                sources: Sequence[KeySource], *, is_causal: bool,
                                key_padding_mask: torch.Tensor | None, scale: float,
-                               dropout: float) -> torch.Tensor:
-    """Merged dilated attention ``(B, T, H, D)`` with dropout on the attention probabilities.
+                               dropout: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Merged dilated attention ``(B, T, H, D)`` with dropout on the attention probabilities, its
+    masks drawn from ``generator`` (torch's global generator when None).
 
     Units (head groups of a branch) cover disjoint rows, so merging over all units at once is
     merging over branches.
     """
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, dropout)
+    outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, dropout, generator)
                        for s in sources))
     lse = torch.stack(lses)  # (units, B, T, H)
     total = torch.logsumexp(lse, dim=0, keepdim=True)

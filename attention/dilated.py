@@ -63,7 +63,7 @@ class DilatedAttention(nn.Module):
     Cost per branch: O(seq * w / r) time and O(seq) memory; never a seq x seq matrix. Uses the
     fused flash kernel on CPU (fp32, fp64, fp16, bf16; merges accumulate in fp32). With
     ``attention_dropout > 0`` in training mode it takes a slower path differentiated by
-    autograd, dropping merged attention probabilities.
+    autograd, dropping merged attention probabilities (masks from ``dropout_generator``).
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -91,6 +91,11 @@ class DilatedAttention(nn.Module):
                                             num_heads=num_heads, device=device)]
         return self._sources[cache_key]
 
+    def dropout_generator(self, device: torch.device) -> torch.Generator | None:
+        """Where the attention-dropout masks come from: torch's global generator (None) here;
+        a subclass may name its own generator on ``device``."""
+        return None
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +109,8 @@ class DilatedAttention(nn.Module):
         if self.training and self.attention_dropout > 0.0:
             return dilated_attention_autograd(query, key, value, sources, is_causal=is_causal,
                                               key_padding_mask=key_padding_mask, scale=scale,
-                                              dropout=self.attention_dropout)
+                                              dropout=self.attention_dropout,
+                                              generator=self.dropout_generator(query.device))
         out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
                                                 is_causal, scale)
         return out

@@ -19,7 +19,11 @@ all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp
 no schedule: one forward and backward of the slice. With ``cp > 1`` each rank also keeps only its
 slice of every sequence, attention runs as a ring over the cp group, and what is said of the dp
 group above (gradient averaging, ZeRO's shards, the loss's mean, checkpoint writers) holds for
-the replica group of ``dp * cp`` ranks instead.
+the replica group of ``dp * cp`` ranks instead. Dropout with ``tp > 1``: every ``nn.Dropout`` of the
+stage draws from a generator seeded alike across the tensor group (so replicated activations and
+parameters stay bitwise equal there) and differently per replica and stage; the head-split attention
+dropout draws per tensor rank. The seed is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``,
+agreed by one broadcast at construction (``tensor_parallel_rng``).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from distframe.models.pipeline_schedules import SCHEDULES
 from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, piece_key
 from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
 from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
+from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2")
 
@@ -61,7 +66,8 @@ class HybridShardedModel(ShardedModelBase):
                  dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", data_parallel: str = "ddp",
                  split_points: Sequence[int] | None = None, virtual_stages: int = 1,
-                 config: ShardingConfig | None = None, **settings: Any) -> None:
+                 config: ShardingConfig | None = None, dropout_seed: int | None = None,
+                 **settings: Any) -> None:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)
         _check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
@@ -77,7 +83,10 @@ class HybridShardedModel(ShardedModelBase):
         ranges = self._stage_ranges(model, split_points)
         self.catalog = ParameterCatalog(model, self._stage_layers(model, ranges))
         origins: dict[int, int] = {}
+        self.dropout_rng: TensorParallelRNG | None = None
         if dims.tp_enabled:
+            seed = agree_on_seed(dropout_seed, backend, self._device)
+            self.dropout_rng = TensorParallelRNG.for_groups(seed, self.groups)
             origins = self._apply_tensor_parallel(model, tp_plan, ranges)
         chunks = self._build_chunks(model, ranges)
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
@@ -129,7 +138,8 @@ class HybridShardedModel(ShardedModelBase):
         plan = default_tp_plan(model) if tp_plan is None else tp_plan
         mine = self._stage_layers(model, ranges)[self.groups.pp_index]
         owned = {id(m) for layer in mine for m in layer.modules()}
-        return apply_tensor_parallel(model, self.groups.tp, plan, include=lambda m: id(m) in owned)
+        return apply_tensor_parallel(model, self.groups.tp, plan, include=lambda m: id(m) in owned,
+                                     rng=self.dropout_rng)
 
     def _build_chunks(self, model: nn.Module, ranges: list[range] | None) -> list[nn.Module]:
         if ranges is None:

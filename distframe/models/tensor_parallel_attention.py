@@ -24,15 +24,25 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               ShardedLayerNorm, shard_range)
+from distframe.models.tensor_parallel_rng import TensorParallelRNG
 
 
 class HeadShardedDilatedAttention(DilatedAttention):
-    """Dilated attention over heads ``[head_start, head_start + local_heads)`` of ``total_heads``."""
+    """Dilated attention over heads ``[head_start, head_start + local_heads)`` of ``total_heads``.
 
-    def __init__(self, dense: DilatedAttention, *, head_start: int, total_heads: int) -> None:
+    Its attention-dropout masks (this rank's heads only) come from ``rng.split_generator``, drawn
+    independently on each tensor rank, or from torch's global generator when ``rng`` is None.
+    """
+
+    def __init__(self, dense: DilatedAttention, *, head_start: int, total_heads: int,
+                 rng: TensorParallelRNG | None = None) -> None:
         super().__init__(dense.segment_lengths, dense.dilation_rates,
                          softmax_scale=dense.softmax_scale, attention_dropout=dense.attention_dropout)
         self.head_start, self.total_heads = head_start, total_heads
+        self.rng = rng
+
+    def dropout_generator(self, device: torch.device) -> torch.Generator | None:
+        return None if self.rng is None else self.rng.split_generator(device)
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
                      is_causal: bool) -> list[LocalKeySource]:
@@ -49,10 +59,11 @@ class HeadShardedDilatedAttention(DilatedAttention):
 
 
 class TensorParallelDilatedAttention(nn.Module):
-    """Drop-in for a ``MultiheadDilatedAttention`` (same forward signature), split by heads."""
+    """Drop-in for a ``MultiheadDilatedAttention`` (same forward signature), split by heads;
+    ``rng``: where the attention dropout draws (see HeadShardedDilatedAttention)."""
 
     def __init__(self, dense: MultiheadDilatedAttention, backend: ICommunicationBackend,
-                 shared: dict | None = None) -> None:
+                 shared: dict | None = None, rng: TensorParallelRNG | None = None) -> None:
         super().__init__()
         if dense.num_heads % backend.world_size:
             raise ConfigError(f"num_heads ({dense.num_heads}) is not divisible by the tensor-parallel "
@@ -66,7 +77,7 @@ class TensorParallelDilatedAttention(nn.Module):
         self.k_proj = make(dense.k_proj, backend, copy_input=False, shared=shared)
         self.v_proj = make(dense.v_proj, backend, copy_input=False, shared=shared)
         self.attention = HeadShardedDilatedAttention(dense.attention, head_start=lo,
-                                                     total_heads=dense.num_heads)
+                                                     total_heads=dense.num_heads, rng=rng)
         self.attention.train(dense.training)
         self.norm = None if dense.norm is None else ShardedLayerNorm.from_dense(dense.norm, backend)
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, backend, shared=shared)

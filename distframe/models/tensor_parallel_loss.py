@@ -4,6 +4,11 @@ Rank r holds logits for vocabulary ids ``[r*V/t, (r+1)*V/t)`` (the output of a c
 head without ``gather_output``). Forward: three all-reduces of a ``(...)`` statistic (max, sum of
 exponentials, the target's logit). Backward is local: ``softmax - one_hot`` on this rank's ids,
 so no communication runs. Equal to ``F.cross_entropy`` on the gathered logits.
+
+float16/bfloat16 logits are computed in float32, as ``F.cross_entropy`` and Megatron do: the
+statistics (and their all-reduces), the reduction over tokens and the gradient, each rounded once
+to the logits' dtype at the end. In half precision a sum of exponentials over a large vocabulary
+is rounded to 8 or 11 bits and overflows float16 past 65504 (the loss becomes inf).
 """
 from __future__ import annotations
 
@@ -13,30 +18,38 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float16/bfloat16 logits, else their own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses in ``compute_dtype(logits.dtype)``; the gradient in the logits' dtype."""
+
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, backend: ICommunicationBackend):
         vocab_local = logits.shape[-1]
         start = backend.rank * vocab_local
-        logits = logits.detach()
-        global_max = backend.all_reduce(logits.amax(dim=-1).contiguous(), ReduceOp.MAX)
-        shifted = logits - global_max.unsqueeze(-1)  # (..., V/t)
+        upcast = logits.detach().to(compute_dtype(logits.dtype))
+        global_max = backend.all_reduce(upcast.amax(dim=-1).contiguous(), ReduceOp.MAX)
+        shifted = upcast - global_max.unsqueeze(-1)  # (..., V/t)
         local_ids = targets - start
         inside = (local_ids >= 0) & (local_ids < vocab_local)
         safe_ids = local_ids.masked_fill(~inside, 0).unsqueeze(-1)
         target_logit = shifted.gather(-1, safe_ids).squeeze(-1).masked_fill(~inside, 0.0)
         target_logit = backend.all_reduce(target_logit.contiguous(), ReduceOp.SUM)
-        exp = shifted.exp()
-        sum_exp = backend.all_reduce(exp.sum(dim=-1).contiguous(), ReduceOp.SUM)
-        softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe_ids, inside)
+        sum_exp = backend.all_reduce(shifted.exp_().sum(dim=-1).contiguous(), ReduceOp.SUM)
+        # The logits (as given: no upcast copy kept) and two (...) statistics; backward recomputes
+        # the softmax from them in the compute dtype.
+        ctx.save_for_backward(logits, global_max, sum_exp, safe_ids, inside)
         return sum_exp.log() - target_logit  # (...) per-token loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        softmax, safe_ids, inside = ctx.saved_tensors
-        one_hot = torch.zeros_like(softmax).scatter_(-1, safe_ids, inside.unsqueeze(-1).to(softmax.dtype))
-        return (softmax - one_hot) * grad.unsqueeze(-1), None, None
+        logits, global_max, sum_exp, safe_ids, inside = ctx.saved_tensors
+        softmax = (logits.to(global_max.dtype) - global_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
+        softmax.scatter_add_(-1, safe_ids, -inside.unsqueeze(-1).to(softmax.dtype))  # - one_hot
+        return (softmax.mul_(grad.unsqueeze(-1))).to(logits.dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
@@ -46,6 +59,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
     ``reduction``: ``"mean"`` (over every target not equal to ``ignore_index``, as
     ``F.cross_entropy``), ``"sum"`` or ``"none"``; ignored targets add no loss and no gradient.
+    The loss has the logits' dtype; half-precision logits are computed in float32.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -53,5 +67,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     # The masked_fill also zeroes the ignored positions' gradient.
     losses = _VocabParallelCrossEntropy.apply(logits, targets, backend).masked_fill(ignored, 0.0)
     if reduction == "mean":
-        return losses.sum() / (~ignored).sum()
-    return losses.sum() if reduction == "sum" else losses
+        losses = losses.sum() / (~ignored).sum()
+    elif reduction == "sum":
+        losses = losses.sum()
+    return losses.to(logits.dtype)  # reduced in the compute dtype, rounded once

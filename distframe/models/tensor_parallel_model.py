@@ -6,6 +6,8 @@ replica of the rest; all ranks take the same batch. Forward and backward run the
 attention and per MLP each way, one for the embedding forward, an all-gather of the logits);
 gradients need no further synchronisation, and a plain torch.optim optimizer over
 ``model.parameters()`` updates this rank's shards. ``train_step`` adds one all_reduce of the loss.
+Dropout masks of replicated activations are the same on every rank (``dropout_seed``, see
+``tensor_parallel_rng``); the attention-probability dropout draws per rank, for its own heads.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from distframe.models.hybrid import HybridShardedModel
 
 
 class TensorParallelModel(HybridShardedModel):
-    """``TensorParallelModel(model, backend, *, plan=None)``; ``plan`` maps submodule names to
-    ``"column"``, ``"row"`` or ``"vocab"`` (None: ``default_tp_plan``, the LM's)."""
+    """``TensorParallelModel(model, backend, *, plan=None, dropout_seed=None)``; ``plan`` maps
+    submodule names to ``"column"``, ``"row"`` or ``"vocab"`` (None: ``default_tp_plan``, the LM's);
+    ``dropout_seed`` (None: rank 0's ``torch.initial_seed()``) fixes the dropout masks."""
 
     def __init__(self, model: nn.Module, backend: ICommunicationBackend, *,
                  plan: Mapping[str, str] | None = None, **settings: Any) -> None:

@@ -13,7 +13,9 @@ parameter names stay the dense model's. Rules:
   ``MultiheadDilatedAttention``: the whole attention is replaced by
   TensorParallelDilatedAttention (split by heads, one ``f`` for q/k/v).
 
-A weight tied between planned layers (the LM's embedding and head) stays one Parameter.
+A weight tied between planned layers (the LM's embedding and head) stays one Parameter. Given a
+TensorParallelRNG (``tensor_parallel_rng``), every ``nn.Dropout`` becomes a ReplicatedDropout (the
+same mask on each tensor rank) and a split attention's dropout draws per rank.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from distframe.errors import ConfigError
 from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               ShardedLayerNorm, VocabParallelEmbedding)
 from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
+from distframe.models.tensor_parallel_rng import TensorParallelRNG, replace_dropouts
 
 STYLES = ("column", "row", "vocab")
 _ATTENTION_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row"}
@@ -48,13 +51,18 @@ def default_tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan: Mapping[str, str],
-                          *, include: Callable[[nn.Module], bool] | None = None) -> dict[int, int]:
+                          *, include: Callable[[nn.Module], bool] | None = None,
+                          rng: TensorParallelRNG | None = None) -> dict[int, int]:
     """Replaces the planned submodules of ``model`` in place (see the module docstring).
 
     ``include(module)`` limits the plan to some modules (a pipeline stage's); ``None``: all.
+    ``rng``: this rank's dropout generators; None leaves dropout on torch's global generator,
+    which only ranks in separate processes seeded alike keep consistent.
     Returns ``{id(new parameter): id(the dense parameter it was cut from)}``.
     """
     plan = _checked(model, plan)
+    if rng is not None:
+        replace_dropouts(model, rng, include)
     shared: dict = {}
     origins: dict[int, int] = {}
     by_parent: dict[str, dict[str, str]] = {}
@@ -70,7 +78,8 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
         if not mine:
             continue
         if isinstance(parent, MultiheadDilatedAttention):
-            _record(origins, parent, _replace_attention(model, parent_name, parent, children, backend, shared))
+            parallel = _replace_attention(model, parent_name, parent, children, backend, shared, rng)
+            _record(origins, parent, parallel)
             continue
         styles = set(children.values())
         for child, style in mine.items():
@@ -139,8 +148,8 @@ def _parallel_layer(dense: nn.Module, style: str, sibling_styles: set[str], back
 
 
 def _replace_attention(model: nn.Module, name: str, attention: MultiheadDilatedAttention,
-                       children: dict[str, str], backend: ICommunicationBackend, shared: dict
-                       ) -> TensorParallelDilatedAttention:
+                       children: dict[str, str], backend: ICommunicationBackend, shared: dict,
+                       rng: TensorParallelRNG | None) -> TensorParallelDilatedAttention:
     if children != _ATTENTION_PLAN:
         raise ConfigError(f"attention {name!r}: plan q_proj, k_proj, v_proj as 'column' and out_proj "
                           f"as 'row' (it is split by heads), got {children}")
@@ -148,6 +157,6 @@ def _replace_attention(model: nn.Module, name: str, attention: MultiheadDilatedA
         raise ConfigError("plan the attention's projections inside a model, not a bare attention module")
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    parallel = TensorParallelDilatedAttention(attention, backend, shared)
+    parallel = TensorParallelDilatedAttention(attention, backend, shared, rng)
     setattr(owner, attr, parallel)
     return parallel

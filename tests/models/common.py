@@ -46,11 +46,13 @@ class Block(nn.Module):
 SEED_LOCK = threading.Lock()
 
 
-def tiny_lm(num_layers: int = 2, tie: bool = True, seed: int = 0) -> DilatedTransformerLM:
-    """The float64 tiny LM (seq 16, width 16, 4 heads, segments 4/8/16 at rates 1/2/4)."""
+def tiny_lm(num_layers: int = 2, tie: bool = True, seed: int = 0,
+            dropout: float = 0.0) -> DilatedTransformerLM:
+    """The float64 tiny LM (seq 16, width 16, 4 heads, segments 4/8/16 at rates 1/2/4); ``dropout``
+    on the residual stream, in the MLP and on the attention probabilities."""
     config = DilatedTransformerConfig.preset(
         "tiny", seq_len=16, embed_dim=16, num_heads=4, num_layers=num_layers,
-        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), tie_embeddings=tie)
+        segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), tie_embeddings=tie, dropout=dropout)
     with SEED_LOCK:
         torch.manual_seed(seed)
         return DilatedTransformerLM(config).double()

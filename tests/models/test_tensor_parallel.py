@@ -1,5 +1,6 @@
 """Tensor parallelism: each Megatron layer against its dense module, the LM under its default
-plan against the dense LM (outputs and gradients, float64 1e-10), and the all-reduce count."""
+plan against the dense LM (outputs and gradients, float64 1e-10), and the all-reduce count; the
+vocab-parallel loss of half-precision logits against float32 F.cross_entropy (half an ulp)."""
 from __future__ import annotations
 
 import copy
@@ -120,6 +121,40 @@ def test_vocab_parallel_cross_entropy_ignores_padding_targets(reduction):
         torch.testing.assert_close(local.grad, _chunk(logits.grad, -1, b), **TOL)
 
     spawn(run, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab,scale,offset,world", [
+    (12, 1.0, 0.0, 3),           # small: bfloat16 statistics were off by up to 2 half-ulps
+    (131072, 0.1, 0.0, 2),       # near-uniform: a float16 sum of exponentials overflows (inf)
+    (32768, 2.0, 1000.0, 2),     # large logits
+])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_vocab_parallel_cross_entropy_of_half_logits_is_computed_in_float32(dtype, vocab, scale, offset,
+                                                                           world, reduction):
+    # As F.cross_entropy on the gathered logits upcast to float32, rounded once to the logits'
+    # dtype: within half a unit in the last place (plus float32's own rounding), for the loss and
+    # for the gradient (whose smallest entries are float16 subnormals: half their spacing too).
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 4, vocab, generator=g) * scale + offset).to(dtype)
+    ids = torch.randint(0, vocab, (2, 4), generator=g)
+    ids[1, 2] = -100
+    upcast = logits.float().requires_grad_()
+    expected = F.cross_entropy(upcast.transpose(1, 2), ids, reduction=reduction)
+    expected.sum().backward()
+    info = torch.finfo(dtype)
+    tol = dict(rtol=info.eps / 2 + 4 * torch.finfo(torch.float32).eps,
+               atol=info.smallest_normal * info.eps / 2)
+
+    def run(b):
+        local = _chunk(logits, -1, b).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, ids, b, reduction=reduction)
+        loss.sum().backward()
+        assert loss.dtype == dtype and local.grad.dtype == dtype
+        torch.testing.assert_close(loss.float(), expected.detach(), **tol)
+        torch.testing.assert_close(local.grad.float(), _chunk(upcast.grad, -1, b), **tol)
+
+    spawn(run, world)
 
 
 def test_sharded_layer_norm():

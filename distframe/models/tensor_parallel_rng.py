@@ -1,0 +1,119 @@
+"""Dropout under tensor parallelism: which ranks draw the same mask (Megatron's RNG tracker).
+
+[Note: dropout and the tensor group]
+An activation outside the parallel region (the residual stream after a row-parallel layer's
+all-reduce, the MLP's output) is computed identically on every rank of the tensor group, and so
+must its dropout mask be: a mask drawn differently per rank makes the ranks' replicated
+activations, then the gradients and values of their replicated parameters (layer norms, a row
+layer's bias, positions), diverge, silently. Torch's global generator cannot give that: in-memory
+ranks are threads sharing it (their draws interleave, so the run is not even reproducible) and
+process ranks are seeded by the user. So each rank holds a TensorParallelRNG with two seeds
+derived from one base seed that construction agrees on (world rank 0's, broadcast):
+
+* ``replicated``: equal across the tensor group, different for every data-parallel (and context)
+  replica and pipeline stage. Every ``nn.Dropout`` of a tensor-parallel model becomes a
+  ReplicatedDropout drawing from it; the tensor ranks run the same forwards in the same order, so
+  their generators advance in lockstep and the masks are bitwise equal. (A dropout a user's plan
+  puts on a split activation, between a column and a row layer, draws the same mask on each
+  rank's slice: consistent, though the slices' masks repeat one another.)
+* ``split``: different on every rank; for dropout inside the parallel region, where each rank
+  holds its own part of the activation (the attention probabilities of its heads).
+
+The generators are made on first use for each device (``torch.Generator(device=...)``) and are
+not part of the model's state dict: a run restarted from a checkpoint draws new masks.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attention.autograd_path import generator_dropout
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.mesh import ParallelGroups
+
+_SEED_BITS = 63  # torch.Generator.manual_seed takes a signed 64-bit seed: stay positive
+
+
+def derive_seed(base: int, *coordinates: object) -> int:
+    """A seed for ``coordinates`` (a region name and rank indices) that is the same in every
+    process (``hash()`` is salted per process) and unrelated for neighbouring coordinates."""
+    digest = hashlib.blake2b(repr((base, *coordinates)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << _SEED_BITS)
+
+
+def agree_on_seed(seed: int | None, backend: ICommunicationBackend, device: torch.device) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()`` when None, as rank 0 has it, on every rank of
+    ``backend`` (one broadcast of an int64)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"dropout_seed={seed!r}: use an int, or None for torch.initial_seed()")
+    value = torch.initial_seed() if seed is None else seed
+    agreed = torch.tensor([value % (1 << _SEED_BITS)], dtype=torch.int64, device=device)
+    if backend.world_size > 1:
+        backend.broadcast(agreed, 0)
+    return int(agreed.item())
+
+
+class TensorParallelRNG:
+    """This rank's two dropout generators (see the module note): ``replicated_generator(device)``
+    is seeded alike across the tensor group, ``split_generator(device)`` per tensor rank."""
+
+    def __init__(self, replicated_seed: int, split_seed: int) -> None:
+        self.replicated_seed, self.split_seed = replicated_seed, split_seed
+        self._generators: dict[tuple[str, str], torch.Generator] = {}
+
+    @classmethod
+    def for_groups(cls, base_seed: int, groups: ParallelGroups) -> TensorParallelRNG:
+        """Seeds for this rank's coordinates: ``replicated`` from (pipeline stage, replica index),
+        ``split`` from those and the tensor index."""
+        where = (groups.pp_index, groups.replica_index)
+        return cls(derive_seed(base_seed, "replicated", *where),
+                   derive_seed(base_seed, "split", *where, groups.tp_index))
+
+    def replicated_generator(self, device: torch.device) -> torch.Generator:
+        return self._generator("replicated", self.replicated_seed, device)
+
+    def split_generator(self, device: torch.device) -> torch.Generator:
+        return self._generator("split", self.split_seed, device)
+
+    def _generator(self, region: str, seed: int, device: torch.device) -> torch.Generator:
+        key = (region, str(device))
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+        return self._generators[key]
+
+
+class ReplicatedDropout(nn.Dropout):
+    """``nn.Dropout`` whose mask comes from ``rng.replicated_generator``: the same on every rank
+    of the tensor group. Stands in for each ``nn.Dropout`` of a tensor-parallel model."""
+
+    def __init__(self, p: float, rng: TensorParallelRNG, inplace: bool = False) -> None:
+        super().__init__(p, inplace)
+        self.rng = rng
+
+    @classmethod
+    def from_dense(cls, dense: nn.Dropout, rng: TensorParallelRNG) -> ReplicatedDropout:
+        replaced = cls(dense.p, rng, dense.inplace)
+        replaced.train(dense.training)
+        return replaced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return generator_dropout(x, self.p, self.rng.replicated_generator(x.device), inplace=self.inplace)
+
+
+def replace_dropouts(model: nn.Module, rng: TensorParallelRNG,
+                     include: Callable[[nn.Module], bool] | None = None) -> int:
+    """Replaces, in place, every ``nn.Dropout`` of ``model`` (that ``include`` accepts) by a
+    ReplicatedDropout; returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Dropout and (include is None or include(child)):
+                setattr(parent, name, ReplicatedDropout.from_dense(child, rng))
+                replaced += 1
+    return replaced
