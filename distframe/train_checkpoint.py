@@ -62,10 +62,15 @@ def load(path: str, model: Any, optimizer: Any) -> int:
     return int(metadata["step"])
 
 
+def config_json_path(path: str) -> str:
+    """``OUT/config.json`` of the run that wrote checkpoint ``path`` (``OUT/checkpoints/...``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
+
+
 def run_info(path: str) -> dict[str, Any]:
     """The resolved configuration (with the model shape) of the run that wrote checkpoint
     ``path``: ``OUT/config.json`` beside ``OUT/checkpoints``."""
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
+    config = config_json_path(path)
     if not os.path.exists(config):
         raise ConfigError(f"{config} is missing: a checkpoint is read with the config.json of the "
                           "run that wrote it; keep OUT/config.json beside OUT/checkpoints")
