@@ -41,6 +41,17 @@ def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
     return path, step
 
 
+def resume_step(out_dir: str, steps: int) -> int | None:
+    """The step ``--resume`` continues after (the latest checkpoint's), or None if there is no
+    checkpoint; ConfigError if ``--steps`` is below it (a run cannot train backwards)."""
+    found = latest_checkpoint(out_dir)
+    if found is not None and steps < found[1]:
+        raise ConfigError(f"--steps {steps}: the run in {out_dir} already reached step {found[1]} "
+                          f"({found[0]}); pass --steps above {found[1]} to train it further, or "
+                          "leave out --resume to start a new run")
+    return None if found is None else found[1]
+
+
 def remove_checkpoints(out_dir: str) -> None:
     """Deletes ``OUT/checkpoints`` (a fresh run replaces an earlier run's checkpoints)."""
     shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)

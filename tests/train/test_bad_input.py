@@ -134,6 +134,21 @@ def test_config_json_with_bad_train_settings_is_bad_input(capsys, tmp_path):
                 '"train"', "list")
 
 
+def test_resume_with_steps_the_run_already_reached(capsys, tmp_path, corpus_file):
+    """--resume --steps N at or below the checkpoint's step K: below, bad input saying to pass
+    --steps above K; equal, the run is done (exit 0, one line). Neither changes OUT."""
+    train(tmp_path, corpus_file, "--steps", "2", "--world-size", "1", "--eval-batches", "1")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    resume = ["train", "--out", str(tmp_path), "--data", corpus_file, "--resume"]
+    _fails_with(capsys, [*resume, "--steps", "1"], "--steps 1", "step 2", "above 2")
+    assert main([*resume, "--steps", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.count("\n") == 1
+    assert "already reached step 2" in captured.out and "--steps above 2" in captured.out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):
     from distframe import train_loop
     config = TrainConfig(out=str(tmp_path), resume=True)
