@@ -2,7 +2,9 @@
 format of ``distframe.checkpoint``) and how it finds the one to resume from.
 
 Only complete checkpoints count: ``distframe.checkpoint.save`` writes into a temporary
-directory and renames it into place, so an interrupted save leaves no ``step-N``.
+directory and renames it into place, so an interrupted save leaves no new ``step-N`` (and a
+re-save of step N that dies between its renames leaves the old one moved aside, where
+``distframe.checkpoint.complete_checkpoints`` finds it).
 """
 from __future__ import annotations
 
@@ -26,15 +28,12 @@ def step_path(out_dir: str, step: int) -> str:
 
 
 def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
-    """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None."""
-    root = checkpoint_dir(out_dir)
-    if not os.path.isdir(root):
-        return None
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        if match and os.path.exists(os.path.join(root, name, "metadata.json")):
-            found.append((int(match.group(1)), os.path.join(root, name)))
+    """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None (a
+    step whose save died between its renames counts under the name it was moved aside to)."""
+    from distframe.checkpoint import complete_checkpoints
+    found = [(int(match.group(1)), str(path))
+             for name, path in complete_checkpoints(checkpoint_dir(out_dir)).items()
+             if (match := _STEP_DIR.match(name))]
     if not found:
         return None
     step, path = max(found)
