@@ -6,6 +6,7 @@ configuration. Tokens are bytes; the output is decoded as UTF-8 (invalid bytes r
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -15,18 +16,71 @@ from distframe import train_checkpoint
 from distframe.errors import ConfigError
 
 
+_RESTORE = "restore it from the run that wrote the checkpoint"
+
+
 def load_model(path: str) -> DilatedTransformerLM:
     """The trained model of checkpoint ``path`` (or of the latest checkpoint of a run's OUT)."""
     from distframe import checkpoint
     path = resolve_checkpoint(path)
-    shape = train_checkpoint.run_info(path)["model"]
-    model = DilatedTransformerLM(DilatedTransformerConfig(**shape))
+    model = DilatedTransformerLM(saved_model_config(path))
     state = checkpoint.consolidate(path)
     if model.config.tie_embeddings:  # a tied head is one parameter, saved once
         state.setdefault("head.weight", state["tok_embedding.weight"])
+    _check_shapes(model, state, path)
     model.to(state["tok_embedding.weight"].dtype)
     model.load_state_dict(state)
     return model.eval()
+
+
+def saved_model_config(path: str) -> DilatedTransformerConfig:
+    """The model shape that ``OUT/config.json`` of checkpoint ``path``'s run records ("model");
+    ConfigError naming the file and the key where it is not what distframe train writes."""
+    source = train_checkpoint.config_json_path(path)
+    shape = train_checkpoint.run_info(path).get("model")
+    if not isinstance(shape, dict):
+        held = "no" if shape is None else f"a {type(shape).__name__} as its"
+        raise ConfigError(f'{source} holds {held} "model" (the model shape); {_RESTORE}')
+    defaults = {f.name: f.default for f in dataclasses.fields(DilatedTransformerConfig)}
+    for key, value in shape.items():
+        if key not in defaults:
+            raise ConfigError(f"{source}: unknown model key {key!r} (the keys are "
+                              f"{', '.join(defaults)}); {_RESTORE}")
+        expected = _unlike(value, defaults[key])
+        if expected:
+            raise ConfigError(f"{source}: model key {key!r} holds {value!r}, not {expected}; "
+                              f"{_RESTORE}")
+    try:
+        return DilatedTransformerConfig(**shape)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}; {_RESTORE}") from None
+
+
+def _unlike(value: object, default: object) -> str | None:
+    """What ``value`` should be to have the type of its field's ``default``; None if it has."""
+    def integer(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if integer(value) else "an integer"
+    if isinstance(default, float):
+        return None if integer(value) or isinstance(value, float) else "a number"
+    ok = isinstance(value, list) and all(integer(v) for v in value)
+    return None if ok else "a list of integers"
+
+
+def _check_shapes(model: DilatedTransformerLM, state: dict[str, torch.Tensor], path: str) -> None:
+    """ConfigError naming config.json where its model shape is not the one checkpoint ``path``
+    holds (a value edited by hand, or config.json of another run)."""
+    ours = {name: list(t.shape) for name, t in model.state_dict().items()}
+    saved = {name: list(t.shape) for name, t in state.items()}
+    for name in sorted(set(ours) | set(saved)):
+        if ours.get(name) != saved.get(name):
+            raise ConfigError(
+                f"{train_checkpoint.config_json_path(path)}: its \"model\" gives {name!r} the shape "
+                f"{ours.get(name, 'none')} but checkpoint {path} holds {saved.get(name, 'none')}; "
+                f"{_RESTORE}")
 
 
 def resolve_checkpoint(path: str) -> str:

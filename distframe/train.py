@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
+from distframe import train_checkpoint
 from distframe.data import load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import detect_launcher, init_backend, spawn
@@ -28,6 +29,8 @@ __all__ = ["TrainConfig", "TrainResult", "run"]
 
 def run(config: TrainConfig) -> TrainResult:
     """Trains as ``config`` says and returns rank 0's result."""
+    if config.resume:
+        train_checkpoint.resume_step(config.out, config.steps)  # --steps below it: ConfigError
     launcher = detect_launcher()
     if launcher is not None:
         if config.optimizer == "elastic":

@@ -79,7 +79,9 @@ class AsyncJob(Job):
         workers = self.backend.world_size - 1
         index = self.backend.rank - 1 if self.backend.rank > SERVER_RANK else self.backend.rank
         updates = range(start_step + 1 + index, self.config.steps + 1, workers)
-        bar = ProgressBar(total=len(updates), initial=0, enabled=index == 0)
+        # The first worker's bar stands for the run: the workers take the updates in turn, so
+        # each of its own is about ``workers`` of the run's.
+        bar = ProgressBar(total=self.config.steps, initial=start_step, enabled=index == 0)
         rows = []
         try:
             for step in updates:
@@ -96,7 +98,7 @@ class AsyncJob(Job):
                 rows.append((step, loss, seconds, time.time()))
                 bar.update({"train_loss": loss, "val_loss": None, "peak_memory_bytes":
                             peak_memory_bytes(self.device),
-                            "tokens_per_s": self.tokens_per_step / seconds})
+                            "tokens_per_s": self.tokens_per_step / seconds}, steps=workers)
             self.optimizer.finish()
         finally:
             bar.close()

@@ -2,7 +2,9 @@
 format of ``distframe.checkpoint``) and how it finds the one to resume from.
 
 Only complete checkpoints count: ``distframe.checkpoint.save`` writes into a temporary
-directory and renames it into place, so an interrupted save leaves no ``step-N``.
+directory and renames it into place, so an interrupted save leaves no new ``step-N`` (and a
+re-save of step N that dies between its renames leaves the old one moved aside, where
+``distframe.checkpoint.complete_checkpoints`` finds it).
 """
 from __future__ import annotations
 
@@ -26,19 +28,27 @@ def step_path(out_dir: str, step: int) -> str:
 
 
 def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
-    """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None."""
-    root = checkpoint_dir(out_dir)
-    if not os.path.isdir(root):
-        return None
-    found = []
-    for name in os.listdir(root):
-        match = _STEP_DIR.match(name)
-        if match and os.path.exists(os.path.join(root, name, "metadata.json")):
-            found.append((int(match.group(1)), os.path.join(root, name)))
+    """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None (a
+    step whose save died between its renames counts under the name it was moved aside to)."""
+    from distframe.checkpoint import complete_checkpoints
+    found = [(int(match.group(1)), str(path))
+             for name, path in complete_checkpoints(checkpoint_dir(out_dir)).items()
+             if (match := _STEP_DIR.match(name))]
     if not found:
         return None
     step, path = max(found)
     return path, step
+
+
+def resume_step(out_dir: str, steps: int) -> int | None:
+    """The step ``--resume`` continues after (the latest checkpoint's), or None if there is no
+    checkpoint; ConfigError if ``--steps`` is below it (a run cannot train backwards)."""
+    found = latest_checkpoint(out_dir)
+    if found is not None and steps < found[1]:
+        raise ConfigError(f"--steps {steps}: the run in {out_dir} already reached step {found[1]} "
+                          f"({found[0]}); pass --steps above {found[1]} to train it further, or "
+                          "leave out --resume to start a new run")
+    return None if found is None else found[1]
 
 
 def remove_checkpoints(out_dir: str) -> None:
@@ -62,10 +72,15 @@ def load(path: str, model: Any, optimizer: Any) -> int:
     return int(metadata["step"])
 
 
+def config_json_path(path: str) -> str:
+    """``OUT/config.json`` of the run that wrote checkpoint ``path`` (``OUT/checkpoints/...``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
+
+
 def run_info(path: str) -> dict[str, Any]:
     """The resolved configuration (with the model shape) of the run that wrote checkpoint
     ``path``: ``OUT/config.json`` beside ``OUT/checkpoints``."""
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
+    config = config_json_path(path)
     if not os.path.exists(config):
         raise ConfigError(f"{config} is missing: a checkpoint is read with the config.json of the "
                           "run that wrote it; keep OUT/config.json beside OUT/checkpoints")

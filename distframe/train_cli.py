@@ -134,9 +134,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from distframe import train, train_checkpoint
+    from distframe.cli import _launched_rank
     from distframe.train_metrics import format_bytes, format_duration
     flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
     config = resolve_config(flags, getattr(args, "config", None))
+    if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
+        if _launched_rank() == 0:  # under mpiexec or torchrun, rank 0 reports
+            print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
+                  f"nothing to train (pass --steps above {config.steps} to train it further)")
+        return 0
     try:
         result = train.run(config)
     except KeyboardInterrupt:

@@ -39,7 +39,7 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
                 log: Callable[[str], None] = _stderr) -> TrainResult:
     """Runs the elastic demo in this process and returns the last group's rank-0 result."""
     info = run_info(config, corpus, config.world_size, "inmemory")
-    _prepare_out(config, info)
+    start_step = _prepare_out(config, info)
     initial_state = initial_model_state(config, corpus.vocab_size)
     failed: set[int] = set()  # steps at which the injected failure already happened
     fatal: list[BaseException] = []  # a real error: stop instead of dropping the worker
@@ -68,7 +68,7 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
             raise
 
     controller = ElasticController(worker, initial_world=config.world_size,
-                                   schedule=config.elastic_schedule_steps())
+                                   schedule=config.elastic_schedule_steps(), start_step=start_step)
     try:
         generations = controller.run()
     except BaseException:
@@ -84,15 +84,17 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
     return generations[-1].results[0]
 
 
-def _prepare_out(config: TrainConfig, info: dict) -> None:
+def _prepare_out(config: TrainConfig, info: dict) -> int:
     """What ``Job._start`` does for one world, once for the whole elastic run: check that
-    ``--resume`` has a checkpoint (the ElasticOptimizer restores it), or clear an earlier run."""
+    ``--resume`` has a checkpoint (the ElasticOptimizer restores it), or clear an earlier run.
+    Returns the step the run starts from."""
     log = MetricsLog(config.out)
     found = train_checkpoint.latest_checkpoint(config.out)
     if config.resume and found is None:
         raise ConfigError(f"--resume: no checkpoint under {config.out}/checkpoints; run without "
                           "--resume to start fresh, or pass the --out of the run to continue")
     prepare_out(config, info, log)
+    return found[1] if config.resume and found is not None else 0
 
 
 class ElasticJob(Job):

@@ -81,7 +81,8 @@ class ProgressBar:
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: dict[str, Any], steps: int = 1) -> None:
+        """Shows ``record`` and moves the bar ``steps`` on (not past its total)."""
         if self._bar is None:
             return
         postfix = {"loss": f"{record['train_loss']:.3f}"}
@@ -90,7 +91,7 @@ class ProgressBar:
         postfix["tok/s"] = f"{record['tokens_per_s']:.0f}"
         postfix["mem"] = format_bytes(record["peak_memory_bytes"])
         self._bar.set_postfix(postfix, refresh=False)
-        self._bar.update(1)
+        self._bar.update(min(steps, self._bar.total - self._bar.n))
 
     def close(self) -> None:
         if self._bar is not None:

@@ -64,7 +64,11 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
     raw = read_config_json(path)
-    saved = dict(raw.get("train", raw))
+    saved = raw.get("train", raw)
+    if not isinstance(saved, dict):
+        raise ConfigError(f'{path}: "train" holds {type(saved).__name__}, not the object of '
+                          "settings distframe train writes; restore it from the run that wrote OUT")
+    saved = dict(saved)
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")
     settings = _known_settings(saved, path)

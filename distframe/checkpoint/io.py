@@ -4,7 +4,9 @@ save (collective): rank 0 picks a temporary directory name and broadcasts it; ev
 its safetensors file there and hashes it; one all_gather of each rank's file table (as JSON bytes)
 brings them to rank 0, which writes metadata.json last and renames the directory into place
 (an existing checkpoint at the same path is moved aside first and deleted after), then a barrier.
-A save that dies midway leaves only the temporary directory: the previous checkpoint is intact.
+A save that dies midway leaves only the temporary directory: the previous checkpoint is intact,
+under its own name or, if the save died between its two renames, under the name it was moved
+aside to, where ``load`` and ``complete_checkpoints`` still find it.
 
 load (local reads, plus whatever the strategy's ``_after_load`` communicates): every rank checks
 every file's size and checksum before touching the model, then reads the parameter ranges its
@@ -12,6 +14,7 @@ new layout holds.
 """
 from __future__ import annotations
 
+import glob
 import json
 import random
 import shutil
@@ -175,18 +178,49 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
         old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
         path.rename(old)
     tmp.rename(path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    # Also what earlier saves over ``path`` left when they died: their temporary directories
+    # and, had one died between the two renames, the checkpoint it had moved aside.
+    for stale in list(path.parent.iterdir()):
+        if stale.name.startswith((f".{path.name}.tmp-", f".{path.name}.old-")):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def complete_checkpoints(directory: str | Path) -> dict[str, Path]:
+    """Every complete checkpoint in ``directory`` (one holding metadata.json), by the name it was
+    saved under: ``NAME`` itself or, where a save over NAME died between its two renames, the
+    checkpoint it had moved aside (``.NAME.old-*``). ``load`` and ``consolidate`` of NAME read
+    the same one."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    found: dict[str, Path] = {}
+    for entry in directory.iterdir():
+        name = entry.name
+        if name.startswith(".") and ".old-" in name:
+            name = name[1:].rsplit(".old-", 1)[0]
+        elif name.startswith("."):
+            continue
+        complete = _complete(directory / name)
+        if complete is not None:
+            found[name] = complete
+    return found
+
+
+def _complete(path: Path) -> Path | None:
+    """``path`` if it is a complete checkpoint, else the complete one a save over ``path``
+    moved aside before it died, else None."""
+    if (path / METADATA).is_file():
+        return path
+    aside = sorted(p for p in path.parent.glob(f".{glob.escape(path.name)}.old-*")
+                   if (p / METADATA).is_file())
+    return aside[-1] if aside else None
 
 
 def _existing(path: Path) -> Path:
     """``path``, or the complete checkpoint a save over ``path`` moved aside before it died."""
     if path.exists():
         return path
-    aside = sorted(path.parent.glob(f".{path.name}.old-*"))
-    return aside[-1] if aside else path
+    return _complete(path) or path
 
 
 def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:

@@ -187,10 +187,11 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
 def latest_checkpoint(directory: Path | None) -> Path | None:
     """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
-    if directory is None or not directory.is_dir():
+    from distframe.checkpoint import complete_checkpoints
+    if directory is None:
         return None
-    found = [(int(m.group(1)), p) for p in directory.iterdir()
-             if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "metadata.json").exists()]
+    found = [(int(m.group(1)), p) for name, p in complete_checkpoints(directory).items()
+             if (m := re.fullmatch(r"step-(\d+)", name))]
     return max(found)[1] if found else None
 
 

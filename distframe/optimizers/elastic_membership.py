@@ -46,19 +46,23 @@ class ElasticController:
 
     ``initial_world``: members at the start. ``schedule``: {step: world size} for clean leaves
     and joins. ``max_generations`` bounds the run (a worker that fails in every generation).
-    ``timeout``: the in-memory backend's timeout per collective.
+    ``timeout``: the in-memory backend's timeout per collective. ``start_step``: the step the
+    first generation starts from (that of the checkpoint its workers restore, when resuming).
     """
 
     def __init__(self, worker_fn: Callable[[Any, ElasticMember], Any], *, initial_world: int,
                  schedule: dict[int, int] | None = None, max_generations: int = 32,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, start_step: int = 0) -> None:
         if isinstance(initial_world, bool) or not isinstance(initial_world, int) or initial_world < 1:
             raise ConfigError(f"ElasticController initial_world={initial_world!r}: use a positive int")
         for step, size in (schedule or {}).items():
             if not (isinstance(step, int) and step > 0 and isinstance(size, int) and size >= 1):
                 raise ConfigError(f"ElasticController schedule entry {step!r}: {size!r}: use "
                                   "{step (positive int): world size (positive int)}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ConfigError(f"ElasticController start_step={start_step!r}: use an int >= 0")
         self.worker_fn = worker_fn
+        self.start_step = start_step
         self.schedule = dict(sorted((schedule or {}).items()))
         self.max_generations = max_generations
         self.timeout = timeout
@@ -74,7 +78,8 @@ class ElasticController:
     def run(self) -> list[Generation]:
         """Runs generations until one finishes with no change pending; returns them all."""
         while len(self.generations) < self.max_generations:
-            start = max((m.commit.step for m in self.members if m.commit is not None), default=0)
+            start = max((m.commit.step for m in self.members if m.commit is not None),
+                        default=self.start_step)
             change = next((s for s in self.schedule if s > start), None)
             for m in self.members:
                 m.until_step = change

@@ -14,7 +14,7 @@ import torch
 
 from distframe.cli import main
 from distframe.train_config import TrainConfig
-from tests.train.conftest import TINY
+from tests.train.conftest import TINY, train
 
 
 def _fails_with(capsys, argv: list[str], *needles: str) -> str:
@@ -94,6 +94,59 @@ def test_corrupt_config_json_is_bad_input(capsys, tmp_path):
     (tmp_path / "config.json").write_text('{"train": {"steps": ')
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--resume"], "config.json")
     _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json")
+
+
+def _run_with_config_json(out: Path, config: object) -> None:
+    (out / "checkpoints" / "step-1").mkdir(parents=True)
+    (out / "checkpoints" / "step-1" / "metadata.json").write_text("{}")
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("model", "needles"), [
+    (None, ['"model"']),
+    ([32], ['"model"', "list"]),
+    ({"embed_dim": 32, "bogus": 1}, ["'bogus'", "embed_dim"]),
+    ({"embed_dim": "32"}, ["'embed_dim'", "'32'", "integer"]),
+    ({"segment_lengths": 8}, ["'segment_lengths'", "list of integers"]),
+    ({"tie_embeddings": "yes"}, ["'tie_embeddings'", "true or false"]),
+    ({"embed_dim": 30, "num_heads": 4}, ["embed_dim", "num_heads"]),
+])
+def test_config_json_with_a_bad_model_is_bad_input(capsys, tmp_path, model, needles):
+    """generate builds the model from config.json's "model": when that is not what distframe
+    train writes, one line names the file and the key."""
+    _run_with_config_json(tmp_path, {"train": {}} if model is None else {"train": {}, "model": model})
+    _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json", *needles)
+
+
+def test_config_json_whose_model_is_not_the_checkpoints(capsys, tmp_path, corpus_file):
+    train(tmp_path, corpus_file, "--steps", "1", "--world-size", "1", "--eval-batches", "1")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model"]["num_layers"] += 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json",
+                "'blocks.2.", "step-1")
+
+
+def test_config_json_with_bad_train_settings_is_bad_input(capsys, tmp_path):
+    _run_with_config_json(tmp_path, {"train": [1], "model": {}})
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--resume"], "config.json",
+                '"train"', "list")
+
+
+def test_resume_with_steps_the_run_already_reached(capsys, tmp_path, corpus_file):
+    """--resume --steps N at or below the checkpoint's step K: below, bad input saying to pass
+    --steps above K; equal, the run is done (exit 0, one line). Neither changes OUT."""
+    train(tmp_path, corpus_file, "--steps", "2", "--world-size", "1", "--eval-batches", "1")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    resume = ["train", "--out", str(tmp_path), "--data", corpus_file, "--resume"]
+    _fails_with(capsys, [*resume, "--steps", "1"], "--steps 1", "step 2", "above 2")
+    assert main([*resume, "--steps", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.count("\n") == 1
+    assert "already reached step 2" in captured.out and "--steps above 2" in captured.out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):

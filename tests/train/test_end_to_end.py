@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -147,3 +148,38 @@ def test_generate_from_checkpoint(runs, capsys):
     first = capsys.readouterr().out
     assert main(greedy) == 0
     assert capsys.readouterr().out == first
+
+
+def test_resume_after_a_save_that_died_between_its_renames(tmp_path, corpus_file, monkeypatch):
+    """A save over an existing step-N moves it aside (``.step-N.old-*``), then renames the new
+    one into place: dying in between leaves step N only under the aside name. Discovery finds
+    it there (--resume continues from step N, not an older step), and the next save cleans up."""
+    from distframe import train_checkpoint
+    from distframe.checkpoint import io
+    from distframe.optimizers import elastic
+    before = train(tmp_path, corpus_file, "--steps", "4", "--checkpoint-every", "2",
+                   "--world-size", "1", "--eval-every", "0")
+    root = tmp_path / "checkpoints"
+    tmp = root / ".step-4.tmp-00000000abcd"  # a re-save of step 4, complete but not yet renamed
+    shutil.copytree(root / "step-4", tmp)
+    real_rename, calls = os.rename, []
+
+    def dies_at_the_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(src, dst)
+    monkeypatch.setattr(os, "rename", dies_at_the_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        io._rename_into_place(tmp, root / "step-4")
+    monkeypatch.setattr(os, "rename", real_rename)
+    aside = root / ".step-4.old-00000000abcd"
+    assert not (root / "step-4").exists() and (aside / "metadata.json").exists()
+    assert train_checkpoint.latest_checkpoint(str(tmp_path)) == (str(aside), 4)
+    assert elastic.latest_checkpoint(root) == aside
+    resumed = train(tmp_path, corpus_file, "--resume", "--steps", "5", "--eval-every", "0")
+    assert resumed[:4] == before and [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    later = root / ".step-4.tmp-0000000000ef"
+    shutil.copytree(root / "step-5", later)
+    io._rename_into_place(later, root / "step-4")  # a later save of step 4 that completes
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-5"]

@@ -40,7 +40,9 @@ def test_async_round_robin_completes_and_repeats(tmp_path, corpus_file, capsys):
     flags = (*FLOAT64, "--world-size", "3", "--optimizer", "async", "--round-robin",
              "--max-staleness", "1")
     first = train(tmp_path / "a", corpus_file, *flags)
-    assert "async: 6 updates" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "async: 6 updates" in err
+    assert f"{STEPS}/{STEPS}" in err  # the bar counts the run's updates, not one worker's
     second = train(tmp_path / "b", corpus_file, *flags)
     assert [m["step"] for m in first] == list(range(1, STEPS + 1))
     assert [m["train_loss"] for m in first] == [m["train_loss"] for m in second]
@@ -64,3 +66,14 @@ def test_elastic_demo_fails_joins_and_finishes(tmp_path, corpus_file, capsys):
     assert metrics[-1]["val_loss"] < metrics[0]["train_loss"]
     assert json.loads((tmp_path / "config.json").read_text())["train"]["optimizer"] == "elastic"
     assert (tmp_path / "checkpoints" / f"step-{STEPS}" / "metadata.json").exists()
+
+
+def test_elastic_resume_logs_the_step_it_continues_from(tmp_path, corpus_file, capsys):
+    flags = ("--world-size", "2", "--optimizer", "elastic", "--eval-every", "0")
+    train(tmp_path, corpus_file, *flags, "--steps", "2")
+    capsys.readouterr()
+    metrics = train(tmp_path, corpus_file, *flags, "--steps", "3", "--resume")
+    err = capsys.readouterr().err
+    assert "from step 2, restored from checkpoint" in err
+    assert "elastic: workers [0, 1] from step 2: finished" in err and "from step 0" not in err
+    assert [m["step"] for m in metrics] == [1, 2, 3]
