@@ -210,3 +210,78 @@ def test_ready_wait_survives_a_failure_but_new_calls_stop():
         rdv._wait(lambda: True, time.monotonic() + 1, 1.0, "barrier", 1, set)
     with pytest.raises(RankFailedError, match="rank 1"):
         rdv.arrive(0, 1, Signature("barrier"), None, 1.0)
+
+
+def test_calls_queued_behind_a_failed_async_call_end_before_the_failure_is_reported():
+    """An asynchronous call that fails (here a mismatch) ends the calls queued behind it without
+    running them: the synchronous call that reports the failure returns with none of them still
+    running, so the next call cannot run beside one of them, out of issue order. Rank 1 never
+    makes call 2, so a queued call that did run would wait for the whole timeout."""
+    from distframe.errors import DistFrameError
+    release = threading.Event()
+
+    def fn(b):
+        if b.rank == 1:
+            with pytest.raises(CollectiveMismatchError):
+                b.broadcast(torch.zeros(2), 0)  # call 1; rank 0 makes an all_reduce
+            release.wait(60)
+            return
+        try:
+            failed = b.all_reduce(torch.ones(2), async_op=True)  # call 1: a mismatch
+            queued = b.all_gather(torch.ones(1), async_op=True)  # call 2: rank 1 never comes
+            with pytest.raises(CollectiveMismatchError, match=r"\(sequence number 1\)"):
+                b.barrier()  # call 3 reports call 1's failure
+            assert queued.is_completed() and failed.is_completed()
+            with pytest.raises(DistFrameError, match=r"all_gather \(sequence number 2\) was not run: "
+                                                     r"all_reduce \(sequence number 1\).*failed"):
+                queued.wait()
+        finally:
+            release.set()
+    spawn(fn, 2, timeout=10)
+
+
+def test_a_synchronous_call_waits_for_no_second_timeout_after_an_async_one_timed_out():
+    """Rank 1 never calls: the first asynchronous call times out, the two queued behind it end at
+    once, and the next synchronous call raises the timeout of the first (naming its missing rank)."""
+    from distframe.errors import DistFrameError
+    release = threading.Event()
+    outcome = {}
+
+    def fn(b):
+        if b.rank == 1:
+            release.wait(60)
+            return
+        try:
+            works = [b.all_reduce(torch.ones(1), async_op=True) for _ in range(3)]
+            with pytest.raises(CollectiveTimeoutError) as info:
+                b.barrier()
+            outcome["raised"] = (info.value.op, info.value.seq, info.value.missing_ranks)
+            outcome["done"] = [w.is_completed() for w in works]
+            for w in works[1:]:
+                with pytest.raises(DistFrameError, match="was not run"):
+                    w.wait()
+        finally:
+            release.set()
+    spawn(fn, 2, timeout=1.0)
+    assert outcome == {"raised": ("all_reduce", 1, [1]), "done": [True, True, True]}
+
+
+def test_calls_run_again_once_a_synchronous_call_follows_the_failure(monkeypatch):
+    """Asynchronous calls issued after a failed one are not run until a synchronous call has
+    come after it; that call runs even when the failure was already seen through Work.wait()."""
+    from distframe.errors import DistFrameError
+    b = InMemoryCommunicationBackend(0, 1)
+
+    def broken(*args):
+        raise RuntimeError("injected failure")
+    with monkeypatch.context() as patch:
+        patch.setattr(b, "_all_reduce", broken)
+        failed = b.all_reduce(torch.ones(1), async_op=True)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            failed.wait()
+    with pytest.raises(DistFrameError, match=r"all_reduce \(sequence number 2\) was not run: all_reduce "
+                                             r"\(sequence number 1\).*RuntimeError: injected failure"):
+        b.all_reduce(torch.ones(1), async_op=True).wait()
+    assert b.all_reduce(torch.ones(1)).item() == 1.0
+    assert b.all_gather(torch.ones(1), async_op=True).wait().tolist() == [1.0]
+    b.shutdown()
