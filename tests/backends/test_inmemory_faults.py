@@ -52,10 +52,17 @@ def test_recv_shape_mismatch():
 
 
 def test_timeout_names_op_sequence_and_missing_ranks():
+    # Ranks 1 and 3 stay until the others have timed out: a rank whose function has returned
+    # is not waited for (test_a_rank_whose_function_returned_is_not_waited_for).
+    everyone_done = threading.Barrier(4)
+
     def fn(b):
         b.all_reduce(torch.ones(1))  # seq 1, everyone
-        if b.rank not in (1, 3):
-            b.all_gather(torch.ones(1))  # seq 2: ranks 1 and 3 never come
+        try:
+            if b.rank not in (1, 3):
+                b.all_gather(torch.ones(1))  # seq 2: ranks 1 and 3 never come
+        finally:
+            everyone_done.wait(10)
     start = time.monotonic()
     errors = _outcomes(fn, 4, timeout=0.5)
     assert time.monotonic() - start < 5
@@ -81,10 +88,15 @@ def test_async_timeout_surfaces_on_wait_naming_the_missing_ranks():
 
 
 def test_timeout_in_subgroup_names_global_ranks():
+    everyone_done = threading.Barrier(4)  # as in test_timeout_names_op_sequence_and_missing_ranks
+
     def fn(b):
         sub = b.new_group([2, 3])
-        if sub is not None and sub.rank == 0:
-            sub.barrier()
+        try:
+            if sub is not None and sub.rank == 0:
+                sub.barrier()
+        finally:
+            everyone_done.wait(10)
     errors = _outcomes(fn, 4, timeout=0.3)
     assert isinstance(errors[2], CollectiveTimeoutError)
     assert errors[2].missing_ranks == [1] and "global ranks [3]" in str(errors[2])
@@ -285,3 +297,41 @@ def test_calls_run_again_once_a_synchronous_call_follows_the_failure(monkeypatch
     assert b.all_reduce(torch.ones(1)).item() == 1.0
     assert b.all_gather(torch.ones(1), async_op=True).wait().tolist() == [1.0]
     b.shutdown()
+
+
+@pytest.mark.parametrize("where", ["all_reduce", "subgroup barrier", "recv"])
+def test_a_rank_whose_function_returned_is_not_waited_for(where):
+    """Rank 1's function returns without making the call its peers wait in: it can never make
+    it, so they stop at once with an error naming it, the op and the sequence number, instead of
+    waiting out the timeout (60 s here)."""
+    def fn(b):
+        sub = b.new_group([0, 1]) if where == "subgroup barrier" else None  # call 1
+        if b.rank == 1:
+            return "left early"
+        if where == "all_reduce":
+            b.all_reduce(torch.ones(2))  # call 1
+        elif where == "subgroup barrier":
+            if sub is not None:
+                sub.barrier()
+        else:
+            b.recv(torch.zeros(2), 1, tag=4)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        spawn(fn, 3, timeout=60)
+    e = info.value
+    expected = {"all_reduce": ("all_reduce", 1), "subgroup barrier": ("barrier", 1), "recv": ("recv", 1)}
+    assert (e.op, e.seq, e.missing_ranks) == (*expected[where], [1])
+    assert "rank 1 returned from the function spawn ran" in str(e)
+
+
+def test_a_returned_rank_whose_asynchronous_calls_are_still_queued_is_waited_for():
+    """Rank 1 returns with two asynchronous calls on a subgroup not yet made (rank 0 joins them
+    late): they still run, so the group completes them."""
+    def fn(b):
+        sub = b.new_group([1, 0])
+        if b.rank == 1:
+            sub.all_reduce(torch.ones(1), async_op=True)
+            sub.all_reduce(torch.full((1,), 2.0), async_op=True)
+            return None
+        time.sleep(0.3)
+        return sub.all_reduce(torch.ones(1)).item(), sub.all_reduce(torch.full((1,), 2.0)).item()
+    assert spawn(fn, 2, timeout=60) == [(2.0, 4.0), None]
