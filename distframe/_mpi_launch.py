@@ -16,6 +16,7 @@ fresh job on the next ``run``.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import secrets
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
@@ -66,7 +68,9 @@ class MPIPool:
     ``run(fn, *args, **kwargs)`` calls ``fn(backend, *args, **kwargs)`` on every rank, where
     ``backend`` is a new ``MPICommunicationBackend(timeout=timeout, **backend_kwargs)`` for that
     run, and returns the results in rank order. ``fn`` is pickled by reference, so it must be
-    importable (a module-level function); the ranks see this process's ``sys.path``.
+    importable (a module-level function); the ranks see this process's ``sys.path``, but not its
+    ``__main__``, so a function or class defined there (in ``fn``, a partial or an argument) is a
+    ``ConfigError`` before anything runs.
     ``run_timeout`` (seconds, default none) bounds a whole run from the parent's side.
     """
 
@@ -86,10 +90,7 @@ class MPIPool:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         if self._closed:
             raise ValueError("MPIPool.run called after close(); create a new pool")
-        if getattr(fn, "__module__", None) == "__main__":
-            raise ConfigError(f"MPIPool.run: {fn!r} is defined in the __main__ script, which the ranks "
-                              "cannot import; move it to a module and import it from there")
-        payload = pickle.dumps((fn, args, kwargs, self.timeout, self.backend_kwargs))
+        payload = _dumps_for_ranks((fn, args, kwargs, self.timeout, self.backend_kwargs), fn)
         if self._job is None or not self._job.usable:
             if self._job is not None:
                 self._job.kill()
@@ -232,6 +233,29 @@ class _Job:
         self.process.wait()
         for conn in getattr(self, "conns", []):
             conn.close()
+
+
+def _dumps_for_ranks(task: Any, fn: Callable[..., Any]) -> bytes:
+    """``pickle.dumps(task)``, refusing what the ranks could not unpickle because it is defined in
+    the caller's ``__main__``: they run ``python -m distframe._mpi_launch``, so their ``__main__``
+    is another module. Every function and class pickled by reference is checked, wherever it sits:
+    ``fn`` itself, a ``functools.partial`` of it, an argument or an argument's class."""
+    buffer = io.BytesIO()
+    _RankPickler(buffer, fn).dump(task)
+    return buffer.getvalue()
+
+
+class _RankPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, fn: Callable[..., Any]) -> None:
+        super().__init__(file)
+        self._fn = fn
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (types.FunctionType, type)) and getattr(obj, "__module__", None) == "__main__":
+            what = repr(obj) if obj is self._fn else f"{obj!r} (in {self._fn!r} or its arguments)"
+            raise ConfigError(f"MPIPool.run: {what} is defined in the __main__ script, which the ranks "
+                              "cannot import; move it to a module and import it from there")
+        return NotImplemented  # pickle it as usual
 
 
 # ---- exceptions across processes ------------------------------------------------------------------

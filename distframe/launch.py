@@ -24,7 +24,8 @@ def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
     are processes started with ``mpiexec``. ``timeout`` and ``backend_kwargs`` go to each backend's
     constructor. If any rank raises, the others stop (in-memory: at once, with RankFailedError;
     processes: they are terminated), every thread or process has ended when ``spawn`` returns,
-    and the first original exception is re-raised with a note naming its rank.
+    and the first original exception is re-raised with a note naming its rank. In-memory ranks
+    that wait for a rank whose function has returned stop at once with CollectiveTimeoutError.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
@@ -52,7 +53,9 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
             errors[rank] = exc
             b.world.abort(rank, exc)
         finally:
-            b.shutdown()
+            # Shuts down this rank's backends, subgroups included: peers still waiting for it
+            # in a call it never made stop at once instead of at the timeout.
+            b.world.finish(rank)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"distframe-rank{r}", daemon=True)
                for r in range(world_size)]

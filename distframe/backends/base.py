@@ -9,7 +9,8 @@ override is composed from the ones it has (``composed.py``; for example ``reduce
 [Note: ordering] Collectives must be issued in the same order on every rank. Asynchronous calls
 run one at a time, in issue order, on a single communication thread; a synchronous call first
 waits for every asynchronous call issued before it. So the order the engine sees is the order the
-user wrote, whichever thread runs it.
+user wrote, whichever thread runs it (``async_calls.py``, which also says what happens after an
+asynchronous call fails).
 """
 from __future__ import annotations
 
@@ -22,17 +23,18 @@ from typing import Any
 import torch
 
 from distframe.backends import validation
+from distframe.backends.async_calls import AsyncCalls
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.posted import PostedCollectives
 from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor
 from distframe.backends.signature import Signature, describe_mismatch
-from distframe.backends.types import CommStats, FutureWork, ReduceOp, Work, effective_op
+from distframe.backends.types import CommStats, ReduceOp, Work, effective_op
 from distframe.errors import CollectiveMismatchError
 
 DEFAULT_TIMEOUT = 300.0
 
 
-class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
+class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCalls, abc.ABC):
     """Shared life cycle of the engines. See ``ICommunicationBackend`` for the contract.
 
     ``timeout`` (seconds) bounds every blocking wait; ``debug=True`` makes engines that cannot see
@@ -61,6 +63,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._async_failure: str | None = None
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
 
     # ---- identity and life cycle -------------------------------------------------------------
@@ -296,52 +299,17 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, abc.ABC):
         # engine (BENCHMARKS.md, MPI at 1 MB): no closure on the synchronous path. Gloo and MPI
         # take a shorter one where they can (distframe.backends.posted).
         call = Call(op, self._count(op, nbytes), make_signature, self.timeout)
-        if not async_op:
-            if self._pending:
-                self._drain()
-            if self.debug:
-                self._check_signature(call)
-            return fn(call)
-
-        def execute() -> Any:
-            if self.debug:
-                self._check_signature(call)
-            return fn(call)
-        future = self._communication_thread().submit(execute)
-        with self._lock:
-            self._pending.append(future)
-        # A call that succeeded has nothing left for _drain to re-raise: forget it at once, so
-        # its result (a gathered tensor, say) lives only as long as the caller keeps it.
-        future.add_done_callback(self._forget_if_succeeded)
-        return FutureWork(future, op, call.seq, on_done=lambda: self._forget(future),
-                          stall=self._stall_check(call))
+        if async_op:
+            return self._submit(call, fn)
+        if self._pending or self._async_failure is not None:
+            self._drain()
+        if self.debug:
+            self._check_signature(call)
+        return fn(call)
 
     def _stall_check(self, call: Call) -> Callable[[], BaseException | None] | None:
         """For engines that can tell when a pending call can never complete (see FutureWork)."""
         return None
-
-    def _communication_thread(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    1, thread_name_prefix=f"distframe-{self.engine}-rank{self._rank}")
-            return self._executor
-
-    def _forget(self, future: Future) -> None:
-        with self._lock:
-            if future in self._pending:
-                self._pending.remove(future)
-
-    def _forget_if_succeeded(self, future: Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._forget(future)
-
-    def _drain(self) -> None:
-        """Waits for asynchronous calls issued earlier; re-raises the first failure among them."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
 
     def _check_signature(self, call: Call) -> None:
         mine = call.signature.encode(call.seq)

@@ -23,7 +23,8 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     """One rank of a group of threads. Build a whole group with :meth:`create_group` (or let
     ``distframe.launch.spawn`` do it); every collective checks that all ranks made the same call
     and raises ``CollectiveMismatchError`` otherwise; a rank that fails inside ``spawn`` makes
-    the others raise ``RankFailedError`` at once."""
+    the others raise ``RankFailedError`` at once, and one whose function returns makes those that
+    wait for it raise ``CollectiveTimeoutError`` at once."""
 
     engine = "inmemory"
 
@@ -38,6 +39,7 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         if rendezvous.size != world_size:
             raise ValueError(f"rendezvous is for {rendezvous.size} ranks, not {world_size}")
         self._rdv = rendezvous
+        rendezvous.world.enlist(rendezvous.global_ranks[rank], self)
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = DEFAULT_TIMEOUT,

@@ -9,8 +9,9 @@ interpreter's working set out of the caches it costs several times its warm time
 issue 2), and every microsecond of it delays every peer.
 
 ``CommunicationBackendBase`` calls a hook only for a synchronous call outside ``debug`` mode,
-with no asynchronous call pending, on an open backend, with a contiguous CPU input, after
-validating the arguments, so the errors, numbering and ordering are those of the general path.
+with no asynchronous call pending (nor a failed one unreported, see ``async_calls``), on an open
+backend, with a contiguous CPU input, after validating the arguments, so the errors, numbering
+and ordering are those of the general path.
 A hook returns a handle for ``_wait_posted``, or None when it cannot post this call (nothing has
 happened then, and the call takes the general path).
 """
@@ -32,13 +33,15 @@ class PostedCollectives:
     _lock: threading.Lock
     _seq: int
     _pending: list
+    _async_failure: str | None
     _closed: bool
     debug: bool
     stats: CommStats
     _check_open: Callable[[str], None]
 
     def _may_post(self, async_op: bool) -> bool:
-        return self._posts_first and not (async_op or self.debug or self._pending or self._closed)
+        return self._posts_first and not (async_op or self.debug or self._pending or self._closed
+                                          or self._async_failure is not None)
 
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         """Starts an in-place all_reduce with ``op`` (SUM, PRODUCT, MIN or MAX)."""

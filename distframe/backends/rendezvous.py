@@ -51,13 +51,16 @@ def shared_gpu_note(op: str, device: int, ranks: list[int]) -> str:
 
 
 class World:
-    """State shared by every group of one set of in-memory ranks: whether a rank has failed."""
+    """State shared by every group of one set of in-memory ranks: whether a rank has failed, and
+    which ranks have finished (their function under ``spawn`` has returned)."""
 
     def __init__(self) -> None:
         self.failed_rank: int | None = None
         self.failure: BaseException | None = None
         self.gpus: dict[int, set[int]] = {}  # global rank -> CUDA devices it has communicated on
+        self.finished: set[int] = set()  # global ranks that can never make another call
         self._groups: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
+        self._backends: dict[int, weakref.WeakSet] = {}  # global rank -> its backends, any group
         self._lock = threading.Lock()
 
     def note_gpus(self, global_rank: int, payload: Any) -> None:
@@ -73,11 +76,32 @@ class World:
         with self._lock:
             self._groups.add(group)
 
+    def enlist(self, global_rank: int, backend: Any) -> None:
+        """Records a backend of ``global_rank`` (of any group), for ``finish``."""
+        with self._lock:
+            self._backends.setdefault(global_rank, weakref.WeakSet()).add(backend)
+
     def abort(self, global_rank: int, error: BaseException) -> None:
         """Marks ``global_rank`` failed and wakes every waiting rank so it raises RankFailedError."""
         with self._lock:
             if self.failure is None:
                 self.failed_rank, self.failure = global_rank, error
+        self._wake_all()
+
+    def finish(self, global_rank: int) -> None:
+        """Called when ``global_rank``'s function has ended: shuts its backends down, subgroups
+        included (each first waits for its asynchronous calls), after which the rank can never
+        make a call again; peers waiting for it then stop at once (``Rendezvous._wait``)."""
+        with self._lock:
+            backends = list(self._backends.pop(global_rank, ()))
+        for backend in backends:
+            backend.shutdown()
+        with self._lock:
+            self.finished.add(global_rank)
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        with self._lock:
             groups = list(self._groups)
         for group in groups:
             with group.cond:
@@ -192,6 +216,10 @@ class Rendezvous:
                 raise CollectiveTimeoutError(
                     op, seq, None if absent is None else sorted(absent), timeout,
                     self._global_note(absent))
+            if self.world.finished:
+                gone = self._finished_error(op, seq, missing(), now - start)
+                if gone is not None:  # a rank that finished is missing: it can never arrive
+                    raise gone
             if now - start >= STALL_GRACE:
                 stalled = self.stall_error(op, seq, missing(), now - start)
                 if stalled is not None:  # the missing ranks can never arrive: stop now
@@ -212,6 +240,19 @@ class Rendezvous:
             return None
         return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1),
                                       shared_gpu_note(op, device, stuck))
+
+    def _finished_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
+        """The error for a wait whose ``absent`` (local) ranks include some whose function under
+        ``spawn`` has returned, naming those (the others may still come); None if there are none."""
+        gone = sorted(r for r in absent if self.global_ranks[r] in self.world.finished)
+        if not gone:
+            return None
+        who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {gone}"
+        detail = (f"{who} returned from the function spawn ran without making this call, so "
+                  "this rank stopped at once instead of waiting for the timeout")
+        note = self._global_note(gone)
+        return CollectiveTimeoutError(op, seq, gone, round(waited, 1),
+                                      f"{note}; {detail}" if note else detail)
 
     def missing_ranks(self, seq: int) -> set[int]:
         """The ranks that have not (yet) posted to collective ``seq``, or not left it."""

@@ -85,6 +85,30 @@ def rank_p2p_mismatch(b):
     return "no error"
 
 
+def rank_queue_behind_a_failed_async_call(b):
+    """On a fresh subgroup (its numbering stays its own), every rank makes an asynchronous
+    all_reduce that fails the debug check; rank 0 alone queues an all_gather behind it, which no
+    peer joins. Rank 0 reports whether the barrier that raised the failure left it running."""
+    sub = b.new_group(list(range(b.world_size)))
+    try:
+        sub.all_reduce(torch.ones(5 if sub.rank == 1 else 4), async_op=True)
+        queued = sub.all_gather(torch.ones(1), async_op=True) if sub.rank == 0 else None
+        try:
+            sub.barrier()
+        except CollectiveMismatchError:
+            pass
+        if queued is None:
+            return None
+        done = queued.is_completed()
+        try:
+            queued.wait()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return done, str(exc)
+        return done, "ran"
+    finally:
+        sub.shutdown()
+
+
 def rank_use_after_shutdown(b):
     sub = b.new_group(list(range(b.world_size)))
     sub.barrier()
@@ -158,6 +182,13 @@ def test_debug_point_to_point_mismatch_raises_on_the_receiver(debug_pool):
     assert messages[0] == "no error" and messages[2] == "no error"
     assert "rank 0 sent send(shape=(4,), dtype=float32" in messages[1]
     assert "expects send(shape=(3,), dtype=float64)" in messages[1]
+
+
+def test_calls_queued_behind_a_failed_async_call_are_not_left_running(debug_pool):
+    pids = [pid for pid, _ in debug_pool.run(rank_pid_and_sum)]
+    done, text = debug_pool.run(rank_queue_behind_a_failed_async_call)[0]
+    assert done and "all_gather (sequence number 2) was not run" in text, text
+    assert debug_pool.run(rank_pid_and_sum) == [(pid, 3.0) for pid in pids]
 
 
 def test_use_after_shutdown_raises_value_error(debug_pool):

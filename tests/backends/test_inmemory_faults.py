@@ -52,10 +52,17 @@ def test_recv_shape_mismatch():
 
 
 def test_timeout_names_op_sequence_and_missing_ranks():
+    # Ranks 1 and 3 stay until the others have timed out: a rank whose function has returned
+    # is not waited for (test_a_rank_whose_function_returned_is_not_waited_for).
+    everyone_done = threading.Barrier(4)
+
     def fn(b):
         b.all_reduce(torch.ones(1))  # seq 1, everyone
-        if b.rank not in (1, 3):
-            b.all_gather(torch.ones(1))  # seq 2: ranks 1 and 3 never come
+        try:
+            if b.rank not in (1, 3):
+                b.all_gather(torch.ones(1))  # seq 2: ranks 1 and 3 never come
+        finally:
+            everyone_done.wait(10)
     start = time.monotonic()
     errors = _outcomes(fn, 4, timeout=0.5)
     assert time.monotonic() - start < 5
@@ -81,10 +88,15 @@ def test_async_timeout_surfaces_on_wait_naming_the_missing_ranks():
 
 
 def test_timeout_in_subgroup_names_global_ranks():
+    everyone_done = threading.Barrier(4)  # as in test_timeout_names_op_sequence_and_missing_ranks
+
     def fn(b):
         sub = b.new_group([2, 3])
-        if sub is not None and sub.rank == 0:
-            sub.barrier()
+        try:
+            if sub is not None and sub.rank == 0:
+                sub.barrier()
+        finally:
+            everyone_done.wait(10)
     errors = _outcomes(fn, 4, timeout=0.3)
     assert isinstance(errors[2], CollectiveTimeoutError)
     assert errors[2].missing_ranks == [1] and "global ranks [3]" in str(errors[2])
@@ -210,3 +222,116 @@ def test_ready_wait_survives_a_failure_but_new_calls_stop():
         rdv._wait(lambda: True, time.monotonic() + 1, 1.0, "barrier", 1, set)
     with pytest.raises(RankFailedError, match="rank 1"):
         rdv.arrive(0, 1, Signature("barrier"), None, 1.0)
+
+
+def test_calls_queued_behind_a_failed_async_call_end_before_the_failure_is_reported():
+    """An asynchronous call that fails (here a mismatch) ends the calls queued behind it without
+    running them: the synchronous call that reports the failure returns with none of them still
+    running, so the next call cannot run beside one of them, out of issue order. Rank 1 never
+    makes call 2, so a queued call that did run would wait for the whole timeout."""
+    from distframe.errors import DistFrameError
+    release = threading.Event()
+
+    def fn(b):
+        if b.rank == 1:
+            with pytest.raises(CollectiveMismatchError):
+                b.broadcast(torch.zeros(2), 0)  # call 1; rank 0 makes an all_reduce
+            release.wait(60)
+            return
+        try:
+            failed = b.all_reduce(torch.ones(2), async_op=True)  # call 1: a mismatch
+            queued = b.all_gather(torch.ones(1), async_op=True)  # call 2: rank 1 never comes
+            with pytest.raises(CollectiveMismatchError, match=r"\(sequence number 1\)"):
+                b.barrier()  # call 3 reports call 1's failure
+            assert queued.is_completed() and failed.is_completed()
+            with pytest.raises(DistFrameError, match=r"all_gather \(sequence number 2\) was not run: "
+                                                     r"all_reduce \(sequence number 1\).*failed"):
+                queued.wait()
+        finally:
+            release.set()
+    spawn(fn, 2, timeout=10)
+
+
+def test_a_synchronous_call_waits_for_no_second_timeout_after_an_async_one_timed_out():
+    """Rank 1 never calls: the first asynchronous call times out, the two queued behind it end at
+    once, and the next synchronous call raises the timeout of the first (naming its missing rank)."""
+    from distframe.errors import DistFrameError
+    release = threading.Event()
+    outcome = {}
+
+    def fn(b):
+        if b.rank == 1:
+            release.wait(60)
+            return
+        try:
+            works = [b.all_reduce(torch.ones(1), async_op=True) for _ in range(3)]
+            with pytest.raises(CollectiveTimeoutError) as info:
+                b.barrier()
+            outcome["raised"] = (info.value.op, info.value.seq, info.value.missing_ranks)
+            outcome["done"] = [w.is_completed() for w in works]
+            for w in works[1:]:
+                with pytest.raises(DistFrameError, match="was not run"):
+                    w.wait()
+        finally:
+            release.set()
+    spawn(fn, 2, timeout=1.0)
+    assert outcome == {"raised": ("all_reduce", 1, [1]), "done": [True, True, True]}
+
+
+def test_calls_run_again_once_a_synchronous_call_follows_the_failure(monkeypatch):
+    """Asynchronous calls issued after a failed one are not run until a synchronous call has
+    come after it; that call runs even when the failure was already seen through Work.wait()."""
+    from distframe.errors import DistFrameError
+    b = InMemoryCommunicationBackend(0, 1)
+
+    def broken(*args):
+        raise RuntimeError("injected failure")
+    with monkeypatch.context() as patch:
+        patch.setattr(b, "_all_reduce", broken)
+        failed = b.all_reduce(torch.ones(1), async_op=True)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            failed.wait()
+    with pytest.raises(DistFrameError, match=r"all_reduce \(sequence number 2\) was not run: all_reduce "
+                                             r"\(sequence number 1\).*RuntimeError: injected failure"):
+        b.all_reduce(torch.ones(1), async_op=True).wait()
+    assert b.all_reduce(torch.ones(1)).item() == 1.0
+    assert b.all_gather(torch.ones(1), async_op=True).wait().tolist() == [1.0]
+    b.shutdown()
+
+
+@pytest.mark.parametrize("where", ["all_reduce", "subgroup barrier", "recv"])
+def test_a_rank_whose_function_returned_is_not_waited_for(where):
+    """Rank 1's function returns without making the call its peers wait in: it can never make
+    it, so they stop at once with an error naming it, the op and the sequence number, instead of
+    waiting out the timeout (60 s here)."""
+    def fn(b):
+        sub = b.new_group([0, 1]) if where == "subgroup barrier" else None  # call 1
+        if b.rank == 1:
+            return "left early"
+        if where == "all_reduce":
+            b.all_reduce(torch.ones(2))  # call 1
+        elif where == "subgroup barrier":
+            if sub is not None:
+                sub.barrier()
+        else:
+            b.recv(torch.zeros(2), 1, tag=4)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        spawn(fn, 3, timeout=60)
+    e = info.value
+    expected = {"all_reduce": ("all_reduce", 1), "subgroup barrier": ("barrier", 1), "recv": ("recv", 1)}
+    assert (e.op, e.seq, e.missing_ranks) == (*expected[where], [1])
+    assert "rank 1 returned from the function spawn ran" in str(e)
+
+
+def test_a_returned_rank_whose_asynchronous_calls_are_still_queued_is_waited_for():
+    """Rank 1 returns with two asynchronous calls on a subgroup not yet made (rank 0 joins them
+    late): they still run, so the group completes them."""
+    def fn(b):
+        sub = b.new_group([1, 0])
+        if b.rank == 1:
+            sub.all_reduce(torch.ones(1), async_op=True)
+            sub.all_reduce(torch.full((1,), 2.0), async_op=True)
+            return None
+        time.sleep(0.3)
+        return sub.all_reduce(torch.ones(1)).item(), sub.all_reduce(torch.full((1,), 2.0)).item()
+    assert spawn(fn, 2, timeout=60) == [(2.0, 4.0), None]

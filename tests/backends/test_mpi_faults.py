@@ -3,9 +3,11 @@ debug mode on every rank, failures re-raised by the launcher with the rank named
 shutdown, a missing mpi4py; plus init_backend under mpiexec and the host-staging helpers."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from distframe._mpi_launch import MPIPool, spawn_mpi  # noqa: E402
 from distframe.backends.mpi import MPICommunicationBackend  # noqa: E402
 from distframe.backends.mpi_buffers import stage_back, stage_in, write_back  # noqa: E402
 from distframe.errors import (BackendUnavailableError, CollectiveMismatchError,  # noqa: E402
-                              CollectiveTimeoutError, RankFailedError)
+                              CollectiveTimeoutError, ConfigError, RankFailedError)
 from distframe.launch import init_backend, spawn  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -166,6 +168,26 @@ def test_pool_restarts_the_job_after_a_rank_dies(pool3):
         pool3.run(die_on_rank_one)
     assert info.value.failed_rank == 1 and time.monotonic() - start < 30
     assert pool3.run(ranks_times_two) == [0, 2, 4]
+
+
+@pytest.mark.parametrize("wrap", ["function", "partial", "nested partial", "argument"])
+def test_what_the_ranks_cannot_import_is_refused_before_anything_runs(pool3, monkeypatch, wrap):
+    """The ranks run ``python -m distframe._mpi_launch``, so nothing of the caller's ``__main__``
+    can be imported there: a function defined in the script, a ``functools.partial`` of one, or an
+    argument whose class is defined there is a ConfigError in the caller, not an unpickling error
+    on every rank."""
+    main = sys.modules["__main__"]
+    in_main = types.FunctionType(ranks_times_two.__code__, globals(), "distframe_test_fn")
+    in_main.__module__, in_main.__qualname__ = "__main__", in_main.__name__
+    kind = type("DistframeTestKind", (), {"__module__": "__main__"})
+    monkeypatch.setattr(main, in_main.__name__, in_main, raising=False)  # pickles, as a script's
+    monkeypatch.setattr(main, kind.__name__, kind, raising=False)
+    fn, args = {"function": (in_main, ()), "partial": (functools.partial(in_main), ()),
+                "nested partial": (functools.partial(functools.partial(in_main)), ()),
+                "argument": (run_mismatch, (kind(),))}[wrap]
+    with pytest.raises(ConfigError, match="defined in the __main__ script"):
+        pool3.run(fn, *args)
+    assert pool3.run(functools.partial(ranks_times_two)) == [0, 2, 4]
 
 
 def test_spawn_mpi_returns_results_and_reraises():

@@ -1,0 +1,93 @@
+"""Asynchronous calls (``async_op=True``): one communication thread per backend runs them, one at a
+time, in issue order (``[Note: ordering]`` in ``base.py``).
+
+[Note: after a failed asynchronous call] The calls queued behind a failed one are not run: each
+ends at once with an error that names the failed call. Running them would cost each its own
+timeout when a peer is gone, and any that still ran when the next synchronous call reported the
+failure would run beside whatever the caller did next, out of issue order. So the next
+synchronous call waits for every earlier asynchronous call (which, after a failure, takes no
+longer than the failed one) and raises the first failure; from then on calls run again. Every
+rank learns of a failure at its own pace, so a group whose call failed may be out of step: what
+the error says to do (rebuild the group, or stop) still applies.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from distframe.backends.composed import Call
+from distframe.backends.types import FutureWork
+from distframe.errors import DistFrameError
+
+
+class AsyncCalls:
+    """Mixed into CommunicationBackendBase: the communication thread and the calls pending on it."""
+
+    engine: str
+    debug: bool
+    _rank: int
+    _lock: threading.Lock
+    _executor: ThreadPoolExecutor | None
+    _pending: list[Future]
+    #: "op (sequence number n) failed (error)" for the first asynchronous call that failed since
+    #: the last synchronous call; set and read on the communication thread, cleared by ``_drain``.
+    _async_failure: str | None
+    _check_signature: Callable[[Call], None]
+    _stall_check: Callable[[Call], Callable[[], BaseException | None] | None]
+
+    def _submit(self, call: Call, fn: Callable[[Call], Any]) -> FutureWork:
+        """Queues ``fn(call)`` on the communication thread."""
+        def execute() -> Any:
+            if self._async_failure is not None:
+                raise DistFrameError(f"{call.op} (sequence number {call.seq}) was not run: "
+                                     f"{self._async_failure}, and the calls queued behind a "
+                                     "failed asynchronous call are not run")
+            try:
+                if self.debug:
+                    self._check_signature(call)
+                return fn(call)
+            except BaseException as exc:
+                self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "
+                                       f"with async_op=True, failed ({type(exc).__name__}: {exc})")
+                raise
+        future = self._communication_thread().submit(execute)
+        with self._lock:
+            self._pending.append(future)
+        # A call that succeeded has nothing left for _drain to re-raise: forget it at once, so
+        # its result (a gathered tensor, say) lives only as long as the caller keeps it.
+        future.add_done_callback(self._forget_if_succeeded)
+        return FutureWork(future, call.op, call.seq, on_done=lambda: self._forget(future),
+                          stall=self._stall_check(call))
+
+    def _communication_thread(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"distframe-{self.engine}-rank{self._rank}")
+            return self._executor
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            if future in self._pending:
+                self._pending.remove(future)
+
+    def _forget_if_succeeded(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._forget(future)
+
+    def _drain(self) -> None:
+        """Waits for every asynchronous call issued earlier and re-raises the first failure among
+        them (``[Note: after a failed asynchronous call]``)."""
+        with self._lock:
+            pending = list(self._pending)
+        first: BaseException | None = None
+        for future in pending:
+            error = future.exception()  # waits; after a failure, the queued calls end at once
+            self._forget(future)
+            if first is None:
+                first = error
+        self._async_failure = None  # nothing issued before this call is left running
+        if first is not None:
+            raise first
