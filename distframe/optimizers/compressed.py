@@ -68,7 +68,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
-    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors and the step count.
+    (``compression.residual.rank<r>/<name>@0``), the compressor's state (PowerSGD's warm-start
+    factors, int8's rounding generator) and the step count.
     """
 
     model_class = DDPModel
@@ -197,21 +198,21 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's pieces plus this rank's residuals, PowerSGD's warm-start
-        factors (the same on every rank) and the step count, all as ``tensors`` pieces."""
+        """The wrapped optimizer's pieces plus this rank's residuals, the compressor's state
+        (the same on every rank) and the step count, all as ``tensors`` pieces."""
         state = super().state_dict()
         tensors = dict(state["tensors"])
         rank = self.model.backend.rank
         for name, residual in self.residuals.items():
             tensors[f"{_RESIDUAL.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
-        for key, q in self.compressor.state_dict().items():
-            tensors[f"{_WARM_Q}/{key.split('/', 1)[1]}@0"] = q.reshape(-1).clone()
+        for key, piece in self.compressor.state_dict().items():  # powersgd_q/<name>: _WARM_Q
+            tensors[f"compression.{key}@0"] = piece.reshape(-1).clone()
         tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
         return {**state, "tensors": tensors}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads the optimizer pieces, then this rank's residuals (none saved for this rank,
-        e.g. after growing the world: it starts from zero), the warm-start factors and the step."""
+        e.g. after growing the world: it starts from zero), the compressor's state and the step."""
         reader = reader or RangeReader.from_tensors(state["tensors"])
         super().load_state_dict(state, reader)
         kinds = reader.kinds()
@@ -223,14 +224,26 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         for name, param in params.items():
             if mine in kinds and _has(reader, mine, name):
                 self.residuals[name] = reader.read(mine, name, 0, param.numel()).view(param.shape).clone()
-        if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
-            warm = {}
-            for name, param in params.items():
-                if _has(reader, _WARM_Q, name):
-                    _, m = self.compressor.matrix_shape(param.shape)
-                    r = self.compressor.effective_rank(param.shape)
-                    warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
-            self.compressor.load_state_dict(warm)
+        if isinstance(self.compressor, PowerSGDCompressor):
+            if _WARM_Q in kinds:
+                self.compressor.load_state_dict(self._read_warm_factors(reader, params))
+            return
+        saved = {}  # a compressor whose state has a fixed shape (int8's rounding generator)
+        for key, piece in self.compressor.state_dict().items():
+            kind, name = f"compression.{key}".split("/", 1)
+            if reader.holds(kind, name):
+                saved[key] = reader.read(kind, name, 0, piece.numel()).view(piece.shape).clone()
+        self.compressor.load_state_dict(saved)
+
+    def _read_warm_factors(self, reader: RangeReader, params: dict[str, torch.Tensor]
+                           ) -> dict[str, torch.Tensor]:
+        warm = {}
+        for name, param in params.items():
+            if _has(reader, _WARM_Q, name):
+                _, m = self.compressor.matrix_shape(param.shape)
+                r = self.compressor.effective_rank(param.shape)
+                warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
+        return warm
 
 
 def _has(reader: RangeReader, kind: str, name: str) -> bool:

@@ -148,6 +148,14 @@ class Int8Compressor(Compressor):
         rows = padded.view(scales.numel(), self.chunk_size) * scales.to(dtype).unsqueeze(1)
         return rows.reshape(-1)[:numel].reshape(shape)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The rounding generator's state: a resumed run rounds as an uninterrupted one."""
+        return {"int8_rng/state": self._generator.get_state()} if self.stochastic else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.stochastic and "int8_rng/state" in state:
+            self._generator.set_state(state["int8_rng/state"].to(torch.uint8).contiguous())
+
     def __repr__(self) -> str:
         return f"Int8Compressor(chunk_size={self.chunk_size}, stochastic={self.stochastic})"
 

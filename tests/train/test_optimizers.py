@@ -4,6 +4,7 @@ repeats itself, and the elastic demo survives a failure and a join with the outp
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -34,6 +35,20 @@ def test_powersgd_learns(tmp_path, corpus_file):
     val = [m["val_loss"] for m in metrics if m["val_loss"] is not None]
     assert len(val) == 3 and val[-1] < val[0] - 0.1
     assert (tmp_path / "checkpoints" / "step-12" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("compressor", ["int8", "topk"])
+def test_compressed_resume_equals_uninterrupted(tmp_path, corpus_file, compressor):
+    """The README's promise for --resume holds for lossy compressors too: their residuals and
+    any random state they draw from (int8's stochastic rounding) are in the checkpoint."""
+    flags = (*FLOAT64, "--world-size", "2", "--optimizer", "compressed", "--compressor",
+             compressor, "--checkpoint-every", "3")
+    full = train(tmp_path / "full", corpus_file, *flags)
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / f"step-{STEPS}")
+    resumed = train(tmp_path / "resumed", corpus_file, "--resume")
+    assert [(m["train_loss"], m["val_loss"]) for m in resumed] == \
+        [(m["train_loss"], m["val_loss"]) for m in full]
 
 
 def test_async_round_robin_completes_and_repeats(tmp_path, corpus_file, capsys):
