@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from distframe.errors import ConfigError
+
 METRIC_KEYS = ("step", "train_loss", "val_loss", "tokens_per_s", "peak_memory_bytes", "wall_s")
 
 
@@ -50,8 +52,23 @@ class MetricsLog:
     def records(self) -> list[dict[str, Any]]:
         if not os.path.exists(self.path):
             return []
-        with open(self.path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if number == len(lines):  # no newline after it: a write cut short by a crash
+                    break
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ConfigError(f"{self.path} line {number} is not a metrics record; delete that "
+                                  "line (or the file, which only holds the logged metrics)")
+            records.append(record)
+        return records
 
     def keep_until(self, step: int) -> list[dict[str, Any]]:
         """Drops records after ``step`` (written after the checkpoint a run resumes from)."""

@@ -183,3 +183,22 @@ def test_resume_after_a_save_that_died_between_its_renames(tmp_path, corpus_file
     shutil.copytree(root / "step-5", later)
     io._rename_into_place(later, root / "step-4")  # a later save of step 4 that completes
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-5"]
+
+
+def test_resume_after_a_crash_mid_metrics_write(tmp_path, corpus_file, capsys):
+    """A crash while a metrics record is written leaves a last line cut short (no newline after
+    it): --resume drops it, where it used to stop on a JSON error; a damaged line before the last
+    is bad input naming the file and line."""
+    before = train(tmp_path, corpus_file, "--steps", "2", "--checkpoint-every", "2",
+                   "--world-size", "1", "--eval-every", "0")
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a", encoding="utf-8") as f:
+        f.write('{"step": 3, "train_lo')
+    resumed = train(tmp_path, corpus_file, "--resume", "--steps", "3", "--eval-every", "0")
+    assert resumed[:2] == before and [r["step"] for r in resumed] == [1, 2, 3]
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path), "--data", corpus_file, "--resume", "--steps", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "metrics.jsonl line 2" in err and "\n" not in err
