@@ -53,6 +53,7 @@ from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards
 from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
 from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
+from distframe.models.tied_gradients import TiedGradients
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2")
 
@@ -99,7 +100,8 @@ class HybridShardedModel(ShardedModelBase):
         self.local_buffers = {dense_buffers[id(b)]: b for b in stage.buffers()}
         del dense_params
         self.wrapped_model = stage
-        self._tied_groups = self._build_tied_groups()
+        self.tied_gradients = TiedGradients.for_stages(self.catalog.shared_across_stages(),
+                                                       self.local_parameters, self.groups.pp)
         self.accepts_plain_optimizer = data_parallel == "ddp"
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
@@ -149,15 +151,6 @@ class HybridShardedModel(ShardedModelBase):
         p, r = self.dims.pp, self.groups.pp_index
         return [PipelineStage(layers, c * p + r, p * self.virtual_stages) for c, layers in enumerate(mine)]
 
-    def _build_tied_groups(self) -> list[tuple[ICommunicationBackend, list[LocalParameter]]]:
-        out = []
-        by_name = {lp.name: lp for lp in self.local_parameters}
-        for stages, names in sorted(self.catalog.shared_across_stages().items()):
-            group = self.groups.pp.new_group(list(stages))
-            if group is not None:
-                out.append((group, [by_name[n] for n in names]))
-        return out
-
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
@@ -198,9 +191,11 @@ class HybridShardedModel(ShardedModelBase):
     def _before_backward(self) -> None:
         """The next ``synchronize_gradients`` communicates again; gradients it adds to the ones
         already synchronised (no zero_grad between) add up as with torch DDP."""
-        self._gradients_synchronized = False
         if self.zero is not None:
             self.zero.restart_accumulation()
+        if self._gradients_synchronized:
+            self.tied_gradients.set_aside()
+        self._gradients_synchronized = False
 
     def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
@@ -281,8 +276,7 @@ class HybridShardedModel(ShardedModelBase):
         before the next forward_backward (or differentiable forward) do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return
-        for group, tied in self._tied_groups:
-            all_reduce_grads([lp.param for lp in tied if lp.param.requires_grad], group, ReduceOp.SUM)
+        self.tied_gradients.all_reduce()
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
@@ -297,6 +291,7 @@ class HybridShardedModel(ShardedModelBase):
     def _zero_grad(self) -> None:
         for lp in self.local_parameters:
             lp.param.grad = None
+        self.tied_gradients.forget()
 
     def _parameter_layout(self) -> ShardLayout:
         return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)

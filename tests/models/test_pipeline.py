@@ -199,6 +199,32 @@ def test_lm_with_tied_embedding_equals_unsplit(p, m, split_points):
     assert "tok_embedding.weight" in results[0][2] and "tok_embedding.weight" in results[-1][2]
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_tied_weight_accumulates_over_backwards_synchronised_in_turn(p):
+    # Two backwards, each followed by synchronize_gradients (no zero_grad between): the gradients
+    # add up as in one process. The tied embedding/head gradient, summed across its stages after
+    # the first backward, was summed again with the second: the first counted once per stage.
+    lm = tiny_lm(num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g))
+               for _ in range(2)]
+    dense = copy.deepcopy(lm)
+    for x, y in batches:
+        lm_loss(dense(x), y).backward()
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(lm), b, num_microbatches=2)
+        for x, y in batches:
+            pipe.forward_backward((x, y), lm_loss)
+            pipe.synchronize_gradients()
+        return {lp.name: lp.param.grad.clone() for lp in pipe.local_parameters}
+
+    grads = dict(dense.named_parameters())
+    for rank_grads in spawn(run, p):
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name].grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
 def test_train_step_returns_global_mean_on_every_stage():
     model = sequential()
     x, y = data(8)
