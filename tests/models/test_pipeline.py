@@ -4,6 +4,7 @@ including m < p and m not divisible by p; measured activation memory and bubble.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -374,3 +375,41 @@ def test_1f1b_holds_at_most_p_microbatches_of_activations():
         # Each micro-batch saves the same bytes: GPipe holds m of them, 1F1B min(p - s, m).
         per_microbatch = g_peak / m
         assert o_peak == pytest.approx(per_microbatch * min(p - stage, m), rel=0.05)
+
+
+class _LiveCounter(nn.Module):
+    """Passes its input on; counts how many of the tensors it was shown are still alive (by
+    storage) at each forward: its inputs at the end of a stage (the activations the stage sends),
+    or with ``gradients`` the input gradients of the next stage (the gradients it sends back)."""
+
+    def __init__(self, gradients=False):
+        super().__init__()
+        self.gradients, self.live, self.peak = gradients, set(), 0
+
+    def _watch(self, tensor):
+        key = object()
+        self.live.add(key)
+        weakref.finalize(tensor.untyped_storage(), self.live.discard, key)
+
+    def forward(self, x):
+        self.peak = max(self.peak, len(self.live))
+        if not self.gradients:
+            self._watch(x)
+        elif x.requires_grad:
+            x.register_post_accumulate_grad_hook(lambda leaf: self._watch(leaf.grad))
+        return x
+
+
+def test_1f1b_frees_what_it_sent_as_the_schedule_goes():
+    # The activations a stage sent and the input gradients it sent back were kept until the end
+    # of the step: every micro-batch's, not the p in flight that 1F1B promises.
+    p, m = 2, 8
+
+    def run(b):
+        sent, sent_back = _LiveCounter(), _LiveCounter(gradients=True)
+        model = nn.Sequential(nn.Linear(5, 8), Block(8), sent, sent_back, Block(8), nn.Linear(8, 3)).double()
+        pipe = PipelineParallelModel(model, b, num_microbatches=m, schedule="1f1b", split_points=[3])
+        pipe.forward_backward(data(16), mse)
+        return sent.peak if b.rank == 0 else sent_back.peak
+
+    assert all(peak <= p for peak in spawn(run, p))
