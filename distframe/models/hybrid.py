@@ -119,8 +119,12 @@ class HybridShardedModel(ShardedModelBase):
             if split_points is not None:
                 raise ConfigError("split_points needs pipeline parallelism (pp > 1)")
             return None
-        stages = self.dims.pp * self.virtual_stages
-        return partition(layer_parameter_counts(pipeline_layers(model)), stages, split_points)
+        stages, counts = self.dims.pp * self.virtual_stages, layer_parameter_counts(pipeline_layers(model))
+        if self.virtual_stages > 1 and len(counts) < stages:
+            raise ConfigError(f"the model has {len(counts)} layers but pp={self.dims.pp} x virtual_stages="
+                              f"{self.virtual_stages} stages were asked for; use virtual_stages <= "
+                              f"{len(counts) // self.dims.pp} (each stage needs a layer)")
+        return partition(counts, stages, split_points)
 
     def _chunk_layers(self, model: nn.Module, ranges: list[range]) -> list[list[list[nn.Module]]]:
         """``[rank][chunk] -> layers``: chunk c of rank r is global stage ``c * pp + r``."""

@@ -95,6 +95,16 @@ def test_interleaving_needs_rounds_of_p_microbatches():
         spawn(lambda b: PipelineParallelModel(sequential(), b, num_microbatches=2, virtual_stages=2), 2)
 
 
+def test_too_many_virtual_stages_for_the_layers_names_the_fix():
+    # 6 layers, pp=2 x virtual_stages=4 = 8 stages: the error used to suggest pp <= 6.
+    def build(b):
+        PipelineParallelModel(sequential(), b, num_microbatches=4, schedule="interleaved_1f1b",
+                              virtual_stages=4)
+
+    with pytest.raises(ConfigError, match=r"virtual_stages <= 3"):
+        spawn(build, 2, timeout=20)
+
+
 def test_partition_balances_and_honours_split_points():
     assert partition([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
     assert partition([30, 5, 5, 5, 5, 10], 3) == [range(0, 1), range(1, 4), range(4, 6)]
