@@ -333,6 +333,24 @@ def test_integer_activation_between_stages(schedule):
             torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_that_starts_with_an_inplace_layer_equals_unsplit(schedule):
+    # Cut before nn.ReLU(inplace=True) (the balanced cut of this model, as in torchvision's
+    # ResNet and VGG): the received activation was a leaf requiring grad, which an in-place
+    # layer may not modify (RuntimeError), though the unsplit model runs.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+                              nn.Linear(8, 3)).double()
+    x, y = data(8)
+    loss, out, grads = _reference(model, x, y)
+    for rank_loss, rank_out, rank_grads in spawn(lambda b: _pipeline_run(b, model, x, y, 2, schedule), 2):
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
+        torch.testing.assert_close(rank_out, out, rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
 class _Pair(nn.Module):
     def forward(self, x):
         return x, x
@@ -405,8 +423,9 @@ class _LiveCounter(nn.Module):
         self.peak = max(self.peak, len(self.live))
         if not self.gradients:
             self._watch(x)
-        elif x.requires_grad:
-            x.register_post_accumulate_grad_hook(lambda leaf: self._watch(leaf.grad))
+        elif x.requires_grad:  # the received leaf, whose .grad is sent back, may sit behind a grad_fn
+            leaf = x if x.grad_fn is None else x.grad_fn.next_functions[0][0].variable
+            leaf.register_post_accumulate_grad_hook(lambda t: self._watch(t.grad))
         return x
 
 
