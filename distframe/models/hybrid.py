@@ -53,6 +53,7 @@ from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards
 from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
 from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
+from distframe.models.tied_gradients import TiedGradients
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2")
 
@@ -99,7 +100,8 @@ class HybridShardedModel(ShardedModelBase):
         self.local_buffers = {dense_buffers[id(b)]: b for b in stage.buffers()}
         del dense_params
         self.wrapped_model = stage
-        self._tied_groups = self._build_tied_groups()
+        self.tied_gradients = TiedGradients.for_stages(self.catalog.shared_across_stages(),
+                                                       self.local_parameters, self.groups.pp)
         self.accepts_plain_optimizer = data_parallel == "ddp"
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
@@ -117,8 +119,12 @@ class HybridShardedModel(ShardedModelBase):
             if split_points is not None:
                 raise ConfigError("split_points needs pipeline parallelism (pp > 1)")
             return None
-        stages = self.dims.pp * self.virtual_stages
-        return partition(layer_parameter_counts(pipeline_layers(model)), stages, split_points)
+        stages, counts = self.dims.pp * self.virtual_stages, layer_parameter_counts(pipeline_layers(model))
+        if self.virtual_stages > 1 and len(counts) < stages:
+            raise ConfigError(f"the model has {len(counts)} layers but pp={self.dims.pp} x virtual_stages="
+                              f"{self.virtual_stages} stages were asked for; use virtual_stages <= "
+                              f"{len(counts) // self.dims.pp} (each stage needs a layer)")
+        return partition(counts, stages, split_points)
 
     def _chunk_layers(self, model: nn.Module, ranges: list[range]) -> list[list[list[nn.Module]]]:
         """``[rank][chunk] -> layers``: chunk c of rank r is global stage ``c * pp + r``."""
@@ -148,15 +154,6 @@ class HybridShardedModel(ShardedModelBase):
         mine = self._chunk_layers(model, ranges)[self.groups.pp_index]
         p, r = self.dims.pp, self.groups.pp_index
         return [PipelineStage(layers, c * p + r, p * self.virtual_stages) for c, layers in enumerate(mine)]
-
-    def _build_tied_groups(self) -> list[tuple[ICommunicationBackend, list[LocalParameter]]]:
-        out = []
-        by_name = {lp.name: lp for lp in self.local_parameters}
-        for stages, names in sorted(self.catalog.shared_across_stages().items()):
-            group = self.groups.pp.new_group(list(stages))
-            if group is not None:
-                out.append((group, [by_name[n] for n in names]))
-        return out
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,9 +195,11 @@ class HybridShardedModel(ShardedModelBase):
     def _before_backward(self) -> None:
         """The next ``synchronize_gradients`` communicates again; gradients it adds to the ones
         already synchronised (no zero_grad between) add up as with torch DDP."""
-        self._gradients_synchronized = False
         if self.zero is not None:
             self.zero.restart_accumulation()
+        if self._gradients_synchronized:
+            self.tied_gradients.set_aside()
+        self._gradients_synchronized = False
 
     def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
@@ -281,8 +280,7 @@ class HybridShardedModel(ShardedModelBase):
         before the next forward_backward (or differentiable forward) do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return
-        for group, tied in self._tied_groups:
-            all_reduce_grads([lp.param for lp in tied if lp.param.requires_grad], group, ReduceOp.SUM)
+        self.tied_gradients.all_reduce()
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
@@ -297,6 +295,7 @@ class HybridShardedModel(ShardedModelBase):
     def _zero_grad(self) -> None:
         for lp in self.local_parameters:
             lp.param.grad = None
+        self.tied_gradients.forget()
 
     def _parameter_layout(self) -> ShardLayout:
         return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)

@@ -109,8 +109,19 @@ class StageLinks:
         self._pending.clear()
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        # The tensor is kept until the send completes (engines may read it asynchronously).
+        # The tensor is kept until the send completes (engines may read it asynchronously), and
+        # no longer: kept to the end of the step, every micro-batch's activation and input
+        # gradient would be, not the few in flight the schedule promises. A completed send is
+        # waited for to raise its error, if any.
+        self._pending = [(work, t) for work, t in self._pending if not _finished(work)]
         self._pending.append((self.backend.isend(tensor, dst, tag), tensor))
+
+
+def _finished(work: Work) -> bool:
+    if not work.is_completed():
+        return False
+    work.wait()  # returns at once; raises what the send raised
+    return True
 
 
 def encode_header(tensor: torch.Tensor | None) -> torch.Tensor:

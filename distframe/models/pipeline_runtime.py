@@ -28,6 +28,21 @@ from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimelin
 from distframe.models.pipeline_schedules import max_in_flight, schedule_actions
 
 
+class _ReceivedActivation(torch.autograd.Function):
+    """The stage's input: the received activation ``x`` (a leaf whose ``.grad`` is sent back), as
+    a tensor with a grad_fn, so a first layer may modify it in place (``nn.ReLU(inplace=True)``),
+    which autograd forbids on a leaf that requires grad. It shares ``x``'s storage (no copy): the
+    backward is the identity and needs no saved value."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[Any]:
     """``tensor`` cut into ``num_microbatches`` equal pieces along dim 0."""
     if not isinstance(tensor, torch.Tensor):
@@ -130,10 +145,11 @@ class PipelineRunner:
             x = micro_input
         else:
             x = self.links.recv_activation(self._rank_of(stage - 1), stage)
-            if grad and x.is_floating_point():
-                x.requires_grad_(True)
+        stage_input = x
+        if stage > 0 and grad and x.is_floating_point():
+            stage_input = _ReceivedActivation.apply(x.requires_grad_(True))
         with self.timeline.busy("F", chunk, microbatch), self.memory.hooks():
-            out = self.chunks[chunk](x)
+            out = self.chunks[chunk](stage_input)
         if stage < self.num_stages - 1:
             if not isinstance(out, torch.Tensor):
                 raise ConfigError(f"pipeline stage {stage} returned a {type(out).__name__}; a stage passes "

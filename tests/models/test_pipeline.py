@@ -4,6 +4,7 @@ including m < p and m not divisible by p; measured activation memory and bubble.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -92,6 +93,16 @@ def test_interleaving_needs_rounds_of_p_microbatches():
         schedule_actions("interleaved_1f1b", 2, 0, 3, 2)
     with pytest.raises(ConfigError, match="virtual_stages"):
         spawn(lambda b: PipelineParallelModel(sequential(), b, num_microbatches=2, virtual_stages=2), 2)
+
+
+def test_too_many_virtual_stages_for_the_layers_names_the_fix():
+    # 6 layers, pp=2 x virtual_stages=4 = 8 stages: the error used to suggest pp <= 6.
+    def build(b):
+        PipelineParallelModel(sequential(), b, num_microbatches=4, schedule="interleaved_1f1b",
+                              virtual_stages=4)
+
+    with pytest.raises(ConfigError, match=r"virtual_stages <= 3"):
+        spawn(build, 2, timeout=20)
 
 
 def test_partition_balances_and_honours_split_points():
@@ -199,6 +210,32 @@ def test_lm_with_tied_embedding_equals_unsplit(p, m, split_points):
     assert "tok_embedding.weight" in results[0][2] and "tok_embedding.weight" in results[-1][2]
 
 
+@pytest.mark.parametrize("p", [2, 3])
+def test_tied_weight_accumulates_over_backwards_synchronised_in_turn(p):
+    # Two backwards, each followed by synchronize_gradients (no zero_grad between): the gradients
+    # add up as in one process. The tied embedding/head gradient, summed across its stages after
+    # the first backward, was summed again with the second: the first counted once per stage.
+    lm = tiny_lm(num_layers=2)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g))
+               for _ in range(2)]
+    dense = copy.deepcopy(lm)
+    for x, y in batches:
+        lm_loss(dense(x), y).backward()
+
+    def run(b):
+        pipe = PipelineParallelModel(copy.deepcopy(lm), b, num_microbatches=2)
+        for x, y in batches:
+            pipe.forward_backward((x, y), lm_loss)
+            pipe.synchronize_gradients()
+        return {lp.name: lp.param.grad.clone() for lp in pipe.local_parameters}
+
+    grads = dict(dense.named_parameters())
+    for rank_grads in spawn(run, p):
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name].grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
 def test_train_step_returns_global_mean_on_every_stage():
     model = sequential()
     x, y = data(8)
@@ -296,6 +333,24 @@ def test_integer_activation_between_stages(schedule):
             torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_that_starts_with_an_inplace_layer_equals_unsplit(schedule):
+    # Cut before nn.ReLU(inplace=True) (the balanced cut of this model, as in torchvision's
+    # ResNet and VGG): the received activation was a leaf requiring grad, which an in-place
+    # layer may not modify (RuntimeError), though the unsplit model runs.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+                              nn.Linear(8, 3)).double()
+    x, y = data(8)
+    loss, out, grads = _reference(model, x, y)
+    for rank_loss, rank_out, rank_grads in spawn(lambda b: _pipeline_run(b, model, x, y, 2, schedule), 2):
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
+        torch.testing.assert_close(rank_out, out, rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
 class _Pair(nn.Module):
     def forward(self, x):
         return x, x
@@ -348,3 +403,42 @@ def test_1f1b_holds_at_most_p_microbatches_of_activations():
         # Each micro-batch saves the same bytes: GPipe holds m of them, 1F1B min(p - s, m).
         per_microbatch = g_peak / m
         assert o_peak == pytest.approx(per_microbatch * min(p - stage, m), rel=0.05)
+
+
+class _LiveCounter(nn.Module):
+    """Passes its input on; counts how many of the tensors it was shown are still alive (by
+    storage) at each forward: its inputs at the end of a stage (the activations the stage sends),
+    or with ``gradients`` the input gradients of the next stage (the gradients it sends back)."""
+
+    def __init__(self, gradients=False):
+        super().__init__()
+        self.gradients, self.live, self.peak = gradients, set(), 0
+
+    def _watch(self, tensor):
+        key = object()
+        self.live.add(key)
+        weakref.finalize(tensor.untyped_storage(), self.live.discard, key)
+
+    def forward(self, x):
+        self.peak = max(self.peak, len(self.live))
+        if not self.gradients:
+            self._watch(x)
+        elif x.requires_grad:  # the received leaf, whose .grad is sent back, may sit behind a grad_fn
+            leaf = x if x.grad_fn is None else x.grad_fn.next_functions[0][0].variable
+            leaf.register_post_accumulate_grad_hook(lambda t: self._watch(t.grad))
+        return x
+
+
+def test_1f1b_frees_what_it_sent_as_the_schedule_goes():
+    # The activations a stage sent and the input gradients it sent back were kept until the end
+    # of the step: every micro-batch's, not the p in flight that 1F1B promises.
+    p, m = 2, 8
+
+    def run(b):
+        sent, sent_back = _LiveCounter(), _LiveCounter(gradients=True)
+        model = nn.Sequential(nn.Linear(5, 8), Block(8), sent, sent_back, Block(8), nn.Linear(8, 3)).double()
+        pipe = PipelineParallelModel(model, b, num_microbatches=m, schedule="1f1b", split_points=[3])
+        pipe.forward_backward(data(16), mse)
+        return sent.peak if b.rank == 0 else sent_back.peak
+
+    assert all(peak <= p for peak in spawn(run, p))
