@@ -41,6 +41,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.devices import module_device
+from distframe.models.hybrid_checks import check_arguments
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
@@ -48,14 +49,13 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
                                            zero_counted_segments)
 from distframe.models.pipeline_comm import decode_header, encode_header
 from distframe.models.pipeline_runtime import PipelineRunner
-from distframe.models.pipeline_schedules import SCHEDULES
+from distframe.models.replicas import broadcast_tensors
 from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, piece_key
 from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
 from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
 
-DATA_PARALLEL = ("ddp", "zero1", "zero2")
 
 
 class HybridShardedModel(ShardedModelBase):
@@ -71,7 +71,7 @@ class HybridShardedModel(ShardedModelBase):
                  **settings: Any) -> None:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)
-        _check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
+        check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
         super().__init__(model, backend, config=config, **settings)
         self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
         self.virtual_stages = virtual_stages
@@ -195,6 +195,8 @@ class HybridShardedModel(ShardedModelBase):
     def _before_backward(self) -> None:
         """The next ``synchronize_gradients`` communicates again; gradients it adds to the ones
         already synchronised (no zero_grad between) add up as with torch DDP."""
+        if self._synchronize:
+            self._sync_buffers()
         if self.zero is not None:
             self.zero.restart_accumulation()
         if self._gradients_synchronized:
@@ -235,6 +237,11 @@ class HybridShardedModel(ShardedModelBase):
         rank), for checkpoint metadata; ``wrapped_model`` holds only this rank's stage and shards."""
         return {e.name: {"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch.")}
                 for e in self.catalog.params}
+
+    def _sync_buffers(self) -> None:
+        """Replica 0's buffers to the other data-parallel (x cp) replicas of this stage and shard."""
+        if self.config.broadcast_buffers and self.groups.replicas.world_size > 1 and self.local_buffers:
+            broadcast_tensors(list(self.local_buffers.values()), self.groups.replicas)
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's buffers under their names in the unsplit model."""
@@ -323,7 +330,9 @@ class HybridShardedModel(ShardedModelBase):
 
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         """The dense model's state dict on every rank. Collective: all_gather of each split
-        parameter over the tensor group, one broadcast per stage and dtype over the pipeline group."""
+        parameter over the tensor group, one broadcast per stage and dtype over the pipeline group
+        (buffers are data-parallel replica 0's unless ``config.broadcast_buffers`` is False)."""
+        self._sync_buffers()
         return gather_full(self.local_parameters, self.local_buffers, self.catalog, self.groups)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
@@ -367,24 +376,6 @@ class _PlainOptimizerView:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.wrapped_optimizer = optimizer
-
-
-def _check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches: Any, schedule: Any,
-                     data_parallel: Any, virtual_stages: Any) -> None:
-    if not isinstance(dims, ParallelDims):
-        raise ConfigError(f"dims must be a distframe.mesh.ParallelDims, got {type(dims).__name__}")
-    dims.validate(backend.world_size)
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ConfigError(f"num_microbatches={num_microbatches!r}: use a positive int")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ConfigError(f"virtual_stages={virtual_stages!r}: use a positive int (model chunks per rank)")
-    if (virtual_stages > 1) != (schedule == "interleaved_1f1b"):
-        raise ConfigError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: interleaved_1f1b "
-                          "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
-    if data_parallel not in DATA_PARALLEL:
-        raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
 
 
 def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,

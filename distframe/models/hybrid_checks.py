@@ -1,0 +1,29 @@
+"""The argument checks of HybridShardedModel (and the models built on it)."""
+from __future__ import annotations
+
+from typing import Any
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.mesh import ParallelDims
+from distframe.models.pipeline_schedules import SCHEDULES
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2")
+
+
+def check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches: Any, schedule: Any,
+                    data_parallel: Any, virtual_stages: Any) -> None:
+    if not isinstance(dims, ParallelDims):
+        raise ConfigError(f"dims must be a distframe.mesh.ParallelDims, got {type(dims).__name__}")
+    dims.validate(backend.world_size)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ConfigError(f"num_microbatches={num_microbatches!r}: use a positive int")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ConfigError(f"virtual_stages={virtual_stages!r}: use a positive int (model chunks per rank)")
+    if (virtual_stages > 1) != (schedule == "interleaved_1f1b"):
+        raise ConfigError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: interleaved_1f1b "
+                          "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
+    if data_parallel not in DATA_PARALLEL:
+        raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
