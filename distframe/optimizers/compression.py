@@ -234,14 +234,25 @@ class PowerSGDCompressor(Compressor):
     # ---- the pieces the exchange composes ---------------------------------------------------
     def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype,
                    device: torch.device | None = None) -> torch.Tensor:
-        """This parameter's m x r matrix Q: last step's mean, or a seeded random first one."""
+        """This parameter's m x r matrix Q: last step's mean, or a seeded random first one.
+
+        [Note: dead columns] A column of last step's Q that is all zeros (the gradient was zero,
+        or of lower rank than ``rank``) would make P = M Q zero in that column at every later
+        step, so that direction would never be sent again; such a column is replaced by the
+        seeded random one. Every rank holds the same Q, so every rank replaces the same columns."""
         _, m = self.matrix_shape(shape)
         r = self.effective_rank(shape)
         q = self._warm.get(key)
         if q is None or q.shape != (m, r):
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-            q = torch.randn(m, r, generator=generator, dtype=torch.float64)
+            return self._seeded(key, m, r).to(device=device, dtype=dtype)
+        dead = q.abs().amax(dim=0) == 0  # (r,)
+        if bool(dead.any()):
+            q = torch.where(dead, self._seeded(key, m, r).to(q), q)
         return q.to(device=device, dtype=dtype)
+
+    def _seeded(self, key: str, m: int, r: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.randn(m, r, generator=generator, dtype=torch.float64)
 
     def remember(self, key: str, q: torch.Tensor) -> None:
         self._warm[key] = q.detach().clone()
