@@ -268,11 +268,17 @@ class PowerSGDCompressor(Compressor):
     def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         """Modified Gram-Schmidt on the columns of ``p``, in place; a column that is (numerically)
         dependent on the earlier ones becomes zero. Deterministic, so ranks holding the same
-        summed P get bitwise the same result."""
+        summed P get bitwise the same result.
+
+        Dependence is relative: a column is dropped when what is left of it after removing the
+        earlier columns is at most ``eps`` times its own norm (or zero). An absolute threshold
+        would drop every column of a small gradient (entries of 1e-6 give a P far below 1e-8),
+        so nothing would be sent however long the residual grew."""
+        before = p.norm(dim=0)  # (r,)
         for i in range(p.shape[1]):
             col = p[:, i]
             norm = col.norm()
-            if norm > eps:
+            if norm > eps * before[i]:
                 col.div_(norm)
             else:
                 col.zero_()

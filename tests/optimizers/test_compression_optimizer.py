@@ -227,10 +227,12 @@ def test_state_dict_carries_residuals_and_warm_start(compressor):
 
 def _powersgd_applied(scale):
     """Per step: (applied mean gradient / scale, true mean gradient) of PowerSGD rank 2 on the
-    MLP's two compressible weights, on 2 ranks; step 1 gets a zero gradient (loss times 0)."""
+    MLP's two compressible weights, on 2 ranks; step 1 gets a zero gradient (loss times 0).
+    The learning rate is divided by ``scale``, so the parameters follow the same path."""
     def fn(b):
         model = DDPModel(copy.deepcopy(MLP), b)
-        opt = _sgd(model, PowerSGDCompressor(rank=2, start_iter=0), error_feedback=False)
+        opt = GradientCompressionOptimizer(model, torch.optim.SGD, lr=0.05 / scale, error_feedback=False,
+                                           compressor=PowerSGDCompressor(rank=2, start_iter=0))
         plain = copy.deepcopy(MLP)
         out = []
         for step in range(5):
@@ -259,6 +261,15 @@ def test_powersgd_keeps_sending_after_a_step_with_a_zero_gradient():
             assert torch.equal(applied, torch.zeros_like(applied))
         else:  # rank 2 of these gradients holds most of them
             assert applied.norm() >= 0.5 * true.norm() > 0
+
+
+def test_powersgd_is_scale_equivariant_down_to_tiny_gradients():
+    """Gradients 1e-6 or 1e-12 times smaller are sent 1e-6 or 1e-12 times smaller, not dropped
+    as (numerically) zero: whether a column of P is dependent is relative to its own size."""
+    reference = _powersgd_applied(1.0)
+    for scale in (1e-6, 1e-12):
+        for (applied, _), (expected, _) in zip(_powersgd_applied(scale), reference):
+            torch.testing.assert_close(applied, expected, rtol=1e-9, atol=1e-12)
 
 
 _EXCHANGE = {}
