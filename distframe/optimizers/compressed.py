@@ -10,6 +10,13 @@ DDP's all_reduce would, started from the gradient hooks during backward and comp
 it compresses g + e instead of g, and keeps e' = (g + e) - sent, where ``sent`` is what its
 payload decompresses to (its own contribution to the sum). So after T steps
 sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed.
+
+[Note: skipped steps] The new residuals (and PowerSGD's new warm-start factors) are staged when
+a bucket is exchanged and become current when ``step()`` applies the gradients they belong to;
+``zero_grad()`` without a step discards them. So a backward whose gradients are thrown away
+(GradScaler skipping a step whose gradients overflowed, to inf/nan residuals that would poison
+every later step) leaves no trace. A second synchronised backward before the step (accumulation
+outside ``no_sync``) keeps the first one's, as its gradients stay in the buffer.
 """
 from __future__ import annotations
 
@@ -85,12 +92,31 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self.error_feedback = error_feedback and compressor.lossy
         self.iteration = 0
         self.residuals: dict[str, torch.Tensor] = {}
+        self._staged_residuals: dict[str, torch.Tensor] = {}
+        self._staged_warm: dict[str, torch.Tensor] = {}
         model.register_comm_hook(self._communicate)
 
     def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
+        self._make_current()
         self.iteration += 1
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients; residuals staged since the last step go with them (see
+        [Note: skipped steps])."""
+        super().zero_grad(set_to_none)
+        self._staged_residuals.clear()
+        self._staged_warm.clear()
+
+    def _make_current(self, names: list[str] | None = None) -> None:
+        """Staged residuals and warm-start factors (of ``names``, or all) become current."""
+        for name in list(self._staged_residuals) if names is None else names:
+            if name in self._staged_residuals:
+                self.residuals[name] = self._staged_residuals.pop(name)
+        for name in list(self._staged_warm) if names is None else names:
+            if name in self._staged_warm:
+                self.compressor.remember(name, self._staged_warm.pop(name))  # type: ignore[attr-defined]
 
     # ---- the comm hook -----------------------------------------------------------------------
     def _communicate(self, backend: ICommunicationBackend, bucket: GradBucket) -> Work:
@@ -100,6 +126,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             return backend.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
         names = [e.name for e in bucket.space.entries]
         views = bucket.space.views(bucket.buffer)
+        self._make_current(names)  # staged by an earlier backward of this step: its gradients stay
         if self.error_feedback:
             for name, view in zip(names, views):
                 if name in self.residuals:
@@ -115,7 +142,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def _keep_residual(self, name: str, given: torch.Tensor, sent: torch.Tensor) -> None:
         if self.error_feedback:
-            self.residuals[name] = given - sent
+            self._staged_residuals[name] = given - sent
 
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
@@ -191,7 +218,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                 q_sum = part.view(q_local[k].shape)
                 sent = psgd.approximate(p[k], q_local[k], views[k].shape)
                 self._keep_residual(names[k], matrices[k].view(views[k].shape), sent)
-                psgd.remember(names[k], q_sum / world)
+                self._staged_warm[names[k]] = q_sum / world
                 views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
         return _Then(works, finish)
 
