@@ -128,7 +128,9 @@ class Int8Compressor(Compressor):
         padded[:numel] = flat
         rows = padded.view(chunks, self.chunk_size)  # (chunks, chunk_size)
         scales = (rows.abs().amax(dim=1) / _INT8_LEVELS).to(torch.float32)
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        # Only an all-zero chunk gets scale 1; a chunk holding inf or nan keeps its non-finite
+        # scale, so it decompresses to non-finite values and the overflow stays visible.
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         scaled = rows / scales.to(rows.dtype).unsqueeze(1)
         if self.stochastic:
             # Drawn on the CPU generator: the same seed rounds the same way on every device.
@@ -136,7 +138,8 @@ class Int8Compressor(Compressor):
             levels = torch.floor(scaled + noise)
         else:
             levels = torch.round(scaled)
-        q = levels.clamp_(-_INT8_LEVELS, _INT8_LEVELS).to(torch.int8).reshape(-1)[:numel]
+        levels = levels.nan_to_num_(0.0).clamp_(-_INT8_LEVELS, _INT8_LEVELS)  # nan has no int8
+        q = levels.to(torch.int8).reshape(-1)[:numel]
         return (q, scales), (tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:

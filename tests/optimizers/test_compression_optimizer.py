@@ -177,8 +177,9 @@ def test_error_feedback_sent_plus_residual_equals_true_gradients(world, compress
         assert err <= tolerance * max(1.0, scale)
 
 
-@pytest.mark.parametrize("compressor", [FP16Compressor(), TopKCompressor(0.1),
-                                        PowerSGDCompressor(rank=2, start_iter=0)], ids=repr)
+@pytest.mark.parametrize("compressor", [FP16Compressor(), Int8Compressor(chunk_size=32, stochastic=False),
+                                        TopKCompressor(0.1), PowerSGDCompressor(rank=2, start_iter=0)],
+                         ids=repr)
 def test_a_skipped_overflow_step_leaves_no_trace_in_residuals_or_warm_start(compressor):
     """GradScaler's loop: a backward whose gradients overflow (here: the loss times inf) is
     skipped with zero_grad() and no step(). The residuals and PowerSGD's factors must be those
