@@ -36,6 +36,7 @@ from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompre
 
 _RESIDUAL = "compression.residual.rank{rank}"
 _WARM_Q = "compression.powersgd_q"
+_OWN_STATE = "compression.{what}.rank{rank}"  # other compressor state (int8's generator), per rank
 _ITERATION = "compression.iteration"
 
 
@@ -75,7 +76,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
-    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors and the step count.
+    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
+    stochastic int8 rounding generator and the step count.
     """
 
     model_class = DDPModel
@@ -231,8 +233,10 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         rank = self.model.backend.rank
         for name, residual in self.residuals.items():
             tensors[f"{_RESIDUAL.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
-        for key, q in self.compressor.state_dict().items():
-            tensors[f"{_WARM_Q}/{key.split('/', 1)[1]}@0"] = q.reshape(-1).clone()
+        for key, value in self.compressor.state_dict().items():
+            what, name = key.split("/", 1)
+            kind = _WARM_Q if what == "powersgd_q" else _OWN_STATE.format(what=what, rank=rank)
+            tensors[f"{kind}/{name}@0"] = value.reshape(-1).clone()
         tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
         return {**state, "tensors": tensors}
 
@@ -258,6 +262,19 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                     r = self.compressor.effective_rank(param.shape)
                     warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
             self.compressor.load_state_dict(warm)
+        elif not isinstance(self.compressor, PowerSGDCompressor):
+            self._load_own_compressor_state(reader)
+
+    def _load_own_compressor_state(self, reader: RangeReader) -> None:
+        """This rank's saved compressor state, where it was saved (else it stays as built)."""
+        kinds, loaded = reader.kinds(), {}
+        for key, value in self.compressor.state_dict().items():
+            what, name = key.split("/", 1)
+            kind = _OWN_STATE.format(what=what, rank=self.model.backend.rank)
+            if kind in kinds and _has(reader, kind, name):
+                loaded[key] = reader.read(kind, name, 0, value.numel()).view_as(value).clone()
+        if loaded:
+            self.compressor.load_state_dict(loaded)
 
 
 def _has(reader: RangeReader, kind: str, name: str) -> bool:

@@ -151,6 +151,15 @@ class Int8Compressor(Compressor):
         rows = padded.view(scales.numel(), self.chunk_size) * scales.to(dtype).unsqueeze(1)
         return rows.reshape(-1)[:numel].reshape(shape)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stochastic rounding generator's state, so a resumed run rounds as an uninterrupted
+        one would (not as from ``seed`` again)."""
+        return {"int8_rng/generator": self._generator.get_state()} if self.stochastic else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "int8_rng/generator" in state:
+            self._generator.set_state(state["int8_rng/generator"].to(torch.uint8).clone())
+
     def __repr__(self) -> str:
         return f"Int8Compressor(chunk_size={self.chunk_size}, stochastic={self.stochastic})"
 

@@ -217,9 +217,11 @@ def test_error_feedback_can_be_turned_off_and_is_off_for_lossless():
 
 
 @pytest.mark.parametrize("compressor", [TopKCompressor(0.1), PowerSGDCompressor(rank=1, start_iter=1),
-                                        Int8Compressor(chunk_size=16, stochastic=False)], ids=repr)
+                                        Int8Compressor(chunk_size=16, stochastic=False),
+                                        Int8Compressor(chunk_size=16, seed=3)], ids=repr)
 def test_state_dict_carries_residuals_and_warm_start(compressor):
-    """3 steps, save, rebuild everything, load, 3 more steps == 6 uninterrupted steps, bitwise."""
+    """3 steps, save, rebuild everything, load, 3 more steps == 6 uninterrupted steps, bitwise
+    (stochastic int8: its rounding generator goes on from where it was, not from its seed)."""
     def fn(b):
         def build():
             model = DDPModel(copy.deepcopy(MLP), b)
