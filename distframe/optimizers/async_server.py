@@ -163,6 +163,8 @@ class ParameterServer:
         for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = lr / (1 + staleness) if self.staleness_lr else lr
         self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = lr  # the scaled rate was this gradient's; the optimizer keeps its own
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.clock[worker] += 1

@@ -10,6 +10,13 @@ DDP's all_reduce would, started from the gradient hooks during backward and comp
 it compresses g + e instead of g, and keeps e' = (g + e) - sent, where ``sent`` is what its
 payload decompresses to (its own contribution to the sum). So after T steps
 sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed.
+
+[Note: skipped steps] The new residuals (and PowerSGD's new warm-start factors) are staged when
+a bucket is exchanged and become current when ``step()`` applies the gradients they belong to;
+``zero_grad()`` without a step discards them. So a backward whose gradients are thrown away
+(GradScaler skipping a step whose gradients overflowed, to inf/nan residuals that would poison
+every later step) leaves no trace. A second synchronised backward before the step (accumulation
+outside ``no_sync``) keeps the first one's, as its gradients stay in the buffer.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompre
 
 _RESIDUAL = "compression.residual.rank{rank}"
 _WARM_Q = "compression.powersgd_q"
+_OWN_STATE = "compression.{what}.rank{rank}"  # other compressor state (int8's generator), per rank
 _ITERATION = "compression.iteration"
 
 
@@ -68,8 +76,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
-    (``compression.residual.rank<r>/<name>@0``), the compressor's state (PowerSGD's warm-start
-    factors, int8's rounding generator) and the step count.
+    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
+    stochastic int8 rounding generator and the step count.
     """
 
     model_class = DDPModel
@@ -86,12 +94,31 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self.error_feedback = error_feedback and compressor.lossy
         self.iteration = 0
         self.residuals: dict[str, torch.Tensor] = {}
+        self._staged_residuals: dict[str, torch.Tensor] = {}
+        self._staged_warm: dict[str, torch.Tensor] = {}
         model.register_comm_hook(self._communicate)
 
     def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
+        self._make_current()
         self.iteration += 1
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients; residuals staged since the last step go with them (see
+        [Note: skipped steps])."""
+        super().zero_grad(set_to_none)
+        self._staged_residuals.clear()
+        self._staged_warm.clear()
+
+    def _make_current(self, names: list[str] | None = None) -> None:
+        """Staged residuals and warm-start factors (of ``names``, or all) become current."""
+        for name in list(self._staged_residuals) if names is None else names:
+            if name in self._staged_residuals:
+                self.residuals[name] = self._staged_residuals.pop(name)
+        for name in list(self._staged_warm) if names is None else names:
+            if name in self._staged_warm:
+                self.compressor.remember(name, self._staged_warm.pop(name))  # type: ignore[attr-defined]
 
     # ---- the comm hook -----------------------------------------------------------------------
     def _communicate(self, backend: ICommunicationBackend, bucket: GradBucket) -> Work:
@@ -101,6 +128,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             return backend.all_reduce(bucket.buffer, ReduceOp.AVG, async_op=True)
         names = [e.name for e in bucket.space.entries]
         views = bucket.space.views(bucket.buffer)
+        self._make_current(names)  # staged by an earlier backward of this step: its gradients stay
         if self.error_feedback:
             for name, view in zip(names, views):
                 if name in self.residuals:
@@ -116,7 +144,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def _keep_residual(self, name: str, given: torch.Tensor, sent: torch.Tensor) -> None:
         if self.error_feedback:
-            self.residuals[name] = given - sent
+            self._staged_residuals[name] = given - sent
 
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
@@ -192,27 +220,29 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                 q_sum = part.view(q_local[k].shape)
                 sent = psgd.approximate(p[k], q_local[k], views[k].shape)
                 self._keep_residual(names[k], matrices[k].view(views[k].shape), sent)
-                psgd.remember(names[k], q_sum / world)
+                self._staged_warm[names[k]] = q_sum / world
                 views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
         return _Then(works, finish)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's pieces plus this rank's residuals, the compressor's state
-        (the same on every rank) and the step count, all as ``tensors`` pieces."""
+        """The wrapped optimizer's pieces plus this rank's residuals, PowerSGD's warm-start
+        factors (the same on every rank) and the step count, all as ``tensors`` pieces."""
         state = super().state_dict()
         tensors = dict(state["tensors"])
         rank = self.model.backend.rank
         for name, residual in self.residuals.items():
             tensors[f"{_RESIDUAL.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
-        for key, piece in self.compressor.state_dict().items():  # powersgd_q/<name>: _WARM_Q
-            tensors[f"compression.{key}@0"] = piece.reshape(-1).clone()
+        for key, value in self.compressor.state_dict().items():
+            what, name = key.split("/", 1)
+            kind = _WARM_Q if what == "powersgd_q" else _OWN_STATE.format(what=what, rank=rank)
+            tensors[f"{kind}/{name}@0"] = value.reshape(-1).clone()
         tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
         return {**state, "tensors": tensors}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads the optimizer pieces, then this rank's residuals (none saved for this rank,
-        e.g. after growing the world: it starts from zero), the compressor's state and the step."""
+        e.g. after growing the world: it starts from zero), the warm-start factors and the step."""
         reader = reader or RangeReader.from_tensors(state["tensors"])
         super().load_state_dict(state, reader)
         kinds = reader.kinds()
@@ -224,26 +254,27 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         for name, param in params.items():
             if mine in kinds and _has(reader, mine, name):
                 self.residuals[name] = reader.read(mine, name, 0, param.numel()).view(param.shape).clone()
-        if isinstance(self.compressor, PowerSGDCompressor):
-            if _WARM_Q in kinds:
-                self.compressor.load_state_dict(self._read_warm_factors(reader, params))
-            return
-        saved = {}  # a compressor whose state has a fixed shape (int8's rounding generator)
-        for key, piece in self.compressor.state_dict().items():
-            kind, name = f"compression.{key}".split("/", 1)
-            if reader.holds(kind, name):
-                saved[key] = reader.read(kind, name, 0, piece.numel()).view(piece.shape).clone()
-        self.compressor.load_state_dict(saved)
+        if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
+            warm = {}
+            for name, param in params.items():
+                if _has(reader, _WARM_Q, name):
+                    _, m = self.compressor.matrix_shape(param.shape)
+                    r = self.compressor.effective_rank(param.shape)
+                    warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
+            self.compressor.load_state_dict(warm)
+        elif not isinstance(self.compressor, PowerSGDCompressor):
+            self._load_own_compressor_state(reader)
 
-    def _read_warm_factors(self, reader: RangeReader, params: dict[str, torch.Tensor]
-                           ) -> dict[str, torch.Tensor]:
-        warm = {}
-        for name, param in params.items():
-            if _has(reader, _WARM_Q, name):
-                _, m = self.compressor.matrix_shape(param.shape)
-                r = self.compressor.effective_rank(param.shape)
-                warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
-        return warm
+    def _load_own_compressor_state(self, reader: RangeReader) -> None:
+        """This rank's saved compressor state, where it was saved (else it stays as built)."""
+        kinds, loaded = reader.kinds(), {}
+        for key, value in self.compressor.state_dict().items():
+            what, name = key.split("/", 1)
+            kind = _OWN_STATE.format(what=what, rank=self.model.backend.rank)
+            if kind in kinds and _has(reader, kind, name):
+                loaded[key] = reader.read(kind, name, 0, value.numel()).view_as(value).clone()
+        if loaded:
+            self.compressor.load_state_dict(loaded)
 
 
 def _has(reader: RangeReader, kind: str, name: str) -> bool:

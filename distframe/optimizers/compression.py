@@ -128,7 +128,9 @@ class Int8Compressor(Compressor):
         padded[:numel] = flat
         rows = padded.view(chunks, self.chunk_size)  # (chunks, chunk_size)
         scales = (rows.abs().amax(dim=1) / _INT8_LEVELS).to(torch.float32)
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        # Only an all-zero chunk gets scale 1; a chunk holding inf or nan keeps its non-finite
+        # scale, so it decompresses to non-finite values and the overflow stays visible.
+        scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         scaled = rows / scales.to(rows.dtype).unsqueeze(1)
         if self.stochastic:
             # Drawn on the CPU generator: the same seed rounds the same way on every device.
@@ -136,7 +138,8 @@ class Int8Compressor(Compressor):
             levels = torch.floor(scaled + noise)
         else:
             levels = torch.round(scaled)
-        q = levels.clamp_(-_INT8_LEVELS, _INT8_LEVELS).to(torch.int8).reshape(-1)[:numel]
+        levels = levels.nan_to_num_(0.0).clamp_(-_INT8_LEVELS, _INT8_LEVELS)  # nan has no int8
+        q = levels.to(torch.int8).reshape(-1)[:numel]
         return (q, scales), (tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
@@ -149,12 +152,13 @@ class Int8Compressor(Compressor):
         return rows.reshape(-1)[:numel].reshape(shape)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The rounding generator's state: a resumed run rounds as an uninterrupted one."""
-        return {"int8_rng/state": self._generator.get_state()} if self.stochastic else {}
+        """The stochastic rounding generator's state, so a resumed run rounds as an uninterrupted
+        one would (not as from ``seed`` again)."""
+        return {"int8_rng/generator": self._generator.get_state()} if self.stochastic else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.stochastic and "int8_rng/state" in state:
-            self._generator.set_state(state["int8_rng/state"].to(torch.uint8).contiguous())
+        if "int8_rng/generator" in state:
+            self._generator.set_state(state["int8_rng/generator"].to(torch.uint8).clone())
 
     def __repr__(self) -> str:
         return f"Int8Compressor(chunk_size={self.chunk_size}, stochastic={self.stochastic})"
@@ -242,14 +246,25 @@ class PowerSGDCompressor(Compressor):
     # ---- the pieces the exchange composes ---------------------------------------------------
     def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype,
                    device: torch.device | None = None) -> torch.Tensor:
-        """This parameter's m x r matrix Q: last step's mean, or a seeded random first one."""
+        """This parameter's m x r matrix Q: last step's mean, or a seeded random first one.
+
+        [Note: dead columns] A column of last step's Q that is all zeros (the gradient was zero,
+        or of lower rank than ``rank``) would make P = M Q zero in that column at every later
+        step, so that direction would never be sent again; such a column is replaced by the
+        seeded random one. Every rank holds the same Q, so every rank replaces the same columns."""
         _, m = self.matrix_shape(shape)
         r = self.effective_rank(shape)
         q = self._warm.get(key)
         if q is None or q.shape != (m, r):
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-            q = torch.randn(m, r, generator=generator, dtype=torch.float64)
+            return self._seeded(key, m, r).to(device=device, dtype=dtype)
+        dead = q.abs().amax(dim=0) == 0  # (r,)
+        if bool(dead.any()):
+            q = torch.where(dead, self._seeded(key, m, r).to(q), q)
         return q.to(device=device, dtype=dtype)
+
+    def _seeded(self, key: str, m: int, r: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.randn(m, r, generator=generator, dtype=torch.float64)
 
     def remember(self, key: str, q: torch.Tensor) -> None:
         self._warm[key] = q.detach().clone()
@@ -265,11 +280,17 @@ class PowerSGDCompressor(Compressor):
     def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         """Modified Gram-Schmidt on the columns of ``p``, in place; a column that is (numerically)
         dependent on the earlier ones becomes zero. Deterministic, so ranks holding the same
-        summed P get bitwise the same result."""
+        summed P get bitwise the same result.
+
+        Dependence is relative: a column is dropped when what is left of it after removing the
+        earlier columns is at most ``eps`` times its own norm (or zero). An absolute threshold
+        would drop every column of a small gradient (entries of 1e-6 give a P far below 1e-8),
+        so nothing would be sent however long the residual grew."""
+        before = p.norm(dim=0)  # (r,)
         for i in range(p.shape[1]):
             col = p[:, i]
             norm = col.norm()
-            if norm > eps:
+            if norm > eps * before[i]:
                 col.div_(norm)
             else:
                 col.zero_()

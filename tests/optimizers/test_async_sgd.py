@@ -103,6 +103,26 @@ def test_max_staleness_zero_is_sequential_sgd():
     assert report.max_staleness_seen == 0 and report.updates == 12
 
 
+def test_staleness_lr_leaves_the_configured_learning_rate_on_the_server_optimizer():
+    """staleness_lr scales the rate of each stale gradient only; after serve() the optimizer
+    (and so its state_dict, a checkpoint, a scheduler) holds the rate it was built with, not
+    LR / (1 + t) of the last gradient applied."""
+    def fn(b):
+        model = DDPModel(copy.deepcopy(MLP), b)
+        opt = AsyncSGDOptimizer(model, torch.optim.SGD, lr=LR, max_staleness=4, deterministic=True,
+                                staleness_lr=True)
+        if not opt.is_server:
+            for k in range(3):
+                opt.train_step(_batch(b.rank, k), nn.functional.mse_loss)
+            opt.finish()
+            return None
+        report = opt.serve()
+        return report.max_staleness_seen, opt.param_groups[0]["lr"], opt.state_dict()["param_groups"][0]["lr"]
+    stalest, lr, saved_lr = spawn(fn, 4, timeout=60)[0]
+    assert stalest > 0  # some gradient was applied at a reduced rate
+    assert lr == saved_lr == LR
+
+
 def test_deterministic_mode_is_reproducible_with_a_chosen_server_rank():
     first = _run(3, 4, server_rank=2, max_staleness=1, deterministic=True)
     second = _run(3, 4, server_rank=2, max_staleness=1, deterministic=True)

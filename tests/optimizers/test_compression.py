@@ -84,6 +84,21 @@ def test_int8_zero_tensor_round_trips_to_zero():
     assert torch.equal(out, torch.zeros(10))
 
 
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_int8_keeps_a_non_finite_gradient_non_finite(bad, stochastic):
+    """An overflowed gradient must arrive non-finite (GradScaler then skips the step and lowers
+    the scale), not as finite made-up values: the chunk holding it decompresses to non-finite,
+    the other chunks are untouched."""
+    comp = Int8Compressor(chunk_size=4, stochastic=stochastic)
+    t = _tensor(12)
+    t[5] = bad
+    out = comp.decompress(*comp.compress(t))
+    assert not torch.isfinite(out[4:8]).any()
+    for lo in (0, 8):
+        assert (out[lo:lo + 4] - t[lo:lo + 4]).abs().max() <= t[lo:lo + 4].abs().max() / 127
+
 @pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5, 1.0])
 def test_topk_keeps_the_largest_magnitudes(ratio):
     t = _tensor(20, 10, seed=1)

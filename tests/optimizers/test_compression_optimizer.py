@@ -176,6 +176,32 @@ def test_error_feedback_sent_plus_residual_equals_true_gradients(world, compress
         assert err <= tolerance * max(1.0, scale)
 
 
+@pytest.mark.parametrize("compressor", [FP16Compressor(), Int8Compressor(chunk_size=32, stochastic=False),
+                                        TopKCompressor(0.1), PowerSGDCompressor(rank=2, start_iter=0)],
+                         ids=repr)
+def test_a_skipped_overflow_step_leaves_no_trace_in_residuals_or_warm_start(compressor):
+    """GradScaler's loop: a backward whose gradients overflow (here: the loss times inf) is
+    skipped with zero_grad() and no step(). The residuals and PowerSGD's factors must be those
+    from before it, not inf/nan that poison every later step: afterwards training equals a run
+    that never had the overflow, bitwise."""
+    def fn(b, overflow):
+        model = DDPModel(copy.deepcopy(MLP), b)
+        opt = _sgd(model, copy.deepcopy(compressor))
+        for step in range(4):
+            x, y = _batch(step, b.rank, 2)
+            if overflow and step == 2:
+                (math.inf * nn.functional.mse_loss(model(x), y)).backward()
+                model.synchronize_gradients()
+                assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+                opt.zero_grad()
+            model.train_step((x, y), nn.functional.mse_loss, opt)
+        return model.gather_full_parameters(), opt.residuals
+    skipped, clean_run = (spawn(lambda b: fn(b, overflow), 2, timeout=60) for overflow in (True, False))
+    for (params, residuals), (clean, clean_residuals) in zip(skipped, clean_run):
+        assert _bitwise_equal(params, clean)
+        assert _bitwise_equal(residuals, clean_residuals)
+
+
 def test_error_feedback_can_be_turned_off_and_is_off_for_lossless():
     def fn(b):
         model = DDPModel(copy.deepcopy(MLP), b)
@@ -190,9 +216,11 @@ def test_error_feedback_can_be_turned_off_and_is_off_for_lossless():
 
 
 @pytest.mark.parametrize("compressor", [TopKCompressor(0.1), PowerSGDCompressor(rank=1, start_iter=1),
-                                        Int8Compressor(chunk_size=16, stochastic=False)], ids=repr)
+                                        Int8Compressor(chunk_size=16, stochastic=False),
+                                        Int8Compressor(chunk_size=16, seed=3)], ids=repr)
 def test_state_dict_carries_residuals_and_warm_start(compressor):
-    """3 steps, save, rebuild everything, load, 3 more steps == 6 uninterrupted steps, bitwise."""
+    """3 steps, save, rebuild everything, load, 3 more steps == 6 uninterrupted steps, bitwise
+    (stochastic int8: its rounding generator goes on from where it was, not from its seed)."""
     def fn(b):
         def build():
             model = DDPModel(copy.deepcopy(MLP), b)
