@@ -54,6 +54,10 @@ class UnitLifecycle:
         """Called by the model before the wrapped forward."""
         if self._armed and any(u.reduce_launched for u in self.units):
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        if not torch.is_grad_enabled():
+            # No backward follows this forward (an evaluation, perhaps between a training
+            # forward and its backward): that backward must still find its own settings.
+            return
         if self._order:
             self._last_order = self._order
         self._order = []

@@ -248,3 +248,27 @@ def test_buffers_follow_rank_0_as_torch_ddp(strategy, broadcast):
             else:
                 torch.testing.assert_close(got, own_means[step], rtol=0, atol=0)
                 assert rank == 0 or not torch.equal(got, rank0_mean)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_forward_under_no_grad_between_forward_and_backward_changes_nothing(strategy):
+    # Evaluating (under torch.no_grad) after the training forward and before its backward: the
+    # backward still synchronises. ZeRO-3 and FSDP took the no-grad forward as the one the next
+    # backward belonged to and reduced nothing (the step ran on no gradient at all).
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(3, 12):
+            x, y = rank_slice(batch, backend.rank, backend.world_size)
+            output = model(x)
+            with torch.no_grad():
+                model(x)
+            loss_fn(output, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.gather_full_parameters()
+    expected = reference_run(global_batches(3, 12))[-1]
+    for params in spawn(run, 2, timeout=20):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
