@@ -9,9 +9,11 @@ Per unit (FSDP2's vocabulary):
                  in backward (the previous one in forward order)
   post_backward  every parameter's gradient accumulated: start the reduce_scatter of the
                  gradients (unless inside no_sync), reshard
-``finish()`` (the model's synchronize_gradients) starts the reductions of units whose
-post_backward did not run (parameters without gradients: reduced as zeros, in unit order) and
-waits for all of them, accumulating each rank's averaged chunk into its master's ``.grad``.
+``finish()`` starts the reductions of units whose post_backward did not run (parameters
+without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
+rank's averaged chunk into its master's ``.grad``. A synchronising backward runs it as its last
+act (autograd's queued callback, as DDP's buckets do), so every master holds its gradient when
+``backward()`` returns; the model's synchronize_gradients runs it too.
 
 [Note: ordering] Prefetch and gathers follow the order modules actually run, which must be the
 same on every rank (as for any FSDP); reductions of units that saw no gradient are issued last
@@ -36,6 +38,7 @@ class UnitLifecycle:
         self.prefetch = prefetch
         self.synchronize = True
         self._armed = False
+        self._finish_queued = False
         self._order: list[int] = []          # forward order of this step
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
@@ -62,7 +65,17 @@ class UnitLifecycle:
             self._last_order = self._order
         self._order = []
         self.synchronize = synchronize
-        self._armed = torch.is_grad_enabled() and synchronize
+        self._armed = synchronize
+        self._finish_queued = False  # a backward that raised never ran its callback
+
+    def watch(self, output: Any) -> None:
+        """Hooks the model's ``output`` so that the backward starting from it queues ``finish``;
+        its first gradient is the output's, so the finish lands on the user's backward, not on
+        one nested inside it (reentrant activation checkpointing)."""
+        if self._armed and torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._queue_finish)
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
@@ -92,6 +105,8 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._order[::-1])
 
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+        if self._armed:
+            self._queue_finish()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
         if len(unit.ready) == sum(p.requires_grad for p in unit.params):
             self.post_backward(unit)
@@ -119,6 +134,15 @@ class UnitLifecycle:
             unit.state = TrainingState.IDLE
             unit.reshard()
         self._armed = False
+
+    def _queue_finish(self, *_: Any) -> None:
+        if not self._finish_queued:
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        self.finish()
 
     def mark_stale(self) -> None:
         """Masters changed (optimizer step, load): gathered copies must be refreshed."""
