@@ -36,7 +36,7 @@ class UnitLifecycle:
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
-        self.synchronize = True
+        self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
         self._finish_queued = False
         self._order: list[int] = []          # forward order of this step
@@ -75,7 +75,7 @@ class UnitLifecycle:
         if self._armed and torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._queue_finish)
+                    tensor.register_hook(self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
@@ -105,8 +105,7 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._order[::-1])
 
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
-        if self._armed:
-            self._queue_finish()  # in case no output was watched (a loss that bypasses it)
+        self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
         if len(unit.ready) == sum(p.requires_grad for p in unit.params):
             self.post_backward(unit)
@@ -114,7 +113,10 @@ class UnitLifecycle:
     def post_backward(self, unit: ShardedUnit) -> None:
         unit.ready.clear()
         unit.state = TrainingState.POST_BACKWARD
-        if self.synchronize and self._armed and not unit.reduce_launched:
+        # Every time: a unit whose gradients complete again in the same step (a second backward
+        # over one forward, or a shared unit under reentrant checkpointing, whose nested
+        # backwards each accumulate its parameters) has new gradients to reduce.
+        if self.synchronize and self._armed:
             self._complete_finished()
             self._pending.append((unit, unit.reduce_gradients()))
         unit.reshard()
@@ -123,7 +125,7 @@ class UnitLifecycle:
         """Completes this step's gradient reductions (see the module docstring); collective."""
         if self._armed:
             for unit in self.units:
-                if not unit.reduce_launched:
+                if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
                     self._pending.append((unit, unit.reduce_gradients()))
         while self._pending:
             unit, work = self._pending.pop(0)
@@ -135,7 +137,12 @@ class UnitLifecycle:
             unit.reshard()
         self._armed = False
 
-    def _queue_finish(self, *_: Any) -> None:
+    def _backward_running(self, *_: Any) -> None:
+        """A backward over a synchronising forward is running (again, after a retain_graph
+        one): it owes its reductions and finishes them as its last act."""
+        if not self.synchronize:
+            return
+        self._armed = True
         if not self._finish_queued:
             self._finish_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
