@@ -5,6 +5,7 @@ Per unit (FSDP2's vocabulary):
                  previous step's forward order (asynchronous all_gather)
   post_forward   module forward hook: register pre_backward on the outputs' gradients; reshard
                  when ``reshard_after_forward``
+  end_forward    after the whole model's forward: free units prefetched but not run
   pre_backward   first gradient of an output: unshard again, prefetch the unit that runs next
                  in backward (the previous one in forward order)
   post_backward  every parameter's gradient accumulated: start the reduce_scatter of the
@@ -68,10 +69,16 @@ class UnitLifecycle:
         self._armed = synchronize
         self._finish_queued = False  # a backward that raised never ran its callback
 
-    def watch(self, output: Any) -> None:
-        """Hooks the model's ``output`` so that the backward starting from it queues ``finish``;
-        its first gradient is the output's, so the finish lands on the user's backward, not on
-        one nested inside it (reentrant activation checkpointing)."""
+    def end_forward(self, output: Any) -> None:
+        """Called by the model after the wrapped forward. Frees a unit whose prefetch is still in
+        flight: the prefetch followed the previous forward's order and this forward did not run
+        the unit (its own pre_forward would have waited for it), so nothing needs it before its
+        next gather. Hooks the model's ``output`` so that the backward starting from it queues
+        ``finish``; its first gradient is the output's, so the finish lands on the user's
+        backward, not on one nested inside it (reentrant activation checkpointing)."""
+        for unit in self.units:
+            if unit.prefetch_in_flight:
+                unit.reshard()
         if self._armed and torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -60,7 +60,7 @@ class UnitShardedModelBase(ShardedModelBase):
         self.lifecycle.begin_forward(self._synchronize)
 
     def _post_forward(self, output: Any) -> Any:
-        self.lifecycle.watch(output)
+        self.lifecycle.end_forward(output)
         return output
 
     def synchronize_gradients(self) -> None:
