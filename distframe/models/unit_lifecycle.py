@@ -58,6 +58,12 @@ class UnitLifecycle:
         """Called by the model before the wrapped forward."""
         if self._armed and any(u.reduce_launched for u in self.units):
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        for unit in self.units:
+            if unit.state is TrainingState.PRE_BACKWARD:
+                # Left by a backward that never completed the unit's gradients (no_sync, unused
+                # parameters, autograd.grad): a new forward is not a recomputation inside it.
+                unit.state = TrainingState.IDLE
+                unit.reshard()
         if not torch.is_grad_enabled():
             # No backward follows this forward (an evaluation, perhaps between a training
             # forward and its backward): that backward must still find its own settings.
@@ -86,6 +92,11 @@ class UnitLifecycle:
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes the forward inside the unit's backward: its
+            # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
+            unit.unshard()
+            return
         if unit.index not in self._order:
             self._order.append(unit.index)
         unit.state = TrainingState.FORWARD
@@ -94,6 +105,8 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._last_order)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return  # a recomputation in backward (see pre_forward): keep the unit gathered
         if torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

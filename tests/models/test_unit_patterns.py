@@ -4,7 +4,7 @@ and several backward passes over one forward. Each trains exactly like one proce
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from distframe.launch import spawn
 from tests.models.common import (HIDDEN, IN, OUT, SEED_LOCK, SETTINGS, STRATEGIES, Block, build_model,
@@ -90,6 +90,25 @@ def test_two_backward_passes_over_one_forward_add_up(strategy):
             opt.zero_grad()
         return model.gather_full_parameters()
     expected = reference_run(global_batches(STEPS, BATCH))[-1]
+    for params in spawn(run, 2, timeout=20):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy, settings", CASES)
+def test_a_checkpointed_unit_recomputed_whole_in_backward_stays_gathered(strategy, settings):
+    # Without early stop, non-reentrant checkpointing recomputes the unit's whole forward after
+    # its pre_backward gathered it; that forward's post_forward resharded it, and the backward
+    # then read freed parameters ("setStorage: ... out of bounds for storage of size 0").
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(universal("non-reentrant"), backend, **settings)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        with set_checkpoint_early_stop(False):
+            for batch in global_batches(STEPS, BATCH):
+                model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+        return model.gather_full_parameters()
+    expected = universal_reference("non-reentrant")
     for params in spawn(run, 2, timeout=20):
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
