@@ -65,6 +65,11 @@ class ShardedUnit:
     def full_bytes(self) -> int:
         return self._full_bytes
 
+    @property
+    def prefetch_in_flight(self) -> bool:
+        """Whether an asynchronous gather was started and nothing has waited for it yet."""
+        return self._gather is not None
+
     def unshard(self, *, async_op: bool = False) -> None:
         """Gathers the full parameters (already there: nothing); ``async_op`` only starts it.
         See [Note: gathering in place]."""

@@ -5,13 +5,16 @@ Per unit (FSDP2's vocabulary):
                  previous step's forward order (asynchronous all_gather)
   post_forward   module forward hook: register pre_backward on the outputs' gradients; reshard
                  when ``reshard_after_forward``
+  end_forward    after the whole model's forward: free units prefetched but not run
   pre_backward   first gradient of an output: unshard again, prefetch the unit that runs next
                  in backward (the previous one in forward order)
   post_backward  every parameter's gradient accumulated: start the reduce_scatter of the
                  gradients (unless inside no_sync), reshard
-``finish()`` (the model's synchronize_gradients) starts the reductions of units whose
-post_backward did not run (parameters without gradients: reduced as zeros, in unit order) and
-waits for all of them, accumulating each rank's averaged chunk into its master's ``.grad``.
+``finish()`` starts the reductions of units whose post_backward did not run (parameters
+without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
+rank's averaged chunk into its master's ``.grad``. A synchronising backward runs it as its last
+act (autograd's queued callback, as DDP's buckets do), so every master holds its gradient when
+``backward()`` returns; the model's synchronize_gradients runs it too.
 
 [Note: ordering] Prefetch and gathers follow the order modules actually run, which must be the
 same on every rank (as for any FSDP); reductions of units that saw no gradient are issued last
@@ -34,8 +37,9 @@ class UnitLifecycle:
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
-        self.synchronize = True
+        self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
+        self._finish_queued = False
         self._order: list[int] = []          # forward order of this step
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
@@ -54,14 +58,45 @@ class UnitLifecycle:
         """Called by the model before the wrapped forward."""
         if self._armed and any(u.reduce_launched for u in self.units):
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        for unit in self.units:
+            if unit.state is TrainingState.PRE_BACKWARD:
+                # Left by a backward that never completed the unit's gradients (no_sync, unused
+                # parameters, autograd.grad): a new forward is not a recomputation inside it.
+                unit.state = TrainingState.IDLE
+                unit.reshard()
+        if not torch.is_grad_enabled():
+            # No backward follows this forward (an evaluation, perhaps between a training
+            # forward and its backward): that backward must still find its own settings.
+            return
         if self._order:
             self._last_order = self._order
         self._order = []
         self.synchronize = synchronize
-        self._armed = torch.is_grad_enabled() and synchronize
+        self._armed = synchronize
+        self._finish_queued = False  # a backward that raised never ran its callback
+
+    def end_forward(self, output: Any) -> None:
+        """Called by the model after the wrapped forward. Frees a unit whose prefetch is still in
+        flight: the prefetch followed the previous forward's order and this forward did not run
+        the unit (its own pre_forward would have waited for it), so nothing needs it before its
+        next gather. Hooks the model's ``output`` so that the backward starting from it queues
+        ``finish``; its first gradient is the output's, so the finish lands on the user's
+        backward, not on one nested inside it (reentrant activation checkpointing)."""
+        for unit in self.units:
+            if unit.prefetch_in_flight:
+                unit.reshard()
+        if self._armed and torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            # Activation checkpointing recomputes the forward inside the unit's backward: its
+            # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
+            unit.unshard()
+            return
         if unit.index not in self._order:
             self._order.append(unit.index)
         unit.state = TrainingState.FORWARD
@@ -70,6 +105,8 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._last_order)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return  # a recomputation in backward (see pre_forward): keep the unit gathered
         if torch.is_grad_enabled():
             for tensor in tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -88,6 +125,7 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._order[::-1])
 
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+        self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
         if len(unit.ready) == sum(p.requires_grad for p in unit.params):
             self.post_backward(unit)
@@ -95,7 +133,10 @@ class UnitLifecycle:
     def post_backward(self, unit: ShardedUnit) -> None:
         unit.ready.clear()
         unit.state = TrainingState.POST_BACKWARD
-        if self.synchronize and self._armed and not unit.reduce_launched:
+        # Every time: a unit whose gradients complete again in the same step (a second backward
+        # over one forward, or a shared unit under reentrant checkpointing, whose nested
+        # backwards each accumulate its parameters) has new gradients to reduce.
+        if self.synchronize and self._armed:
             self._complete_finished()
             self._pending.append((unit, unit.reduce_gradients()))
         unit.reshard()
@@ -104,7 +145,7 @@ class UnitLifecycle:
         """Completes this step's gradient reductions (see the module docstring); collective."""
         if self._armed:
             for unit in self.units:
-                if not unit.reduce_launched:
+                if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
                     self._pending.append((unit, unit.reduce_gradients()))
         while self._pending:
             unit, work = self._pending.pop(0)
@@ -115,6 +156,20 @@ class UnitLifecycle:
             unit.state = TrainingState.IDLE
             unit.reshard()
         self._armed = False
+
+    def _backward_running(self, *_: Any) -> None:
+        """A backward over a synchronising forward is running (again, after a retain_graph
+        one): it owes its reductions and finishes them as its last act."""
+        if not self.synchronize:
+            return
+        self._armed = True
+        if not self._finish_queued:
+            self._finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._finish_queued = False
+        self.finish()
 
     def mark_stale(self) -> None:
         """Masters changed (optimizer step, load): gathered copies must be refreshed."""

@@ -59,6 +59,10 @@ class UnitShardedModelBase(ShardedModelBase):
     def _pre_forward(self) -> None:
         self.lifecycle.begin_forward(self._synchronize)
 
+    def _post_forward(self, output: Any) -> Any:
+        self.lifecycle.end_forward(output)
+        return output
+
     def synchronize_gradients(self) -> None:
         self.lifecycle.finish()
 

@@ -85,3 +85,34 @@ def test_memory_and_wire_volume_match_the_zero_formulas(strategy, world):
         assert footprint == walked
         factor = WIRE[strategy] * (world - 1) / world
         assert factor * params <= wire <= factor * params + pieces * world * 3 + 4, (wire, factor * params)
+
+
+class SkippableMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 5)
+
+    def forward(self, x, skip: bool = False):
+        h = torch.tanh(self.a(x))
+        return self.c(h if skip else torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_unit_prefetched_for_a_forward_that_skips_it_is_freed_when_the_forward_returns(strategy, grad):
+    # Prefetch follows the previous forward's order, so `b` is gathered ahead of a forward that
+    # then does not run it (evaluation of an early exit, say). It stayed gathered until the next
+    # synchronising backward: through a whole evaluation loop, with no backward, for ever.
+    def run(backend):
+        torch.manual_seed(0)
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(SkippableMiddle(), backend, auto_wrap_min_params=100)
+        opt = opt_cls(model, torch.optim.SGD, lr=0.1)
+        x, y = torch.randn(4, 32), torch.randn(4, 5)
+        for _ in range(2):
+            model.train_step((x, y), loss_fn, opt)
+        with torch.set_grad_enabled(grad):
+            model(x, skip=True)
+        return [u.full.untyped_storage().nbytes() for u in model.units]
+    for gathered_bytes in spawn(run, 2, timeout=20):
+        assert gathered_bytes == [0, 0, 0]

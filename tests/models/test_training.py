@@ -248,3 +248,54 @@ def test_buffers_follow_rank_0_as_torch_ddp(strategy, broadcast):
             else:
                 torch.testing.assert_close(got, own_means[step], rtol=0, atol=0)
                 assert rank == 0 or not torch.equal(got, rank0_mean)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_forward_under_no_grad_between_forward_and_backward_changes_nothing(strategy):
+    # Evaluating (under torch.no_grad) after the training forward and before its backward: the
+    # backward still synchronises. ZeRO-3 and FSDP took the no-grad forward as the one the next
+    # backward belonged to and reduced nothing (the step ran on no gradient at all).
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(3, 12):
+            x, y = rank_slice(batch, backend.rank, backend.world_size)
+            output = model(x)
+            with torch.no_grad():
+                model(x)
+            loss_fn(output, y).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.gather_full_parameters()
+    expected = reference_run(global_batches(3, 12))[-1]
+    for params in spawn(run, 2, timeout=20):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_local_shards_hold_averaged_gradients_when_backward_returns(strategy):
+    # docs/design.md: a synchronising backward finishes its reductions as its last act, so what
+    # reads gradients before optimizer.step() (GradScaler.unscale_, a norm logged by hand) sees
+    # them all. ZeRO-3 and FSDP left the last units' reduce_scatters to synchronize_gradients().
+    batch = global_batches(1, 12)[0]
+    reference = build_model()
+    loss_fn(reference(batch[0]), batch[1]).backward()
+    full = {name: p.grad.reshape(-1) for name, p in reference.named_parameters()}
+
+    def run(backend):
+        model_cls, _ = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        x, y = rank_slice(batch, backend.rank, backend.world_size)
+        loss_fn(model(x), y).backward()
+        layout = model.shard_layout()
+        return [(None if shard.grad is None else shard.grad.clone(), segments)
+                for shard, segments in zip(layout.shards, layout.segments)]
+    for shards in spawn(run, 3, timeout=20):
+        for grad, segments in shards:
+            for seg in segments:
+                assert grad is not None, f"{seg.name}: no gradient after backward"
+                torch.testing.assert_close(
+                    grad.reshape(-1)[seg.shard_offset:seg.shard_offset + seg.length],
+                    full[seg.name][seg.param_offset:seg.param_offset + seg.length], rtol=0, atol=1e-12)
