@@ -168,6 +168,8 @@ def compressed_settings(config: Any) -> dict[str, Any]:
     settings: dict[str, Any] = {"compressor": config.compressor}
     if config.compressor == "topk":
         settings["ratio"] = config.topk_ratio
+    elif config.compressor == "int8":
+        settings["seed"] = config.seed
     elif config.compressor == "powersgd":
         settings.update(rank=config.powersgd_rank, start_iter=config.powersgd_start,
                         seed=config.seed)

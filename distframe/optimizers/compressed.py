@@ -91,6 +91,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.compressor = compressor
+        compressor.bind(model.backend.rank)
         self.error_feedback = error_feedback and compressor.lossy
         self.iteration = 0
         self.residuals: dict[str, torch.Tensor] = {}

@@ -58,6 +58,9 @@ class Compressor(abc.ABC):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
         """Restores what ``state_dict`` returned (stateless compressors ignore it)."""
 
+    def bind(self, rank: int) -> None:  # noqa: B027 - optional
+        """Called by GradientCompressionOptimizer with the rank that will use this compressor."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -104,7 +107,8 @@ class Int8Compressor(Compressor):
 
     Element x of a chunk with largest magnitude a becomes q = round(x * 127 / a) in -127..127;
     ``stochastic=True`` rounds up with probability equal to the fraction (unbiased: E[q] is exact),
-    drawing from a generator seeded with ``seed``; ``False`` rounds to nearest (error at most
+    drawing from a generator seeded with ``seed`` and, once ``bind`` gives it, the rank (so
+    ranks' rounding errors are independent); ``False`` rounds to nearest (error at most
     half a step, a / 254). Wire: one byte an element plus 4 bytes a chunk. Exchanged with all_gather.
     """
 
@@ -118,7 +122,13 @@ class Int8Compressor(Compressor):
             raise ConfigError("Int8Compressor.stochastic must be True (unbiased) or False (nearest)")
         self.chunk_size = chunk_size
         self.stochastic = stochastic
-        self._generator = torch.Generator().manual_seed(int(seed))
+        self.seed = int(seed)
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def bind(self, rank: int) -> None:
+        """Seeds the rounding noise with ``seed`` and ``rank``: ranks drawing the same noise would
+        round the same elements the same way, so their errors would not average out over ranks."""
+        self._generator.manual_seed(self.seed * 1_000_003 + rank)
 
     def compress(self, tensor: torch.Tensor, *, key: str | None = None) -> tuple[Payload, Any]:
         flat = tensor.detach().reshape(-1)
