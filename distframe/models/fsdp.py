@@ -16,6 +16,8 @@ class FSDPModel(UnitShardedModelBase):
     that are never called (ModuleList, ModuleDict) are looked into, the root unit takes the rest.
     A parameter several modules share (tied weights) belongs to the innermost unit that holds
     all of them (see [Note: shared parameters] in unit_model.py), whatever the policy says.
+    A unit is gathered by its module's forward: one whose forward does not run (an nn.Sequential
+    whose children are called one by one) is a ConfigError at the first step that names it.
     Collectives per step: per unit, an all_gather before its forward (the next unit prefetched),
     freed after forward when ``reshard_after_forward`` (then gathered again before its backward),
     and one reduce_scatter(AVG) of its gradients once they are all accumulated. Each rank holds
@@ -24,6 +26,10 @@ class FSDPModel(UnitShardedModelBase):
     """
 
     optimizer_name = "FSDPOptimizer"
+
+    def _unit_fix(self, name: str) -> str:
+        return (f"give an auto_wrap_policy that returns False for '{name}' and wraps the submodules that "
+                f"run instead (such as policy(module, name) -> name.startswith('{name}.'))")
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         names = {id(p): n for n, p in module.named_parameters()}

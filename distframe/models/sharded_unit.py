@@ -51,6 +51,9 @@ class ShardedUnit:
         self.state = TrainingState.IDLE
         self.is_unsharded = True
         self.stale = False
+        # Whether the module's forward ran (gathering the current masters) since they last changed:
+        # see [Note: a unit whose forward does not run] in unit_lifecycle.py.
+        self.forward_ran = False
         self.ready: set[int] = set()
         self.reduce_launched = False
         self._gather: Work | None = None

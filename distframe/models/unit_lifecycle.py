@@ -19,9 +19,20 @@ act (autograd's queued callback, as DDP's buckets do), so every master holds its
 [Note: ordering] Prefetch and gathers follow the order modules actually run, which must be the
 same on every rank (as for any FSDP); reductions of units that saw no gradient are issued last
 and in unit order, so parameters unused on every rank never cause a hang.
+
+[Note: a unit whose forward does not run] Only the unit's module's forward hooks gather it. A
+module whose forward never runs (an nn.Sequential whose children the parent calls one by one) or
+whose parameters are used outside it would run on freed storage (a crash in torch's words) or,
+kept gathered (``persistent``, ``reshard_after_forward=False``), on the values of an earlier gather,
+stale after each optimizer step, while its gradients still reach the optimizer. So each unit
+records whether its forward ran since its masters last changed (``forward_ran``, cleared by
+``mark_stale``), and a gradient reaching a unit that has not is ``misuse_error``, at the first
+step; the model turns the crash in forward into the same error (``UnitShardedModelBase.forward``).
+Hooking every submodule instead would cost a hook call per submodule call on every step.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,8 +44,10 @@ from distframe.models.sharded_unit import ShardedUnit
 
 
 class UnitLifecycle:
-    def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool) -> None:
+    def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool,
+                 misuse_error: Callable[[ShardedUnit, str], Exception]) -> None:
         self.units = units
+        self.misuse_error = misuse_error  # (unit, what went wrong) -> the error to raise
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.synchronize = False  # set by each forward that may be followed by backward
@@ -92,6 +105,7 @@ class UnitLifecycle:
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
+        unit.forward_ran = True
         if unit.state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes the forward inside the unit's backward: its
             # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
@@ -125,6 +139,9 @@ class UnitLifecycle:
             self._prefetch_after(unit.index, self._order[::-1])
 
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+        if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
+            raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
+                                          "did not run")
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
         if len(unit.ready) == sum(p.requires_grad for p in unit.params):
@@ -176,6 +193,7 @@ class UnitLifecycle:
         for unit in self.units:
             unit.drop_prefetch()
             unit.stale = True
+            unit.forward_ran = False
 
     def _complete_finished(self) -> None:
         while self._pending and self._pending[0][1].is_completed():

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
-from distframe.errors import ConfigError
+from distframe.errors import ConfigError, DistFrameError
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.sharded_state import ShardLayout
@@ -49,11 +49,58 @@ class UnitShardedModelBase(ShardedModelBase):
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
             for i, (owner, params) in enumerate(self._choose_units(module))]
         self.lifecycle = UnitLifecycle(self.units, reshard_after_forward=self.config.reshard_after_forward,
-                                       prefetch=self.config.prefetch)
+                                       prefetch=self.config.prefetch, misuse_error=self._misused_unit_error)
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""
         raise NotImplementedError
+
+    def _unit_fix(self, name: str) -> str:
+        """How to choose units so that the module ``name`` is not one whose forward never runs."""
+        raise NotImplementedError
+
+    def _misused_unit_error(self, unit: ShardedUnit, what: str) -> ConfigError:
+        """See [Note: a unit whose forward does not run] in unit_lifecycle.py."""
+        name = self._module_name(unit.module)
+        shown = f"'{name}'" if name else "the wrapped model"
+        return ConfigError(
+            f"{type(self).__name__}: unit {shown} ({type(unit.module).__name__}) is gathered by its "
+            f"forward's hooks, but {what}, so it would compute with freed or stale parameters; call "
+            f"{shown} as a whole (not only its submodules, as self.{name or 'model'}[i](x) would) and use "
+            f"its parameters only inside that call, or {self._unit_fix(name)}")
+
+    def _module_name(self, module: nn.Module) -> str:
+        return next(n for n, m in self.wrapped_model.named_modules(remove_duplicate=False) if m is module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """As ShardedModelBase's; torch's error for a parameter read while its unit was freed
+        ("setStorage: ... out of bounds for storage of size 0") becomes a ConfigError naming it."""
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as error:  # torch's words for reading freed storage: say which unit
+            found = None if isinstance(error, DistFrameError) else self._unit_in_use_while_freed(error)
+            if found is None:
+                raise
+            unit, module = found
+            raise self._misused_unit_error(
+                unit, f"'{self._module_name(module)}' ran while it was not gathered") from error
+
+    def _unit_in_use_while_freed(self, error: BaseException) -> tuple[ShardedUnit, nn.Module] | None:
+        """The innermost module whose forward was running when ``error`` was raised (by the
+        traceback's frames) and that registers a parameter of a unit not gathered then, with that
+        unit; None if there is none (a failure inside a hook's gather is not in a forward)."""
+        freed = {id(p): unit for unit in self.units if not unit.is_unsharded for p in unit.params}
+        frames, trace = [], error.__traceback__
+        while trace is not None:
+            frames.append(trace.tb_frame)
+            trace = trace.tb_next
+        for frame in reversed(frames):
+            module = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+            if isinstance(module, nn.Module):
+                for param in module.parameters(recurse=False):
+                    if id(param) in freed:
+                        return freed[id(param)], module
+        return None
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
     def _pre_forward(self) -> None:

@@ -21,10 +21,16 @@ class ZeRO3Model(UnitShardedModelBase):
     Each rank holds 16/N bytes per parameter for float32 Adam, plus the unit being used.
 
     A parameter must be used inside the forward of the modules that register it (or of their
-    common ancestor): one used by a module that does not register it is not gathered there.
+    common ancestor): one used where its unit is not gathered (an nn.Sequential whose children
+    are called one by one, so its own forward never runs) is a ConfigError naming the unit.
     """
 
     optimizer_name = "ZeRO3Optimizer"
+
+    def _unit_fix(self, name: str) -> str:
+        return ("use FSDPModel with an auto_wrap_policy that returns False for it (ZeRO3Model makes a "
+                "unit of every module that registers parameters and of the lowest common ancestor of "
+                "modules that share one; FSDP's units can be the submodules that run)")
 
     def _check_config(self, config: ShardingConfig) -> None:
         if config.auto_wrap_policy is not None:

@@ -6,7 +6,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from distframe.errors import ConfigError
 from distframe.launch import spawn
+from distframe.models import FSDPModel
+from distframe.optimizers import FSDPOptimizer
 from tests.models.common import (HIDDEN, IN, OUT, SEED_LOCK, SETTINGS, STRATEGIES, Block, build_model,
                                  global_batches, loss_fn, rank_slice, reference_run)
 
@@ -111,4 +114,75 @@ def test_a_checkpointed_unit_recomputed_whole_in_backward_stays_gathered(strateg
     expected = universal_reference("non-reentrant")
     for params in spawn(run, 2, timeout=20):
         for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+class Indexed(nn.Module):
+    """Calls the children of its nn.Sequential one by one, so the Sequential's own forward never
+    runs; ``tied``: two of those children share a weight (ZeRO-3 then makes a unit of the
+    Sequential, their lowest common ancestor, for it)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), Block(HIDDEN), nn.Linear(HIDDEN, HIDDEN),
+                                    nn.Linear(HIDDEN, OUT))
+        if tied:
+            self.layers[2].weight = self.layers[1].fc.weight
+
+    def forward(self, x):
+        for index in range(len(self.layers)):
+            x = self.layers[index](x)
+        return x
+
+
+def indexed(tied: bool) -> nn.Module:
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        return Indexed(tied).double()
+
+
+KEPT_GATHERED = {"replicate_below_numel": 10**6}
+NEVER_CALLED_CASES = [("zero3", {}), ("zero3", KEPT_GATHERED), ("fsdp", SETTINGS["fsdp"]),
+                      ("fsdp", {**SETTINGS["fsdp"], **KEPT_GATHERED}),
+                      ("fsdp", {**SETTINGS["fsdp"], "reshard_after_forward": False, "prefetch": False})]
+
+
+@pytest.mark.parametrize("strategy, settings", NEVER_CALLED_CASES,
+                         ids=["zero3", "zero3-kept", "fsdp", "fsdp-kept", "fsdp-no-reshard"])
+def test_a_unit_whose_module_never_runs_is_refused_at_the_first_step(strategy, settings):
+    # The unit of the Sequential was never gathered: freed, the forward crashed ("setStorage: ...
+    # out of bounds for storage of size 0"); kept gathered, it trained silently on the values of
+    # its first gather, never refreshed after a step (2e-2 off one process after a few steps).
+    steps_done = []
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(indexed(tied=strategy == "zero3"), backend, **settings)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(STEPS, BATCH):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+            steps_done.append(backend.rank)
+    with pytest.raises(ConfigError, match=r"unit 'layers' \(Sequential\).*call 'layers' as a whole"):
+        spawn(run, 2, timeout=20)
+    assert steps_done == []
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_units_of_the_children_that_run_train_exactly(tied):
+    # The fix the error names for FSDP: a policy that wraps the Sequential's children instead.
+    def run(backend):
+        policy = lambda module, name: name.startswith("layers.")  # noqa: E731
+        model = FSDPModel(indexed(tied), backend, auto_wrap_policy=policy)
+        opt = FSDPOptimizer(model, torch.optim.Adam, lr=1e-2)
+        for batch in global_batches(STEPS, BATCH):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+        return model.gather_full_parameters()
+    reference = indexed(tied)
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for x, y in global_batches(STEPS, BATCH):
+        loss_fn(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for params in spawn(run, 2, timeout=20):
+        for name, value in reference.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
