@@ -1,0 +1,81 @@
+"""Pipeline stages unlike a plain stack of blocks: integer activations between stages, a stage that
+starts with an in-place layer, a stage whose output is not one tensor. Each equals the unsplit
+model (float64, 1e-10) or is a ConfigError naming the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distframe.errors import ConfigError
+from distframe.launch import spawn
+from distframe.models.pipeline import PipelineParallelModel
+from tests.models.common import SEED_LOCK
+from tests.models.test_pipeline import _pipeline_run, _reference, data, mse
+
+
+def check_equals_unsplit(model, world_size, schedule, split_points=None):
+    """Loss, output and every gradient of the pipelined ``model`` (2 micro-batches) equal the
+    unsplit model's on one batch of 8."""
+    x, y = data(8)
+    loss, out, grads = _reference(model, x, y)
+    results = spawn(lambda b: _pipeline_run(b, model, x, y, 2, schedule, split_points=split_points),
+                    world_size, timeout=20)
+    for rank_loss, rank_out, rank_grads in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-12)
+        torch.testing.assert_close(rank_out, out, rtol=1e-10, atol=1e-10)
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+class _Bucketize(nn.Module):
+    """A parameterless first layer whose output is integer (bucket ids): nothing to differentiate."""
+
+    def forward(self, x):
+        return torch.bucketize(x, torch.linspace(-2, 2, 7, dtype=x.dtype))
+
+
+class _BucketEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(8, 4)
+
+    def forward(self, ids):
+        return self.embedding(ids).sum(1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_integer_activation_between_stages(schedule):
+    # Stage 1 receives integers: it has no input gradient to send back, so stage 0 must not wait
+    # for one (it used to block until the timeout).
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(_Bucketize(), _BucketEmbedding(), nn.Linear(4, 3)).double()
+    check_equals_unsplit(model, 3, schedule, split_points=[1, 2])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_that_starts_with_an_inplace_layer_equals_unsplit(schedule):
+    # Cut before nn.ReLU(inplace=True) (the balanced cut of this model, as in torchvision's
+    # ResNet and VGG): the received activation was a leaf requiring grad, which an in-place
+    # layer may not modify (RuntimeError), though the unsplit model runs.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+                              nn.Linear(8, 3)).double()
+    check_equals_unsplit(model, 2, schedule)
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_stage_output_that_is_not_a_tensor_is_a_config_error():
+    model = nn.Sequential(nn.Linear(5, 3), _Pair(), nn.Identity()).double()
+
+    def run(b):
+        PipelineParallelModel(model, b, num_microbatches=2, split_points=[2]).forward_backward(data(4), mse)
+
+    with pytest.raises(ConfigError, match="one tensor"):
+        spawn(run, 2, timeout=20)
