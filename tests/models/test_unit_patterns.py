@@ -41,14 +41,18 @@ def universal(checkpointing: str | None) -> nn.Module:
         return Universal(checkpointing).double()
 
 
-def universal_reference(checkpointing: str | None) -> dict[str, torch.Tensor]:
-    model = universal(checkpointing)
+def single_process(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model`` trained on the whole batches with Adam: its state dict after the last step."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for x, y in global_batches(STEPS, BATCH):
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def universal_reference(checkpointing: str | None) -> dict[str, torch.Tensor]:
+    return single_process(universal(checkpointing))
 
 
 CASES = [("zero3", {}), ("zero3", {"reshard_after_forward": False, "prefetch": False}),
@@ -177,12 +181,7 @@ def test_units_of_the_children_that_run_train_exactly(tied):
         for batch in global_batches(STEPS, BATCH):
             model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
         return model.gather_full_parameters()
-    reference = indexed(tied)
-    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    for x, y in global_batches(STEPS, BATCH):
-        loss_fn(reference(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    reference = single_process(indexed(tied))
     for params in spawn(run, 2, timeout=20):
-        for name, value in reference.state_dict().items():
+        for name, value in reference.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
