@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from distframe.backends.types import Work
+from distframe.models.backward_end import BackwardEnd
 from distframe.models.flat import FlatSpace
 
 
@@ -65,7 +66,7 @@ class GradientBuckets:
         self._armed = False
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
-        self._finish_queued = False
+        self._backward_end = BackwardEnd(self._finish_backward)
         self._backward_finished = False
         self._pending: list[tuple[GradBucket, Work]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient_accumulated)
@@ -81,18 +82,14 @@ class GradientBuckets:
             self._attach(bucket)
         self._armed = synchronize
         self._backward_finished = False
-        self._finish_queued = False  # a backward that raised never ran its callback
+        self._backward_end.reset()  # a backward that raised never ran its callback
         self._ready = [set() for _ in self.buckets]
 
     def watch(self, output: Any) -> None:
-        """Hooks the tensors of a forward's ``output`` so that the backward starting from them
-        queues the finish. Its first gradient is the output's, so the finish lands on the user's
-        backward pass, not on one nested inside it (reentrant activation checkpointing runs a
-        backward of its own, which may reach parameters first)."""
+        """Hooks a forward's ``output`` so that the backward from it finishes the reductions as
+        its last act (``BackwardEnd``)."""
         if self._armed:
-            for tensor in _tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._queue_finish)
+            self._backward_end.watch(output)
 
     def finish(self) -> None:
         """Launches the buckets that have not been launched (in order), waits for all of them and
@@ -153,20 +150,13 @@ class GradientBuckets:
                 "backward per forward, or accumulate inside model.no_sync()")
         if not self._armed:
             return
-        self._queue_finish()  # in case no output was watched (a loss that bypasses the outputs)
+        self._backward_end.queue()  # in case no output was watched (a loss that bypasses them)
         self._ready[bucket.index].add(k)
         while (self._next_launch < len(self.buckets) and len(self._ready[self._next_launch])
                == len(self.buckets[self._next_launch].parameters)):
             self._launch_next()
 
-    def _queue_finish(self, *_: Any) -> None:
-        if not self._finish_queued:
-            # Runs when this backward pass is done (torch DDP's reducer does the same).
-            self._finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
     def _finish_backward(self) -> None:
-        self._finish_queued = False
         if self._armed:
             self.finish()
             self._backward_finished = True
@@ -187,14 +177,3 @@ class GradientBuckets:
             self._attach(bucket)
         self._pending.append((bucket, self.launch_fn(bucket)))
         self._next_launch += 1
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a forward's output (nested tuples, lists and dicts)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    return []

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from distframe.backends.types import Work
+from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
 from distframe.models.sharded_unit import ShardedUnit
 
@@ -52,7 +52,7 @@ class UnitLifecycle:
         self.prefetch = prefetch
         self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
-        self._finish_queued = False
+        self._backward_end = BackwardEnd(self.finish)
         self._order: list[int] = []          # forward order of this step
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
@@ -86,7 +86,7 @@ class UnitLifecycle:
         self._order = []
         self.synchronize = synchronize
         self._armed = synchronize
-        self._finish_queued = False  # a backward that raised never ran its callback
+        self._backward_end.reset()  # a backward that raised never ran its callback
 
     def end_forward(self, output: Any) -> None:
         """Called by the model after the wrapped forward. Frees a unit whose prefetch is still in
@@ -99,9 +99,7 @@ class UnitLifecycle:
             if unit.prefetch_in_flight:
                 unit.reshard()
         if self._armed and torch.is_grad_enabled():
-            for tensor in tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._backward_running)
+            self._backward_end.watch(output, self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit) -> None:
@@ -122,9 +120,7 @@ class UnitLifecycle:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # a recomputation in backward (see pre_forward): keep the unit gathered
         if torch.is_grad_enabled():
-            for tensor in tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad, unit=unit: self.pre_backward(unit))
+            self._backward_end.watch(output, lambda grad, unit=unit: self.pre_backward(unit))
         if self.reshard_after_forward or not torch.is_grad_enabled():
             unit.reshard()
         unit.state = TrainingState.IDLE
@@ -180,13 +176,7 @@ class UnitLifecycle:
         if not self.synchronize:
             return
         self._armed = True
-        if not self._finish_queued:
-            self._finish_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _finish_backward(self) -> None:
-        self._finish_queued = False
-        self.finish()
+        self._backward_end.queue()
 
     def mark_stale(self) -> None:
         """Masters changed (optimizer step, load): gathered copies must be refreshed."""
