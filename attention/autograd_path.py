@@ -23,6 +23,8 @@ def generator_dropout(x: torch.Tensor, p: float, generator: torch.Generator | No
         return x
     if generator is None:
         return F.dropout(x, p=p, training=True, inplace=inplace)
+    if p == 1.0:  # everything dropped (1 - p would divide 0 by 0)
+        return x.zero_() if inplace else torch.zeros_like(x)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)  # 1 keeps, 0 drops
     scaled = keep.div_(1.0 - p)
     return x.mul_(scaled) if inplace else x * scaled

@@ -128,7 +128,7 @@ class Int8Compressor(Compressor):
     def bind(self, rank: int) -> None:
         """Seeds the rounding noise with ``seed`` and ``rank``: ranks drawing the same noise would
         round the same elements the same way, so their errors would not average out over ranks."""
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
+        self._generator.manual_seed(_mixed_seed(self.seed, rank))
 
     def compress(self, tensor: torch.Tensor, *, key: str | None = None) -> tuple[Payload, Any]:
         flat = tensor.detach().reshape(-1)
@@ -273,7 +273,7 @@ class PowerSGDCompressor(Compressor):
         return q.to(device=device, dtype=dtype)
 
     def _seeded(self, key: str, m: int, r: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        generator = torch.Generator().manual_seed(_mixed_seed(self.seed, zlib.crc32(key.encode())))
         return torch.randn(m, r, generator=generator, dtype=torch.float64)
 
     def remember(self, key: str, q: torch.Tensor) -> None:
@@ -363,3 +363,8 @@ def make_compressor(name: str, **settings: Any) -> Compressor:
         return classes[name](**settings)
     except TypeError as exc:
         raise ConfigError(f"compressor {name!r} does not take {sorted(settings)}: {exc}") from None
+
+
+def _mixed_seed(seed: int, salt: int) -> int:
+    """``seed`` and ``salt`` in one seed that torch takes (below 2**63) for any int seed."""
+    return (seed * 1_000_003 + salt) % (1 << 63)

@@ -126,3 +126,11 @@ def test_processes_draw_the_masks_threads_draw():
     processes = spawn(_train_tensor_parallel, 2, backend="gloo", timeout=60)
     assert_tensor_ranks_agree(processes)
     assert_same_run(processes, spawn(_train_tensor_parallel, 2))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_generator_dropout_of_everything_gives_zeros(inplace):
+    # As F.dropout(p=1): 1 - p = 0 once divided 0 by 0 (NaN).
+    from attention.autograd_path import generator_dropout
+    out = generator_dropout(torch.ones(6), 1.0, torch.Generator().manual_seed(0), inplace=inplace)
+    assert torch.equal(out, torch.zeros(6))

@@ -216,3 +216,14 @@ def _round_trip(rank, x):
     compressor = Int8Compressor(seed=7)
     compressor.bind(rank)
     return compressor.compress(x)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**40), 10**15])
+def test_seeds_of_any_size_are_taken(seed):
+    # The seed is mixed with the rank (int8) or the parameter's name (PowerSGD's first Q); the
+    # mix once overflowed torch's 64-bit seed for seeds above about 1.8e13 (--seed 10**15).
+    int8 = Int8Compressor(seed=seed)
+    int8.bind(3)
+    int8.compress(torch.randn(10))
+    powersgd = PowerSGDCompressor(rank=1, start_iter=0, seed=seed)
+    powersgd.warm_start("w", torch.Size([4, 4]), torch.float64)
