@@ -150,26 +150,15 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
         "format_version": FORMAT_VERSION, "strategy": type(model).__name__,
         "world_size": model.backend.world_size, "step": step,
         "parameters": model.parameter_metadata(),
-        "replicated": [n for n, _ in model.replicated_tensors()],
-        "aliases": _aliases(model),
+        # What the ranks stored (a pipeline's stages each store their own buffers).
+        "replicated": sorted({k.removeprefix("buffer/") for t in tables for k in t["tensors"]
+                              if k.startswith("buffer/")}),
+        "aliases": model.state_aliases(),
         "files": tables,
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
     }
-
-
-def _aliases(model: ShardedModelBase) -> dict[str, str]:
-    """Every further state_dict() name of a tensor the wrapped model holds under several names
-    (tied weights), mapped to the name it is stored under."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, tensor in model.wrapped_model.state_dict(keep_vars=True).items():
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
-        else:
-            first[id(tensor)] = name
-    return aliases
 
 
 def _rename_into_place(tmp: Path, path: Path) -> None:
@@ -234,12 +223,13 @@ def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
     for name, shape in shapes.items():
         if name not in saved and name not in replicated:
             kind = "parameter" if name in ours else "buffer or frozen parameter"
-            raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds "
-                                  f"{sorted(saved)[:5]}...")
+            held = sorted(saved) if name in ours else sorted(replicated)
+            raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds {held[:5]}"
+                                  + ("..." if len(held) > 5 else ""))
         if name in saved and shape != saved[name]["shape"]:
             raise CheckpointError(f"parameter {name!r} has shape {shape} here but "
                                   f"{saved[name]['shape']} in the checkpoint")
-    unexpected = sorted((set(saved) | replicated) - set(shapes))
+    unexpected = sorted((set(saved) | replicated) - set(shapes) - model.replicated_names())
     if unexpected:
         raise CheckpointError(f"the checkpoint holds {unexpected[:5]} that this model does not have "
                               "(it was saved from a different model)")

@@ -19,7 +19,8 @@ from distframe.models.config import ShardingConfig, TrainingState, resolve_confi
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
-from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
+from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
+                                            shard_pieces)
 
 
 class ShardedModelBase(nn.Module, abc.ABC):
@@ -236,19 +237,30 @@ class ShardedModelBase(nn.Module, abc.ABC):
         frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
         return frozen + list(self.wrapped_model.named_buffers())
 
+    def replicated_names(self) -> set[str]:
+        """Every buffer and frozen-parameter name of the unwrapped model, the same on every rank
+        (model-parallel strategies, whose ranks hold parts, override it with the dense model's)."""
+        return {n for n, _ in self.replicated_tensors()}
+
+    def state_aliases(self) -> dict[str, str]:
+        """Each further ``state_dict()`` name of a tensor the unwrapped model holds under several
+        (tied weights), mapped to the name it is stored under; the same on every rank."""
+        first: dict[int, str] = {}
+        aliases = {}
+        for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():
+            if id(tensor) in first:
+                aliases[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = name
+        return aliases
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
         checkpoint reader); each rank reads the ranges it holds. Collective."""
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
         replicated = self.replicated_tensors()
-        for name, tensor in replicated:  # before anything changes, as copy_ would broadcast
-            stored = reader.replicated_shape(name, tensor.shape)
-            if stored is None:
-                raise ConfigError(f"buffer or frozen parameter {name!r} is not in the state loaded")
-            if stored != tuple(tensor.shape):
-                raise ConfigError(f"buffer or frozen parameter {name!r} has shape {list(tensor.shape)} "
-                                  f"here but {list(stored)} in the state loaded")
+        check_replicated(reader, replicated)
         layout = self.shard_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():

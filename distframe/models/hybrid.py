@@ -50,7 +50,7 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
 from distframe.models.pipeline_comm import decode_header, encode_header
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors
-from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, piece_key
+from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
 from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
@@ -243,6 +243,12 @@ class HybridShardedModel(ShardedModelBase):
         if self.config.broadcast_buffers and self.groups.replicas.world_size > 1 and self.local_buffers:
             broadcast_tensors(list(self.local_buffers.values()), self.groups.replicas)
 
+    def replicated_names(self) -> set[str]:
+        return {e.name for e in self.catalog.buffers}
+
+    def state_aliases(self) -> dict[str, str]:
+        return {key: name for key, name in self.catalog.state_keys if key != name}
+
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's buffers under their names in the unsplit model."""
         return list(self.local_buffers.items())
@@ -357,11 +363,12 @@ class HybridShardedModel(ShardedModelBase):
         """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
         any strategy, or a checkpoint reader). No communication."""
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        check_replicated(reader, self.local_buffers.items())
         layout = self._parameter_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
             for name, buf in self.local_buffers.items():
-                buf.copy_(reader.buffer(name))
+                buf.copy_(reader.replicated(name, buf.shape))
         if self.zero is not None:
             self.zero.refresh_master()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from distframe.errors import ConfigError
 from distframe.models.flat import Segment
 
 
@@ -142,6 +143,18 @@ class RangeReader:
             return self.buffer(name)
         return self.read("param", name, 0, _numel(shape)).reshape(tuple(shape))
 
+
+
+def check_replicated(reader: RangeReader, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """ConfigError unless ``reader`` holds each buffer or frozen parameter of ``named`` with its
+    shape: call it before anything changes, as ``copy_`` would broadcast a smaller one silently."""
+    for name, tensor in named:
+        stored = reader.replicated_shape(name, tensor.shape)
+        if stored is None:
+            raise ConfigError(f"buffer or frozen parameter {name!r} is not in the state loaded")
+        if stored != tuple(tensor.shape):
+            raise ConfigError(f"buffer or frozen parameter {name!r} has shape {list(tensor.shape)} "
+                              f"here but {list(stored)} in the state loaded")
 
 def _numel(shape: Sequence[int]) -> int:
     numel = 1
