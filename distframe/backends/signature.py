@@ -15,11 +15,11 @@ import torch
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
        "all_to_all", "barrier", "new_group", "send", "recv")
 # A dtype's code is its index here, the same in every process: append, never reorder.
-DTYPES = (None, torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-          torch.complex128, torch.complex32, torch.uint16, torch.uint32, torch.uint64,
-          torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-          torch.float8_e8m0fnu)
+# By name: a dtype this torch lacks (float8_e8m0fnu before 2.7) keeps its code, unused.
+DTYPES = (None, *(getattr(torch, name, f"missing {name}") for name in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128", "complex32", "uint16", "uint32", "uint64", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")))
 ENCODED_LENGTH = 16
 _MAX_DIMS = 8
 
