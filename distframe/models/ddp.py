@@ -81,8 +81,7 @@ class DDPModel(ShardedModelBase):
             self.gradient_buckets.prepare_for_backward(self._synchronize)
 
     def _post_forward(self, output: Any) -> Any:
-        if torch.is_grad_enabled():
-            self.gradient_buckets.watch(output)
+        self.gradient_buckets.watch(output)  # outputs made without grad have nothing to hook
         return output
 
     def synchronize_gradients(self) -> None:

@@ -257,14 +257,8 @@ class HybridShardedModel(ShardedModelBase):
                    max_grad_norm: float | None = None) -> float:
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
-            self._plain_optimizer = optimizer
-        loss = self.forward_backward(batch, loss_fn)
-        self.synchronize_gradients()
-        if max_grad_norm is not None:
-            self.clip_grad_norm_(max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        return self._global_mean_loss(loss)
+            self._plain_optimizer = optimizer  # for memory_footprint
+        return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm)
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         # Every rank of a data-parallel replica already holds its replica's loss (broadcast over

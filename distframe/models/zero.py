@@ -101,8 +101,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
             self._restart_kept_buffers()
 
     def _post_forward(self, output: Any) -> Any:
-        if torch.is_grad_enabled():
-            self.gradient_buckets.watch(output)
+        self.gradient_buckets.watch(output)  # outputs made without grad have nothing to hook
         return output
 
     def _restart_kept_buffers(self) -> None:
