@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from typing import Any
 
 from distframe.errors import ConfigError
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
 
 def checkpoint_dir(out_dir: str) -> str:
     return os.path.join(out_dir, "checkpoints")
@@ -30,14 +26,9 @@ def step_path(out_dir: str, step: int) -> str:
 def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
     """The complete checkpoint with the highest step under ``OUT/checkpoints``, or None (a
     step whose save died between its renames counts under the name it was moved aside to)."""
-    from distframe.checkpoint import complete_checkpoints
-    found = [(int(match.group(1)), str(path))
-             for name, path in complete_checkpoints(checkpoint_dir(out_dir)).items()
-             if (match := _STEP_DIR.match(name))]
-    if not found:
-        return None
-    step, path = max(found)
-    return path, step
+    from distframe.checkpoint import latest_step
+    found = latest_step(checkpoint_dir(out_dir))
+    return (str(found[0]), found[1]) if found else None
 
 
 def resume_step(out_dir: str, steps: int) -> int | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,16 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
     for stale in list(path.parent.iterdir()):
         if stale.name.startswith((f".{path.name}.tmp-", f".{path.name}.old-")):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_step(directory: str | Path) -> tuple[Path, int] | None:
+    """The complete ``step-N`` checkpoint in ``directory`` with the largest N, and N; or None."""
+    found = [(int(m.group(1)), path) for name, path in complete_checkpoints(directory).items()
+             if (m := re.fullmatch(r"step-(\d+)", name))]
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
 
 
 def complete_checkpoints(directory: str | Path) -> dict[str, Path]:

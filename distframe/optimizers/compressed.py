@@ -253,12 +253,12 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self.residuals = {}
         params = dict(self.model.wrapped_model.named_parameters())
         for name, param in params.items():
-            if mine in kinds and _has(reader, mine, name):
+            if reader.holds(mine, name):
                 self.residuals[name] = reader.read(mine, name, 0, param.numel()).view(param.shape).clone()
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
             warm = {}
             for name, param in params.items():
-                if _has(reader, _WARM_Q, name):
+                if reader.holds(_WARM_Q, name):
                     _, m = self.compressor.matrix_shape(param.shape)
                     r = self.compressor.effective_rank(param.shape)
                     warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
@@ -268,18 +268,14 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def _load_own_compressor_state(self, reader: RangeReader) -> None:
         """This rank's saved compressor state, where it was saved (else it stays as built)."""
-        kinds, loaded = reader.kinds(), {}
+        loaded = {}
         for key, value in self.compressor.state_dict().items():
             what, name = key.split("/", 1)
             kind = _OWN_STATE.format(what=what, rank=self.model.backend.rank)
-            if kind in kinds and _has(reader, kind, name):
+            if reader.holds(kind, name):
                 loaded[key] = reader.read(kind, name, 0, value.numel()).view_as(value).clone()
         if loaded:
             self.compressor.load_state_dict(loaded)
-
-
-def _has(reader: RangeReader, kind: str, name: str) -> bool:
-    return any(key.startswith(f"{kind}/{name}@") for key in reader.keys)
 
 
 _COMPRESSOR_SETTINGS = ("ratio", "rank", "start_iter", "chunk_size", "stochastic", "seed")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -187,12 +186,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
 def latest_checkpoint(directory: Path | None) -> Path | None:
     """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
-    from distframe.checkpoint import complete_checkpoints
-    if directory is None:
-        return None
-    found = [(int(m.group(1)), p) for name, p in complete_checkpoints(directory).items()
-             if (m := re.fullmatch(r"step-(\d+)", name))]
-    return max(found)[1] if found else None
+    from distframe.checkpoint import latest_step
+    found = None if directory is None else latest_step(directory)
+    return found[0] if found else None
 
 
 def _encode_json(obj: Any) -> torch.Tensor:
