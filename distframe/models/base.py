@@ -185,6 +185,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         for shard in self.local_parameter_shard():
             shard.grad = None
         self._zero_grad()
+        cleared = getattr(self._optimizer, "gradients_cleared", None)
+        if cleared is not None:  # what the optimizer derived from these gradients goes with them
+            cleared()
 
     # ---- full and sharded state --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -125,6 +125,10 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         self.wrapped_optimizer.zero_grad(set_to_none=set_to_none)
         self.model.zero_grad()
 
+    def gradients_cleared(self) -> None:
+        """Called by the model's ``zero_grad``, whoever calls it: drop what was derived from the
+        cleared gradients (nothing here; see GradientCompressionOptimizer)."""
+
     def synchronize_optimizer_state(self) -> None:
         """Makes replicated optimizer state identical (rank 0's); sharded state needs nothing."""
 

@@ -105,10 +105,10 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self.iteration += 1
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients; residuals staged since the last step go with them (see
+    def gradients_cleared(self) -> None:
+        """The model's gradients were cleared (by this optimizer's ``zero_grad`` or the model's):
+        residuals and warm-start factors staged since the last step go with them (see
         [Note: skipped steps])."""
-        super().zero_grad(set_to_none)
         self._staged_residuals.clear()
         self._staged_warm.clear()
 

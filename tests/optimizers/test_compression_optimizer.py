@@ -179,11 +179,12 @@ def test_error_feedback_sent_plus_residual_equals_true_gradients(world, compress
 @pytest.mark.parametrize("compressor", [FP16Compressor(), Int8Compressor(chunk_size=32, stochastic=False),
                                         TopKCompressor(0.1), PowerSGDCompressor(rank=2, start_iter=0)],
                          ids=repr)
-def test_a_skipped_overflow_step_leaves_no_trace_in_residuals_or_warm_start(compressor):
+@pytest.mark.parametrize("clear", ["optimizer", "model"])
+def test_a_skipped_overflow_step_leaves_no_trace_in_residuals_or_warm_start(compressor, clear):
     """GradScaler's loop: a backward whose gradients overflow (here: the loss times inf) is
-    skipped with zero_grad() and no step(). The residuals and PowerSGD's factors must be those
-    from before it, not inf/nan that poison every later step: afterwards training equals a run
-    that never had the overflow, bitwise."""
+    skipped with zero_grad() (the optimizer's or the model's) and no step(). The residuals and
+    PowerSGD's factors must be those from before it, not inf/nan that poison every later step:
+    afterwards training equals a run that never had the overflow, bitwise."""
     def fn(b, overflow):
         model = DDPModel(copy.deepcopy(MLP), b)
         opt = _sgd(model, copy.deepcopy(compressor))
@@ -193,7 +194,7 @@ def test_a_skipped_overflow_step_leaves_no_trace_in_residuals_or_warm_start(comp
                 (math.inf * nn.functional.mse_loss(model(x), y)).backward()
                 model.synchronize_gradients()
                 assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
-                opt.zero_grad()
+                (opt if clear == "optimizer" else model).zero_grad()
             model.train_step((x, y), nn.functional.mse_loss, opt)
         return model.gather_full_parameters(), opt.residuals
     skipped, clean_run = (spawn(lambda b: fn(b, overflow), 2, timeout=60) for overflow in (True, False))
