@@ -104,6 +104,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def _sync_buffers(self) -> None:
         """Rank 0's buffers to every rank (``config.broadcast_buffers``); collective."""
         if self.config.broadcast_buffers and self.backend.world_size > 1:
+            # Listed per forward, not cached: module.to() after wrapping replaces buffer tensors.
             buffers = list(self.wrapped_model.buffers())
             if buffers:
                 broadcast_tensors(buffers, self.backend)

@@ -112,9 +112,14 @@ def _segments(name: str, full: tuple[int, ...], dim: int | None, tp_index: int, 
 
 def owns_piece(lp_split: int | None, entry: Entry, groups: ParallelGroups) -> bool:
     """Whether this rank writes ``entry``'s pieces: one writer per range in the whole world."""
-    if groups.replica_index != 0 or groups.pp_index != entry.owner_stage:
-        return False
-    return lp_split is not None or groups.tp_index == 0
+    return groups.replica_index == 0 and counts_across_model_parallel(lp_split, entry, groups)
+
+
+def counts_across_model_parallel(lp_split: int | None, entry: Entry, groups: ParallelGroups) -> bool:
+    """Whether this rank is the one of its tensor and pipeline groups that counts ``entry``'s
+    pieces: on the stage that owns it (a tied weight's first), any tensor rank of a split one,
+    tensor rank 0 of a replicated one."""
+    return groups.pp_index == entry.owner_stage and (lp_split is not None or groups.tp_index == 0)
 
 
 def gather_full(local: list[LocalParameter], local_buffers: dict[str, torch.Tensor],
@@ -180,5 +185,5 @@ def zero_counted_segments(layout: ShardLayout, local: list[LocalParameter], cata
     disjoint over the data-parallel group; across the tensor and pipeline groups a replicated
     or tied range is counted once, by the rank ``owns_piece`` names (data-parallel index aside)."""
     split = {lp.name: lp.split_dim for lp in local}
-    return [[s for s in segs if groups.pp_index == catalog.by_name[s.name].owner_stage
-             and (split[s.name] is not None or groups.tp_index == 0)] for segs in layout.segments]
+    return [[s for s in segs if counts_across_model_parallel(split[s.name], catalog.by_name[s.name], groups)]
+            for segs in layout.segments]
