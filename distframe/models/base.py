@@ -18,6 +18,7 @@ from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
+from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             shard_pieces)
@@ -40,6 +41,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
     accepts_plain_optimizer = False
     #: The ShardedOptimizerBase subclass that belongs with this model (set by the optimizers).
     optimizer_name = "a ShardedOptimizer"
+    #: Whether ``find_unused_parameters`` can leave a parameter's gradient None (DDP: the
+    #: optimizer sees each parameter; flat shards mix them, so one range cannot be skipped).
+    skips_unused_parameters = False
 
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
@@ -53,12 +57,28 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self.backend = backend
         self.config = resolve_config(config, settings)
         self._check_config(self.config)
+        if self.config.find_unused_parameters and not self.skips_unused_parameters:
+            raise ConfigError(
+                f"find_unused_parameters applies to DDPModel: {type(self).__name__}'s optimizer "
+                "updates flat shards that mix parameters, so it cannot skip one that no rank used "
+                "(its gradient is zero, as in FSDP1 and DeepSpeed); use DDPModel for that")
         if self.config.check_structure:
             check_same_structure(module, backend)
         broadcast_module_state(module, backend)
         self._synchronize = True
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
+
+    def _parameter_usage(self, names: list[str], params: list[nn.Parameter]) -> ParameterUsage:
+        """What a strategy's gradient buckets record and do about parameters without a gradient."""
+        if self.skips_unused_parameters:
+            fix = ("Pass find_unused_parameters=True (one small all_reduce per step) to leave "
+                   ".grad None for them, as torch DDP does.")
+        else:
+            fix = (f"{type(self).__name__}'s flat shards cannot skip one parameter; DDPModel with "
+                   "find_unused_parameters=True trains such a model as one process does.")
+        return ParameterUsage(names, params, self.backend, owner=type(self).__name__, fix=fix,
+                              find_unused=self.config.find_unused_parameters)
 
     # ---- what each strategy supplies ---------------------------------------------------------
     def _check_config(self, config: ShardingConfig) -> None:

@@ -40,6 +40,11 @@ class ShardingConfig:
     broadcast_buffers: as torch DDP, copy rank 0's buffers (BatchNorm's running statistics) to
         every rank before each forward that will synchronise gradients, and before
         ``gather_full_parameters()``, so replicas agree; False keeps each rank's own.
+    find_unused_parameters: torch DDP's setting, for DDPModel and HybridShardedModel with
+        data_parallel="ddp": a parameter that no rank gave a gradient keeps ``.grad = None``
+        after synchronisation, so the optimizer skips it as it would in one process (one small
+        all_reduce per synchronisation; see ParameterUsage). False averages it as zeros (and
+        DDPModel, ZeRO-1 and ZeRO-2 warn once on a rank that sees one).
     """
 
     bucket_cap_mb: float = 25.0
@@ -52,6 +57,7 @@ class ShardingConfig:
     replicate_below_numel: int = 0
     check_structure: bool = True
     broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         for field in ("bucket_cap_mb", "first_bucket_cap_mb"):
@@ -70,7 +76,8 @@ class ShardingConfig:
         if self.auto_wrap_policy is not None and not callable(self.auto_wrap_policy):
             raise ConfigError("ShardingConfig.auto_wrap_policy must be callable as "
                               "policy(module, qualified_name) -> bool, or None for the size rule")
-        for field in ("reshard_after_forward", "prefetch", "check_structure", "broadcast_buffers"):
+        for field in ("reshard_after_forward", "prefetch", "check_structure", "broadcast_buffers",
+                      "find_unused_parameters"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"ShardingConfig.{field} must be True or False")
 

@@ -33,7 +33,8 @@ class DDPModel(ShardedModelBase):
     gradient hooks as soon as the bucket's gradients are accumulated during backward, waited for when
     backward finishes (so a plain optimizer, or clipping, sees averaged gradients), or at the latest
     in ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
-    ``no_sync()`` nothing is communicated.
+    ``no_sync()`` nothing is communicated. With ``find_unused_parameters=True`` a parameter that
+    no rank gave a gradient keeps ``.grad = None``, as in torch DDP (see ParameterUsage).
 
     ``register_comm_hook(hook)`` replaces the per-bucket all_reduce: ``hook(backend, bucket)``
     returns a Work whose ``wait()`` gives the averaged flat gradient (or None when the hook wrote
@@ -42,6 +43,7 @@ class DDPModel(ShardedModelBase):
 
     accepts_plain_optimizer = True
     optimizer_name = "DDPOptimizer"
+    skips_unused_parameters = True
 
     def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
@@ -55,7 +57,8 @@ class DDPModel(ShardedModelBase):
                 cap_bytes=self.config.bucket_cap_bytes)]
         self._comm_hook: CommHook = allreduce_hook
         self.gradient_buckets = GradientBuckets(spaces, grad_dtype=None, launch=self._launch,
-                                                complete=self._complete, keep_buffers=True)
+                                                complete=self._complete, keep_buffers=True,
+                                                usage=self._parameter_usage)
 
     def _check_config(self, config: ShardingConfig) -> None:
         if config.mixed_precision is not None:

@@ -25,6 +25,7 @@ from torch import nn
 from distframe.backends.types import Work
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.flat import FlatSpace
+from distframe.models.parameter_usage import ParameterUsage
 
 
 @dataclasses.dataclass
@@ -50,19 +51,26 @@ class GradientBuckets:
     ``grad_dtype``: dtype of the buffers (None: each bucket's parameter dtype).
     ``keep_buffers``: keep full gradients after synchronisation (DDP, ZeRO-1); False frees each
     bucket's buffer (and its parameters' ``.grad``) once its collective completes (ZeRO-2).
+    ``usage`` (built by ``usage_for``) records which parameters hold a gradient: see
+    ``ParameterUsage`` for what ``find_unused_parameters`` does with it.
     """
 
     def __init__(self, spaces: list[FlatSpace], *, grad_dtype: torch.dtype | None, launch: LaunchFn,
-                 complete: CompleteFn, keep_buffers: bool) -> None:
+                 complete: CompleteFn, keep_buffers: bool,
+                 usage: Callable[[list[str], list[nn.Parameter]], ParameterUsage]) -> None:
         self.buckets = [GradBucket(i, s) for i, s in enumerate(spaces)]
         self.grad_dtype = grad_dtype
         self.launch_fn = launch
         self.complete_fn = complete
         self.keep_buffers = keep_buffers
-        self._bucket_of: dict[int, tuple[GradBucket, int]] = {}
+        self._bucket_of: dict[int, tuple[GradBucket, int, int]] = {}
+        self._first_index: list[int] = []
+        entries = [e for bucket in self.buckets for e in bucket.space.entries]
         for bucket in self.buckets:
+            self._first_index.append(len(self._bucket_of))
             for k, param in enumerate(bucket.parameters):
-                self._bucket_of[id(param)] = (bucket, k)
+                self._bucket_of[id(param)] = (bucket, k, len(self._bucket_of))
+        self.usage = usage([e.name for e in entries], [e.param for e in entries])
         self._armed = False
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
@@ -98,7 +106,9 @@ class GradientBuckets:
             return
         while self._next_launch < len(self.buckets):
             self._launch_next()
+        flags = self.usage.start()
         self._complete_leading(block=True)
+        self.usage.finish(flags)
         self._armed = False
         self._next_launch = 0
 
@@ -122,12 +132,16 @@ class GradientBuckets:
             dtype = self.grad_dtype or bucket.parameters[0].dtype
             bucket.buffer = torch.zeros(bucket.space.padded_numel, dtype=dtype,
                                         device=bucket.space.device)
-        for param, view in zip(bucket.parameters, bucket.space.views(bucket.buffer)):
+        has_gradient = self.usage.has_gradient
+        for i, (param, view) in enumerate(zip(bucket.parameters, bucket.space.views(bucket.buffer)),
+                                          self._first_index[bucket.index]):
             grad = param.grad
-            if grad is None:
+            if grad is None:  # cleared (or never computed): no gradient until a hook gives one
                 view.zero_()
+                has_gradient[i] = False
             elif grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
+                has_gradient[i] = True
             param.grad = view
 
     def _release(self, bucket: GradBucket) -> None:
@@ -136,9 +150,10 @@ class GradientBuckets:
         bucket.buffer = None
 
     def _on_gradient_accumulated(self, param: nn.Parameter) -> None:
-        bucket, k = self._bucket_of[id(param)]
+        bucket, k, i = self._bucket_of[id(param)]
         if bucket.buffer is None:
             self._attach(bucket)
+        self.usage.has_gradient[i] = True
         view = bucket.space.view(bucket.buffer, k)
         if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             # The gradient was replaced (for example zero_grad(set_to_none=True) after forward).

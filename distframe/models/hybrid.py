@@ -41,7 +41,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.devices import module_device
-from distframe.models.hybrid_checks import check_arguments
+from distframe.models.hybrid_checks import check_arguments, check_find_unused
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
@@ -62,6 +62,7 @@ class HybridShardedModel(ShardedModelBase):
     """``dp x tp x pp`` training of one model (see the module docstring for what runs when)."""
 
     accepts_plain_optimizer = True
+    skips_unused_parameters = True  # with data_parallel="ddp" (check_find_unused)
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
@@ -73,6 +74,7 @@ class HybridShardedModel(ShardedModelBase):
             model = nn.Sequential(*model)
         check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
         super().__init__(model, backend, config=config, **settings)
+        check_find_unused(self.config.find_unused_parameters, data_parallel)
         self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
         self.virtual_stages = virtual_stages
         self.data_parallel = data_parallel
@@ -287,11 +289,12 @@ class HybridShardedModel(ShardedModelBase):
         before the next forward_backward (or differentiable forward) do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return
-        self.tied_gradients.all_reduce()
+        keep_unused = self.config.find_unused_parameters
+        self.tied_gradients.all_reduce(keep_unused)
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
-            all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG)
+            all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG, keep_unused)
         self._gradients_synchronized = True
 
     def synchronize_parameters(self) -> None:

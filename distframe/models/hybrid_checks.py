@@ -27,3 +27,9 @@ def check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches:
                           "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
+
+
+def check_find_unused(find_unused: bool, data_parallel: str) -> None:
+    if find_unused and data_parallel != "ddp":
+        raise ConfigError(f"find_unused_parameters needs data_parallel='ddp': with {data_parallel!r} the "
+                          "optimizer updates a flat shard that mixes parameters and cannot skip one")

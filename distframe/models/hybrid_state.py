@@ -159,8 +159,16 @@ def _broadcast_group(group: list[Entry], held: dict[str, torch.Tensor], stage: i
         offset += size
 
 
-def all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp) -> None:
-    """One all_reduce per dtype of the flattened gradients (missing ones count as zeros)."""
+def all_reduce_grads(params: list[torch.Tensor], group: ICommunicationBackend, op: ReduceOp,
+                     keep_unused: bool = False) -> None:
+    """One all_reduce per dtype of the flattened gradients (missing ones count as zeros).
+    ``keep_unused`` (``find_unused_parameters``): one all_reduce(MAX) of a flag per parameter
+    first, and a parameter without a gradient on every rank of ``group`` keeps ``.grad = None``."""
+    if keep_unused and params:
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8,
+                             device=params[0].device)
+        group.all_reduce(flags, ReduceOp.MAX)
+        params = [p for p, flag in zip(params, flags.tolist()) if flag]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)

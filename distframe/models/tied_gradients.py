@@ -46,15 +46,16 @@ class TiedGradients:
         """The gradients were cleared: the next ``all_reduce`` sums them whole."""
         self._summed = {}
 
-    def all_reduce(self) -> None:
-        """Every copy's gradient becomes the sum over the stages (collective on each group)."""
+    def all_reduce(self, keep_unused: bool = False) -> None:
+        """Every copy's gradient becomes the sum over the stages (collective on each group);
+        ``keep_unused``: a weight no stage gave a gradient keeps ``.grad = None``."""
         for group, params in self.groups:
             trainable = [p for p in params if p.requires_grad]
             summed = [(p, self._summed[id(p)][1]) for p in trainable
                       if id(p) in self._summed and p.grad is self._summed[id(p)][0]]
             for p, before in summed:
                 p.grad.sub_(before)
-            all_reduce_grads(trainable, group, ReduceOp.SUM)
+            all_reduce_grads(trainable, group, ReduceOp.SUM, keep_unused)
             for p, before in summed:
                 p.grad.add_(before)
         self._summed = {}

@@ -39,3 +39,10 @@ def test_parity_on_process_engines(pool, strategy):
         assert losses == results[0][1]
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+def test_find_unused_parameters_on_process_engines(pool):
+    # The flags' all_reduce (uint8 MAX, asynchronous, behind the buckets) on each engine.
+    from tests.models.test_unused_parameters import assert_matches, batches, reference, run_ddp
+    data = batches(3, 12)
+    assert_matches(pool.run(run_ddp, data), reference(data, 2))
