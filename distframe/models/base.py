@@ -80,6 +80,12 @@ class ShardedModelBase(nn.Module, abc.ABC):
         return ParameterUsage(names, params, self.backend, owner=type(self).__name__, fix=fix,
                               find_unused=self.config.find_unused_parameters)
 
+    @property
+    def module(self) -> nn.Module:
+        """``wrapped_model`` under torch DDP's (and DeepSpeed's) name, for code that reaches the
+        model through ``.module``: this rank's part of it under model parallelism."""
+        return self.wrapped_model
+
     # ---- what each strategy supplies ---------------------------------------------------------
     def _check_config(self, config: ShardingConfig) -> None:
         """Raises ConfigError for settings this strategy cannot honour."""

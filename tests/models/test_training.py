@@ -141,6 +141,17 @@ def test_should_early_stop_reaches_consensus():
     assert spawn(run, 4) == [(True, False)] * 4
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_module_is_the_wrapped_model(strategy):
+    # torch DDP and DeepSpeed users reach the model as `.module` (generation, saving the
+    # unwrapped state dict); it is the wrapped model, not a copy.
+    def run(backend):
+        inner = build_model()
+        model = STRATEGIES[strategy][0](inner, backend, **SETTINGS[strategy])
+        return model.module is inner and model.module is model.wrapped_model
+    assert spawn(run, 2) == [True, True]
+
+
 def test_construction_broadcasts_rank_0_weights():
     def run(backend):
         model = DDPModel(build_model(seed=backend.rank), backend)
