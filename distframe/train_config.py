@@ -15,6 +15,7 @@ from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.errors import ConfigError
+from distframe.train_parallel import check_divides, check_model_parallel
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
@@ -200,45 +201,17 @@ class TrainConfig:
         if self.world_size is None:
             return
         if STRATEGIES[self.strategy].model_parallel:
-            self._check_model_parallel(self.world_size)
+            check_model_parallel(self, self.world_size)
         elif self.optimizer == "elastic":
             for world in self.elastic_world_sizes():
-                _check_divides(self.batch_size, world, "--batch-size", "elastic world size "
-                               f"{world} (every world of --world-size, --elastic-schedule, "
-                               "--fail-at)")
+                check_divides(self.batch_size, world, "--batch-size", "elastic world size "
+                              f"{world} (every world of --world-size, --elastic-schedule, "
+                              "--fail-at)")
         elif self.optimizer != "async" and self.batch_size % self.world_size:
             # (async: every worker trains on whole batches)
             raise ConfigError(f"--world-size {self.world_size} does not divide --batch-size "
                               f"{self.batch_size} (the global batch); use a world size that divides "
                               f"it, or a batch size that is a multiple of {self.world_size}")
-
-    def _check_model_parallel(self, world: int) -> None:
-        dp, tp, pp = self.parallel_degrees(world)
-        cp = self.cp
-        if dp * tp * pp * cp != world:
-            degrees = f"--dp {dp} x --tp {tp} x --pp {pp}" + (f" x --cp {cp}" if cp > 1 else "")
-            raise ConfigError(f"{degrees} = {dp * tp * pp * cp}, but the world has {world} ranks; "
-                              f"choose degrees whose product is {world} (or leave one of --dp, --tp, "
-                              "--pp out to infer it)")
-        _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
-                       "group trains on an equal share)")
-        per_group = self.batch_size // dp
-        if per_group % self.micro_batches:
-            raise ConfigError(f"--micro-batches {self.micro_batches} does not divide the {per_group} "
-                              f"sequences each data-parallel group trains on (--batch-size "
-                              f"{self.batch_size} / --dp {dp}); use micro-batches that divide "
-                              f"{per_group}, or a --batch-size that is a multiple of "
-                              f"{dp * self.micro_batches}")
-        shape = self.model_config(vocab_size=256)
-        if shape.seq_len % cp:
-            raise ConfigError(f"--cp {cp} does not divide --seq-len {shape.seq_len} (each rank holds an "
-                              f"equal slice of every sequence); use a --seq-len that is a multiple of {cp}")
-        if shape.num_heads % tp:
-            raise ConfigError(f"--tp {tp} does not divide the {shape.num_heads} attention heads; "
-                              f"use a --tp that divides them, or --heads a multiple of {tp}")
-        if pp > shape.num_layers + 2:
-            raise ConfigError(f"--pp {pp} stages for {shape.num_layers} blocks (plus embedding "
-                              f"and head); use --pp at most {shape.num_layers + 2} or more --layers")
 
     def parallel_degrees(self, world: int) -> tuple[int, int, int]:
         """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does
@@ -345,11 +318,6 @@ def _check_out(out: Any) -> None:
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
                           "(created if missing)")
-
-
-def _check_divides(value: int, divisor: int, what: str, by: str) -> None:
-    if value % divisor:
-        raise ConfigError(f"{what} {value} is not divisible by {by}; use a multiple of {divisor}")
 
 
 def _inferred(world: int, divisor: int, axis: str) -> int:
