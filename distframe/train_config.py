@@ -15,14 +15,14 @@ from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.errors import ConfigError
-from distframe.train_parallel import check_divides, check_model_parallel
+from distframe.train_parallel import check_divides, check_model_parallel, check_schedule
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "float64", "bfloat16")
 TOKEN_DTYPES = ("uint8", "uint16")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 DEFAULT_WORLD_SIZE = 2
 # How a run is launched, not what it trains: a resumed run does not take these from its saved
@@ -31,7 +31,8 @@ LAUNCH_SETTINGS = ("world_size", "backend", "resume")
 # Settings of one kind of strategy: left at their defaults under the others.
 PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
-                     "schedule": ("pipeline", "hybrid"), "cp": ("hybrid",)}
+                     "schedule": ("pipeline", "hybrid"), "virtual_stages": ("pipeline", "hybrid"),
+                     "cp": ("hybrid",)}
 # DilatedTransformerConfig field for each model flag of the command line.
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
@@ -59,9 +60,11 @@ class TrainConfig:
     Model-parallel strategies (pipeline, tensor, hybrid): ``dp * tp * pp`` must be the world
     size; degrees left None are inferred (``distframe.models.build_model_parallel``). Each of the
     ``dp`` data-parallel groups trains on ``batch_size / dp`` sequences, in ``micro_batches``
-    pieces through the pipeline. ``base_optimizer`` is the torch optimizer; ``optimizer`` (none,
-    compressed, async, elastic) the distframe optimizer around it, with its own settings
-    (``OPTIMIZERS[name].settings``), which must stay at their defaults under the others.
+    pieces through the pipeline; ``schedule`` interleaved_1f1b gives each pipeline rank
+    ``virtual_stages`` model chunks (Megatron's virtual pipeline stages). ``base_optimizer`` is
+    the torch optimizer; ``optimizer`` (none, compressed, async, elastic) the distframe optimizer
+    around it, with its own settings (``OPTIMIZERS[name].settings``), which must stay at their
+    defaults under the others.
     ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD.
     """
 
@@ -87,6 +90,7 @@ class TrainConfig:
     cp: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     optimizer: str = "none"
     compressor: str = "none"
     topk_ratio: float = 0.01
@@ -146,7 +150,7 @@ class TrainConfig:
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
                      "max_staleness"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp"):
+        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp", "virtual_stages"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
@@ -198,6 +202,7 @@ class TrainConfig:
 
     def _check_parallel(self) -> None:
         _check_unused(self, PARALLEL_SETTINGS, "strategy")
+        check_schedule(self)
         if self.world_size is None:
             return
         if STRATEGIES[self.strategy].model_parallel:
