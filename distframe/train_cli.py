@@ -46,7 +46,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batches", group=run, type=int, metavar="N", help="micro-batches per step through "
         "the pipeline; must divide --batch-size / --dp" + _default("micro_batches"))
     add("--schedule", group=run, metavar="{" + ",".join(SCHEDULES) + "}", help="pipeline "
-        "schedule" + _default("schedule"))
+        "schedule; interleaved_1f1b (Megatron's virtual pipeline stages) gives each rank "
+        "--virtual-stages model chunks, shrinking the pipeline bubble, and needs --micro-batches "
+        "a multiple of --pp" + _default("schedule"))
+    add("--virtual-stages", group=run, type=int, metavar="V", help="model chunks per pipeline rank "
+        "under --schedule interleaved_1f1b (2 or more; --pp x V stages, each at least one block, "
+        "the embedding or the head)" + _default("virtual_stages"))
     _add_optimizer_arguments(parser, add)
     model = parser.add_argument_group("model (a preset, then overrides)")
     add("--preset", group=model, metavar="{" + ",".join(PRESETS) + "}", help="model shape" + _default("preset"))

@@ -15,13 +15,14 @@ from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.errors import ConfigError
+from distframe.train_parallel import check_divides, check_model_parallel, check_schedule
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
 PRESETS = ("tiny", "small")
 DTYPES = ("float32", "float64", "bfloat16")
 TOKEN_DTYPES = ("uint8", "uint16")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 DEFAULT_WORLD_SIZE = 2
 # How a run is launched, not what it trains: a resumed run does not take these from its saved
@@ -30,7 +31,8 @@ LAUNCH_SETTINGS = ("world_size", "backend", "resume")
 # Settings of one kind of strategy: left at their defaults under the others.
 PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
-                     "schedule": ("pipeline", "hybrid"), "cp": ("hybrid",)}
+                     "schedule": ("pipeline", "hybrid"), "virtual_stages": ("pipeline", "hybrid"),
+                     "cp": ("hybrid",)}
 # DilatedTransformerConfig field for each model flag of the command line.
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
@@ -58,9 +60,11 @@ class TrainConfig:
     Model-parallel strategies (pipeline, tensor, hybrid): ``dp * tp * pp`` must be the world
     size; degrees left None are inferred (``distframe.models.build_model_parallel``). Each of the
     ``dp`` data-parallel groups trains on ``batch_size / dp`` sequences, in ``micro_batches``
-    pieces through the pipeline. ``base_optimizer`` is the torch optimizer; ``optimizer`` (none,
-    compressed, async, elastic) the distframe optimizer around it, with its own settings
-    (``OPTIMIZERS[name].settings``), which must stay at their defaults under the others.
+    pieces through the pipeline; ``schedule`` interleaved_1f1b gives each pipeline rank
+    ``virtual_stages`` model chunks (Megatron's virtual pipeline stages). ``base_optimizer`` is
+    the torch optimizer; ``optimizer`` (none, compressed, async, elastic) the distframe optimizer
+    around it, with its own settings (``OPTIMIZERS[name].settings``), which must stay at their
+    defaults under the others.
     ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD.
     """
 
@@ -86,6 +90,7 @@ class TrainConfig:
     cp: int = 1
     micro_batches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     optimizer: str = "none"
     compressor: str = "none"
     topk_ratio: float = 0.01
@@ -145,7 +150,7 @@ class TrainConfig:
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
                      "max_staleness"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp"):
+        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp", "virtual_stages"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
@@ -197,48 +202,21 @@ class TrainConfig:
 
     def _check_parallel(self) -> None:
         _check_unused(self, PARALLEL_SETTINGS, "strategy")
+        check_schedule(self)
         if self.world_size is None:
             return
         if STRATEGIES[self.strategy].model_parallel:
-            self._check_model_parallel(self.world_size)
+            check_model_parallel(self, self.world_size)
         elif self.optimizer == "elastic":
             for world in self.elastic_world_sizes():
-                _check_divides(self.batch_size, world, "--batch-size", "elastic world size "
-                               f"{world} (every world of --world-size, --elastic-schedule, "
-                               "--fail-at)")
+                check_divides(self.batch_size, world, "--batch-size", "elastic world size "
+                              f"{world} (every world of --world-size, --elastic-schedule, "
+                              "--fail-at)")
         elif self.optimizer != "async" and self.batch_size % self.world_size:
             # (async: every worker trains on whole batches)
             raise ConfigError(f"--world-size {self.world_size} does not divide --batch-size "
                               f"{self.batch_size} (the global batch); use a world size that divides "
                               f"it, or a batch size that is a multiple of {self.world_size}")
-
-    def _check_model_parallel(self, world: int) -> None:
-        dp, tp, pp = self.parallel_degrees(world)
-        cp = self.cp
-        if dp * tp * pp * cp != world:
-            degrees = f"--dp {dp} x --tp {tp} x --pp {pp}" + (f" x --cp {cp}" if cp > 1 else "")
-            raise ConfigError(f"{degrees} = {dp * tp * pp * cp}, but the world has {world} ranks; "
-                              f"choose degrees whose product is {world} (or leave one of --dp, --tp, "
-                              "--pp out to infer it)")
-        _check_divides(self.batch_size, dp, "--batch-size", f"--dp {dp} (each data-parallel "
-                       "group trains on an equal share)")
-        per_group = self.batch_size // dp
-        if per_group % self.micro_batches:
-            raise ConfigError(f"--micro-batches {self.micro_batches} does not divide the {per_group} "
-                              f"sequences each data-parallel group trains on (--batch-size "
-                              f"{self.batch_size} / --dp {dp}); use micro-batches that divide "
-                              f"{per_group}, or a --batch-size that is a multiple of "
-                              f"{dp * self.micro_batches}")
-        shape = self.model_config(vocab_size=256)
-        if shape.seq_len % cp:
-            raise ConfigError(f"--cp {cp} does not divide --seq-len {shape.seq_len} (each rank holds an "
-                              f"equal slice of every sequence); use a --seq-len that is a multiple of {cp}")
-        if shape.num_heads % tp:
-            raise ConfigError(f"--tp {tp} does not divide the {shape.num_heads} attention heads; "
-                              f"use a --tp that divides them, or --heads a multiple of {tp}")
-        if pp > shape.num_layers + 2:
-            raise ConfigError(f"--pp {pp} stages for {shape.num_layers} blocks (plus embedding "
-                              f"and head); use --pp at most {shape.num_layers + 2} or more --layers")
 
     def parallel_degrees(self, world: int) -> tuple[int, int, int]:
         """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does
@@ -345,11 +323,6 @@ def _check_out(out: Any) -> None:
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
                           "(created if missing)")
-
-
-def _check_divides(value: int, divisor: int, what: str, by: str) -> None:
-    if value % divisor:
-        raise ConfigError(f"{what} {value} is not divisible by {by}; use a multiple of {divisor}")
 
 
 def _inferred(world: int, divisor: int, axis: str) -> int:

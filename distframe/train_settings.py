@@ -58,8 +58,8 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     """The saved run's settings, less how it was launched and, where ``given`` changes the
-    strategy or the optimizer, the old one's own settings (a hybrid run resumed under ddp drops
-    its --tp)."""
+    strategy, the schedule or the optimizer, the old one's own settings (a hybrid run resumed under
+    ddp drops its --tp, an interleaved one resumed under 1f1b its --virtual-stages)."""
     path = os.path.join(out, "config.json")
     if not os.path.exists(path):
         return {}
@@ -75,6 +75,8 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     dropped = set(LAUNCH_SETTINGS)
     if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
         dropped.update(PARALLEL_SETTINGS)
+    if given.get("schedule", settings.get("schedule")) != settings.get("schedule"):
+        dropped.add("virtual_stages")  # model chunks per rank belong to the saved schedule
     if given.get("optimizer", settings.get("optimizer")) != settings.get("optimizer"):
         dropped.update(name for choice in OPTIMIZERS.values() for name in choice.settings)
     return {k: v for k, v in settings.items() if k not in dropped}

@@ -88,7 +88,7 @@ def _model_parallel(strategy: str) -> Wrap:
         from distframe.models import build_model_parallel
         return build_model_parallel(strategy, module, backend, dp=config.dp, tp=config.tp,
                                     pp=config.pp, cp=config.cp, micro_batches=config.micro_batches,
-                                    schedule=config.schedule)
+                                    schedule=config.schedule, virtual_stages=config.virtual_stages)
     return wrap
 
 

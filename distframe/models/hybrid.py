@@ -7,23 +7,26 @@ of rank 0's dense model; ``ParallelDims.build_groups``; the model is cut into ``
 the tensor-parallel plan is applied to that stage only (tensor group ``tp``); parameters tied
 across stages (the LM's embedding and head) get a subgroup of the stages holding them.
 
-Each rank holds this stage's parameters, split ``1/tp`` where the plan splits them, replicated
-over the ``dp`` ranks of its data-parallel group. A step (``train_step``) runs the pipeline
-schedule over ``num_microbatches`` (p2p over the pipeline group; the loss is broadcast from the
-last stage), then ``synchronize_gradients``: one all_reduce(SUM) per tied-weight group across its
-stages, then over the data-parallel group one all_reduce(AVG) per dtype of the flat gradients
-(``data_parallel="ddp"``, plain torch.optim optimizer) or ZeRO-1/2's reduce_scatter
-into a ``1/dp`` master chunk (``"zero1"``/``"zero2"``: ZeRO1Optimizer/ZeRO2Optimizer(model, cls),
-whose step all-gathers the updated chunks; see ``hybrid_zero``); then the optimizer steps and one
-all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp == 1`` there is
-no schedule: one forward and backward of the slice. With ``cp > 1`` each rank also keeps only its
-slice of every sequence, attention runs as a ring over the cp group, and what is said of the dp
-group above (gradient averaging, ZeRO's shards, the loss's mean, checkpoint writers) holds for
-the replica group of ``dp * cp`` ranks instead. Dropout with ``tp > 1``: every ``nn.Dropout`` of the
-stage draws from a generator seeded alike across the tensor group (so replicated activations and
-parameters stay bitwise equal there) and differently per replica and stage; the head-split attention
-dropout draws per tensor rank. The seed is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``,
-agreed by one broadcast at construction (``tensor_parallel_rng``).
+Each rank holds this stage's parameters, split ``1/tp`` where the plan splits them, replicated over
+the ``dp`` ranks of its data-parallel group. A step (``train_step``) runs the pipeline schedule over
+``num_microbatches`` (p2p over the pipeline group; the loss is broadcast from the last stage), then
+``synchronize_gradients``: one all_reduce(SUM) per tied-weight group across its stages, then over
+the data-parallel group one all_reduce(AVG) per dtype of the flat gradients
+(``data_parallel="ddp"``, plain torch.optim optimizer) or ZeRO-1/2's reduce_scatter into a ``1/dp``
+master chunk (``"zero1"``/``"zero2"``: ZeRO1Optimizer/ZeRO2Optimizer(model, cls), whose step
+all-gathers the updated chunks; see ``hybrid_zero``); then the optimizer steps and one
+all_reduce(AVG) of the loss over the world gives the global mean loss. With ``pp == 1`` there is no
+schedule: one forward and backward of the slice, and ``model(x)`` is differentiable (without cp); a
+backward after ``synchronize_gradients`` (a second one over that forward, ``retain_graph=True``)
+adds its gradients, synchronised by the next call, to the synchronised ones, as one process sums
+them. With ``cp > 1`` each rank also keeps only its slice of every sequence, attention runs as a
+ring over the cp group, and what is said of the dp group above (gradient averaging, ZeRO's shards,
+the loss's mean, checkpoint writers) holds for the replica group of ``dp * cp`` ranks instead.
+Dropout with ``tp > 1``: every ``nn.Dropout`` of the stage draws from a generator seeded alike
+across the tensor group (so replicated activations and parameters stay bitwise equal there) and
+differently per replica and stage; the head-split attention dropout draws per tensor rank. The seed
+is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``, agreed by one broadcast at
+construction (``tensor_parallel_rng``).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
                                            zero_counted_segments)
-from distframe.models.pipeline_comm import decode_header, encode_header
+from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
@@ -111,6 +114,8 @@ class HybridShardedModel(ShardedModelBase):
                                 device=self._device)
                      if data_parallel != "ddp" else None)
         self._gradients_synchronized = False
+        # Before each gradient is accumulated: see _reopen_gradients.
+        self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
         self._plain_optimizer: torch.optim.Optimizer | None = None
@@ -172,8 +177,8 @@ class HybridShardedModel(ShardedModelBase):
         if self.runner is None:
             output = self.wrapped_model(inputs)
         else:
-            output = _broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
-                                    self._device)
+            output = broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
+                                   self._device)
         return output if cp is None else gather_sequence(output, cp)
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
@@ -195,15 +200,28 @@ class HybridShardedModel(ShardedModelBase):
         return loss.reshape(())
 
     def _before_backward(self) -> None:
-        """The next ``synchronize_gradients`` communicates again; gradients it adds to the ones
-        already synchronised (no zero_grad between) add up as with torch DDP."""
         if self._synchronize:
             self._sync_buffers()
+        self._reopen_gradients()
+
+    def _reopen_gradients(self) -> None:
+        """The next ``synchronize_gradients`` communicates again: what a backward adds to the
+        gradients already synchronised (no zero_grad between) is synchronised and added to them,
+        as one process would sum them. Runs before a differentiable forward and, through
+        ``_on_gradient``, before the first gradient of a backward that follows a synchronisation
+        without one (a second backward over a forward, ``retain_graph=True``)."""
         if self.zero is not None:
             self.zero.restart_accumulation()
         if self._gradients_synchronized:
             self.tied_gradients.set_aside()
         self._gradients_synchronized = False
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        # A tensor hook on a parameter runs before its gradient is accumulated into .grad, so
+        # the first one of a backward sees every .grad as the synchronisation left it. No
+        # communication here: a backward may reach different parameters on different ranks.
+        if self._gradients_synchronized:
+            self._reopen_gradients()
 
     def validation_loss(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
@@ -286,7 +304,7 @@ class HybridShardedModel(ShardedModelBase):
     def synchronize_gradients(self) -> None:
         """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG)
         (ddp), or ZeRO's reduce_scatter into the master chunk. Once per backward: further calls
-        before the next forward_backward (or differentiable forward) do nothing."""
+        before the next backward (or forward_backward) do nothing."""
         if self._gradients_synchronized or not self._synchronize:
             return
         keep_unused = self.config.find_unused_parameters
@@ -380,15 +398,3 @@ class _PlainOptimizerView:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.wrapped_optimizer = optimizer
-
-
-def _broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,
-                   device: torch.device) -> torch.Tensor:
-    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first); received
-    on ``device``."""
-    header = encode_header(tensor) if group.rank == src else encode_header(None)
-    group.broadcast(header, src)
-    shape, dtype = decode_header(header)
-    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype, device=device)
-    group.broadcast(out, src)
-    return out

@@ -25,6 +25,10 @@ def check_arguments(dims: Any, backend: ICommunicationBackend, num_microbatches:
     if (virtual_stages > 1) != (schedule == "interleaved_1f1b"):
         raise ConfigError(f"schedule={schedule!r} with virtual_stages={virtual_stages}: interleaved_1f1b "
                           "needs virtual_stages >= 2 chunks per rank, the other schedules 1")
+    if virtual_stages > 1 and not dims.pp_enabled:
+        raise ConfigError(f"virtual_stages={virtual_stages} needs pipeline parallelism (pp > 1): with "
+                          f"pp={dims.pp} there are no stages to interleave; use pp >= 2, or "
+                          "schedule='1f1b' and virtual_stages=1")
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(f"data_parallel={data_parallel!r}: choose one of {', '.join(DATA_PARALLEL)}")
 

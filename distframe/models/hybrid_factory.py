@@ -19,16 +19,17 @@ MODEL_PARALLEL_STRATEGIES = ("pipeline", "tensor", "hybrid")
 def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicationBackend, *,
                          dp: int | None = None, tp: int | None = None, pp: int | None = None,
                          cp: int = 1, micro_batches: int = 1, schedule: str = "1f1b", data_parallel: str = "ddp",
-                         tp_plan: Mapping[str, str] | None = None,
-                         split_points: Sequence[int] | None = None) -> HybridShardedModel:
+                         tp_plan: Mapping[str, str] | None = None, split_points: Sequence[int] | None = None,
+                         virtual_stages: int = 1) -> HybridShardedModel:
     """Wraps ``model`` for ``strategy`` over ``backend`` (collective on every rank).
 
     Degrees left as None are filled in: ``pipeline`` uses ``pp = world / dp`` (tp 1), ``tensor``
     ``tp = world / dp`` (pp 1), ``hybrid`` ``dp = world / (tp * pp * cp)``; ``dp`` defaults to 1
     otherwise. ``cp`` (context parallelism: each sequence split across ``cp`` ranks) needs
-    ``hybrid``. ``pipeline`` or ``tensor`` with ``dp == 1`` give a PipelineParallelModel or a
-    TensorParallelModel; anything else a HybridShardedModel. Each takes a plain torch.optim
-    optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
+    ``hybrid``. ``schedule="interleaved_1f1b"`` with ``virtual_stages`` model chunks per pipeline
+    rank needs ``pp > 1``. ``pipeline`` or ``tensor`` with ``dp == 1`` give a
+    PipelineParallelModel or a TensorParallelModel; anything else a HybridShardedModel. Each
+    takes a plain torch.optim optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
     ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``.
     """
     world = backend.world_size
@@ -52,11 +53,12 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     dims.validate(world)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "pipeline":
         return PipelineParallelModel(model, backend, num_microbatches=micro_batches, schedule=schedule,
-                                     split_points=split_points)
+                                     split_points=split_points, virtual_stages=virtual_stages)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "tensor":
         return TensorParallelModel(model, backend, plan=tp_plan)
     return HybridShardedModel(model, backend, dims=dims, tp_plan=tp_plan, num_microbatches=micro_batches,
-                              schedule=schedule, data_parallel=data_parallel, split_points=split_points)
+                              schedule=schedule, data_parallel=data_parallel, split_points=split_points,
+                              virtual_stages=virtual_stages)
 
 
 def _quotient(world: int, divisor: int, axis: str) -> int:

@@ -16,6 +16,9 @@ its receive is posted, so a receive posted at the moment of need cost a round tr
 while the stage sat idle; posted ahead, the transfer overlaps the stage's compute. Each channel
 (stage, kind) is FIFO in micro-batch order, which every schedule here keeps, and no more receives
 are posted than the step has messages, so nothing is matched against the next step's traffic.
+
+``broadcast_any`` sends a tensor whose shape the receivers do not know (the last stage's output of
+a forward without autograd) to every rank of a group, header first.
 """
 from __future__ import annotations
 
@@ -140,3 +143,15 @@ def encode_header(tensor: torch.Tensor | None) -> torch.Tensor:
 def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     values = header.tolist()
     return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]
+
+
+def broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,
+                  device: torch.device) -> torch.Tensor:
+    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first); received
+    on ``device``."""
+    header = encode_header(tensor) if group.rank == src else encode_header(None)
+    group.broadcast(header, src)
+    shape, dtype = decode_header(header)
+    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype, device=device)
+    group.broadcast(out, src)
+    return out

@@ -95,6 +95,14 @@ def test_interleaving_needs_rounds_of_p_microbatches():
         spawn(lambda b: PipelineParallelModel(sequential(), b, num_microbatches=2, virtual_stages=2), 2)
 
 
+def test_virtual_stages_need_a_pipeline():
+    # With pp == 1 (one rank) there are no stages to interleave: the schedule and the chunks
+    # were ignored.
+    with pytest.raises(ConfigError, match="virtual_stages=2 needs pipeline parallelism"):
+        spawn(lambda b: PipelineParallelModel(sequential(), b, num_microbatches=2,
+                                              schedule="interleaved_1f1b", virtual_stages=2), 1)
+
+
 def test_too_many_virtual_stages_for_the_layers_names_the_fix():
     # 6 layers, pp=2 x virtual_stages=4 = 8 stages: the error used to suggest pp <= 6.
     def build(b):

@@ -2,6 +2,8 @@
 one line naming the flag and the fix, before any rank trains."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from distframe.train_config import TrainConfig
@@ -32,6 +34,18 @@ from tests.train.test_bad_input import _fails_with
     (["--optimizer", "elastic", "--world-size", "2", "--elastic-schedule", "2:3"],
      ["--batch-size 8", "elastic world size 3"]),
     (["--optimizer", "async", "--world-size", "1"], ["--optimizer async needs --world-size >= 2"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "2", "--virtual-stages", "2"],
+     ["--virtual-stages 2", "--schedule interleaved_1f1b"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "2", "--schedule",
+      "interleaved_1f1b"], ["--schedule interleaved_1f1b", "--virtual-stages 2"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--schedule", "interleaved_1f1b",
+      "--virtual-stages", "2"], ["--micro-batches 1", "multiple of --pp 2"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "2", "--schedule",
+      "interleaved_1f1b", "--virtual-stages", "3"], ["--pp 2 x --virtual-stages 3 = 6", "at most 2"]),
+    (["--strategy", "hybrid", "--world-size", "2", "--micro-batches", "2", "--schedule",
+      "interleaved_1f1b", "--virtual-stages", "2"], ["--pp is 1", "--pp 2 or more"]),
+    (["--strategy", "ddp", "--virtual-stages", "2"], ["--virtual-stages applies to --strategy pipeline"]),
+    (["--strategy", "pipeline", "--virtual-stages", "0"], ["--virtual-stages 0", ">= 1"]),
 ])
 def test_bad_flags(capsys, tmp_path, flags, needles):
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
@@ -45,3 +59,32 @@ def test_toml_keys_mirror_the_new_flags(tmp_path):
         "hybrid", 2, 2, "sgd")
     assert config.parallel_degrees(4) == (2, 2, 1)
     assert TrainConfig(strategy="pipeline", world_size=4, dp=2).parallel_degrees(4) == (2, 1, 2)
+
+
+def test_interleaved_schedule_and_virtual_stages_are_settings(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "hybrid"\npp = 2\nmicro-batches = 2\nschedule = "interleaved_1f1b"\n'
+                    'virtual-stages = 2\n')
+    config = resolve_config({"world_size": 4, "preset": "tiny"}, str(path))
+    assert (config.schedule, config.virtual_stages, config.parallel_degrees(4)) == (
+        "interleaved_1f1b", 2, (2, 1, 2))
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ({}, ("interleaved_1f1b", 2)), ({"schedule": "1f1b"}, ("1f1b", 1)),
+    ({"strategy": "ddp"}, ("1f1b", 1))])
+def test_resumed_run_drops_virtual_stages_with_the_schedule(tmp_path, flags, expected):
+    # A run saved under interleaved_1f1b and resumed with another --schedule: its saved
+    # --virtual-stages would be refused under that schedule, though the user never passed it.
+    saved = TrainConfig(preset="tiny", strategy="pipeline", world_size=2, micro_batches=2,
+                        schedule="interleaved_1f1b", virtual_stages=2)
+    (tmp_path / "config.json").write_text(json.dumps({"train": saved.to_json()}))
+    config = resolve_config({"resume": True, "out": str(tmp_path), "world_size": 2, **flags})
+    assert (config.schedule, config.virtual_stages) == expected
+
+
+def test_help_documents_the_interleaved_schedule(capsys):
+    from distframe.cli import main
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved_1f1b" in out and "--virtual-stages" in out
