@@ -110,11 +110,9 @@ class HybridShardedModel(ShardedModelBase):
         self.accepts_plain_optimizer = data_parallel == "ddp"
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
-        self.zero = (ZeroShards(self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]),
-                                device=self._device)
-                     if data_parallel != "ddp" else None)
+        self.zero = None if data_parallel == "ddp" else ZeroShards(
+            self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device)
         self._gradients_synchronized = False
-        # Before each gradient is accumulated: see _reopen_gradients.
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
