@@ -32,6 +32,7 @@ import torch
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
+from distframe.checkpoint import dropout_rng
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
                                          open_reader, read_metadata, sha256_of, shard_file_name,
                                          verify_files)
@@ -83,6 +84,7 @@ def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any) -> tuple[di
     tensors = dict(model.state_dict())
     opt_state = _optimizer_state(model, optimizer)
     tensors.update(opt_state.pop("tensors", {}))
+    tensors.update(dropout_rng.pieces(model))
     tmp.mkdir(parents=True, exist_ok=True)
     file = tmp / shard_file_name(model.backend.rank, model.backend.world_size)
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
@@ -93,15 +95,18 @@ def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any) -> tuple[di
     return table, opt_state
 
 
-def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> dict[str, Any]:
+def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
+         restore_dropout_rng: bool = True) -> dict[str, Any]:
     """Loads a checkpoint saved under any data-parallel strategy and world size into ``model``
     (and ``optimizer``); returns its metadata (``meta["step"]``). Collective. If any rank's
-    part fails, every rank raises (naming it); the model's state is then undefined: load again."""
+    part fails, every rank raises (naming it); the model's state is then undefined: load again.
+    A tensor-parallel model also gets its dropout generators back (``checkpoint.dropout_rng``;
+    ``restore_dropout_rng=False`` keeps its own)."""
     _check_model(model)
     meta: dict[str, Any] = {}
     error: Exception | None = None
     try:
-        meta = _load_locally(Path(path), model, optimizer)
+        meta = _load_locally(Path(path), model, optimizer, restore_dropout_rng)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(model.backend, error, f"loading checkpoint {path}", meta if error is None else None)
@@ -109,7 +114,8 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
     return meta
 
 
-def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
+def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any,
+                  restore_dropout_rng: bool) -> dict[str, Any]:
     """Every step of ``load`` that needs no communication: checks, then this rank's reads."""
     path = _existing(path)
     meta = read_metadata(path)
@@ -131,6 +137,7 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any) -> dict[s
         else:
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
+    dropout_rng.restore(path, meta, reader, model, restore=restore_dropout_rng)
     return meta
 
 
@@ -200,6 +207,7 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
                               if k.startswith("buffer/")}),
         "aliases": model.state_aliases(),
         "files": tables,
+        "dropout_rng": dropout_rng.layout(model),
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
