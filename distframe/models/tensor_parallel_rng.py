@@ -84,8 +84,10 @@ class TensorParallelRNG:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """``seeds`` (int64: replicated, split) and the state of every generator drawn from so
-        far, keyed ``<region>.<device type>`` (a rank draws on one device), on the CPU."""
-        state = {"seeds": torch.tensor([self.replicated_seed, self.split_seed], dtype=torch.int64)}
+        far, keyed ``<region>.<device type>`` (a rank draws on one device), on the CPU; a loaded
+        state no generator has taken up yet counts as that generator's."""
+        state = {"seeds": torch.tensor([self.replicated_seed, self.split_seed], dtype=torch.int64),
+                 **self._loaded}
         for (region, device), generator in self._generators.items():
             state[f"{region}.{torch.device(device).type}"] = generator.get_state()
         return state

@@ -157,7 +157,7 @@ def _run(backend, dims, seed, steps, load_from=None, save_to=None, **load_settin
     losses = [model.train_step((x[lo:lo + per], y[lo:lo + per]), lm_loss, opt)
               for x, y in (batches()[s] for s in steps)]
     if save_to is not None:
-        checkpoint.save(save_to, model, opt, step=steps[-1] + 1)
+        checkpoint.save(save_to, model, opt, step=steps[-1] + 1 if steps else None)
     return losses, model.gather_full_parameters()
 
 
@@ -178,6 +178,18 @@ def test_a_resumed_run_draws_the_masks_the_uninterrupted_run_draws(tmp_path, dp,
         assert resumed_losses == losses[1:]
         for name, tensor in full.items():
             assert torch.equal(resumed_full[name], tensor), name
+
+
+def test_a_checkpoint_saved_right_after_a_load_keeps_the_loaded_generators(tmp_path):
+    # Saved before any step drew from them, the loaded states were not saved again, and the
+    # run resumed from the second checkpoint restarted its generators from the seed.
+    dims = ParallelDims(tp=2)
+    whole = spawn(lambda b: _run(b, dims, 7, [0, 1, 2]), 2)
+    _save_after_one_step(tmp_path / "first", dims)
+    spawn(lambda b: _run(b, dims, 99, [], load_from=tmp_path / "first", save_to=tmp_path / "again"), 2)
+    resumed = spawn(lambda b: _run(b, dims, 98, [1, 2], load_from=tmp_path / "again"), 2)
+    for (losses, _), (resumed_losses, _) in zip(whole, resumed):
+        assert resumed_losses == losses[1:]
 
 
 def _strip_dropout_rng(path):
