@@ -51,11 +51,12 @@ def pieces(model: ShardedModelBase) -> dict[str, torch.Tensor]:
             for entry, value in rng.state_dict().items()}
 
 
-def restore(path: Path, meta: dict[str, Any], reader: RangeReader,
-                        model: ShardedModelBase, *, restore: bool = True) -> None:
-    """This rank's saved generators into ``model``'s (see the module docstring). No communication."""
+def restore(path: Path, meta: dict[str, Any], reader: RangeReader, model: ShardedModelBase, *,
+            enabled: bool = True) -> None:
+    """This rank's saved generators into ``model``'s (see the module docstring); nothing when not
+    ``enabled``. No communication."""
     rng, saved = _generators(model), meta.get("dropout_rng")
-    if rng is None or saved is None or not restore:
+    if rng is None or saved is None or not enabled:
         return
     ours = layout(model)
     if saved != ours:

@@ -137,7 +137,7 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any,
         else:
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
-    dropout_rng.restore(path, meta, reader, model, restore=restore_dropout_rng)
+    dropout_rng.restore(path, meta, reader, model, enabled=restore_dropout_rng)
     return meta
 
 
