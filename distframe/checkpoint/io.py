@@ -1,16 +1,20 @@
 """save / load / consolidate of sharded checkpoints.
 
 save (collective): rank 0 picks a temporary directory name and broadcasts it; every rank writes
-its safetensors file there and hashes it; one all_gather of each rank's file table (as JSON bytes)
-brings them to rank 0, which writes metadata.json last and renames the directory into place
-(an existing checkpoint at the same path is moved aside first and deleted after), then a barrier.
-A save that dies midway leaves only the temporary directory: the previous checkpoint is intact,
-under its own name or, if the save died between its two renames, under the name it was moved
-aside to, where ``load`` and ``complete_checkpoints`` still find it.
+its safetensors file there and hashes it; one all_gather of each rank's file table (as JSON bytes,
+or the rank's error) brings them to every rank, which all raise if any rank failed to write (rank
+0 removes the temporary directory). Otherwise rank 0 writes metadata.json last and renames the
+directory into place (an existing checkpoint at the same path is moved aside first and deleted
+after, or moved back if the rename fails), and one ``agree`` (one all_gather, where a barrier would
+otherwise be) tells every rank whether that worked. A save that fails or dies
+midway leaves the previous checkpoint intact, under its own name or, if the save died between
+its two renames, under the name it was moved aside to, where ``load`` and
+``complete_checkpoints`` still find it.
 
-load (local reads, plus whatever the strategy's ``_after_load`` communicates): every rank checks
-every file's size and checksum before touching the model, then reads the parameter ranges its
-new layout holds.
+load: every rank checks every file's size and checksum before touching the model, then reads the
+parameter ranges its new layout holds (``read_shards``), all without communication; one ``agree``
+then tells every rank whether every rank got that far (see ``agreement``), before the strategy's
+collective ``finish_load``.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import torch
 
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
+from distframe.checkpoint.agreement import agree, describe_error, failure
+from distframe.checkpoint import dropout_rng
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
                                          open_reader, read_metadata, sha256_of, shard_file_name,
                                          verify_files)
@@ -37,43 +43,87 @@ from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_
 
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None) -> Path:
-    """Writes ``model`` (and ``optimizer``'s) sharded state to directory ``path``; collective."""
+    """Writes ``model`` (and ``optimizer``'s) sharded state to directory ``path``; collective.
+    If any rank's part fails, every rank raises (naming it) and ``path``'s previous checkpoint,
+    if any, stays."""
     _check_model(model)
     backend, path = model.backend, Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
+    table: dict[str, Any] | None = None
+    error: Exception | None = None
+    opt_state: dict[str, Any] = {}
+    try:
+        table, opt_state = _write_shard(tmp, model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it, below
+        error = exc
+    # The file tables' all_gather tells every rank whether every rank wrote its file.
+    tables = _all_gather_json(backend, table if error is None else
+                              {"error": describe_error(error), "setting": isinstance(error, ConfigError)})
+    reasons = {rank: t["error"] for rank, t in enumerate(tables) if "error" in t}
+    if reasons:
+        if backend.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done writing
+        setting = all(tables[rank]["setting"] for rank in reasons)
+        raise failure(f"saving checkpoint {path}", reasons, backend.world_size, setting=setting) from error
+    try:
+        if backend.rank == 0:
+            meta = _metadata(model, optimizer, opt_state, tables, step)
+            (tmp / METADATA).write_text(json.dumps(meta, indent=1))
+            fsync_path(tmp / METADATA)
+            _rename_into_place(tmp, path)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        error = exc
+        shutil.rmtree(tmp, ignore_errors=True)
+    agree(backend, error, f"saving checkpoint {path}")  # in place of a barrier: no more cost
+    return path
+
+
+def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's safetensors file in ``tmp`` (made by whichever rank comes first); its file
+    table for the metadata, and the optimizer state the metadata takes from rank 0's."""
     tensors = dict(model.state_dict())
     opt_state = _optimizer_state(model, optimizer)
     tensors.update(opt_state.pop("tensors", {}))
-    tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
-    if backend.rank == 0:
-        tmp.mkdir(parents=True)
-    backend.barrier()
-    file = tmp / shard_file_name(backend.rank, backend.world_size)
+    tensors.update(dropout_rng.pieces(model))
+    tmp.mkdir(parents=True, exist_ok=True)
+    file = tmp / shard_file_name(model.backend.rank, model.backend.world_size)
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
     fsync_path(file)
     table = {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_of(file),
              "tensors": {k: v.numel() for k, v in tensors.items()},
              "scalars": opt_state.pop("scalars", {})}
-    tables = _all_gather_json(backend, table)
-    if backend.rank == 0:
-        meta = _metadata(model, optimizer, opt_state, tables, step)
-        (tmp / METADATA).write_text(json.dumps(meta, indent=1))
-        fsync_path(tmp / METADATA)
-        _rename_into_place(tmp, path)
-    backend.barrier()
-    return path
+    return table, opt_state
 
 
-def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> dict[str, Any]:
+def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
+         restore_dropout_rng: bool = True) -> dict[str, Any]:
     """Loads a checkpoint saved under any data-parallel strategy and world size into ``model``
-    (and ``optimizer``); returns its metadata (``meta["step"]``). Collective."""
+    (and ``optimizer``); returns its metadata (``meta["step"]``). Collective. If any rank's
+    part fails, every rank raises (naming it); the model's state is then undefined: load again.
+    A tensor-parallel model also gets its dropout generators back (``checkpoint.dropout_rng``;
+    ``restore_dropout_rng=False`` keeps its own)."""
     _check_model(model)
-    path = _existing(Path(path))
+    meta: dict[str, Any] = {}
+    error: Exception | None = None
+    try:
+        meta = _load_locally(Path(path), model, optimizer, restore_dropout_rng)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+        error = exc
+    agree(model.backend, error, f"loading checkpoint {path}", meta if error is None else None)
+    model.finish_load()
+    return meta
+
+
+def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any,
+                  restore_dropout_rng: bool) -> dict[str, Any]:
+    """Every step of ``load`` that needs no communication: checks, then this rank's reads."""
+    path = _existing(path)
     meta = read_metadata(path)
     verify_files(path, meta)
     _check_parameters(meta, model)
     reader = open_reader(path, meta)
     try:
-        model.load_state_dict(reader)
+        model.read_shards(reader)
     except ConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
     if optimizer is not None:
@@ -87,6 +137,7 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None) -> di
         else:
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
+    dropout_rng.restore(path, meta, reader, model, enabled=restore_dropout_rng)
     return meta
 
 
@@ -156,6 +207,7 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
                               if k.startswith("buffer/")}),
         "aliases": model.state_aliases(),
         "files": tables,
+        "dropout_rng": dropout_rng.layout(model),
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
@@ -167,7 +219,12 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
     if path.exists():
         old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
         path.rename(old)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if old is not None:  # the previous checkpoint back under its own name
+            old.rename(path)
+        raise
     # Also what earlier saves over ``path`` left when they died: their temporary directories
     # and, had one died between the two renames, the checkpoint it had moved aside.
     for stale in list(path.parent.iterdir()):

@@ -287,8 +287,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
-        checkpoint reader); each rank reads the ranges it holds. Collective."""
+        checkpoint reader); each rank reads the ranges it holds (``read_shards``), then
+        ``finish_load``. Collective."""
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        self.read_shards(reader)
+        self.finish_load()
+
+    def read_shards(self, reader: RangeReader) -> None:
+        """This rank's part of ``load_state_dict``: checks and reads the ranges and buffers it
+        holds. No communication, so a rank whose read fails can tell its peers before any
+        collective (``distframe.checkpoint.load``); every rank then calls ``finish_load``."""
         replicated = self.replicated_tensors()
         check_replicated(reader, replicated)
         layout = self.shard_layout()
@@ -296,6 +304,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         with torch.no_grad():
             for name, tensor in replicated:
                 tensor.copy_(reader.replicated(name, tensor.shape))
+
+    def finish_load(self) -> None:
+        """The collective end of a load, after ``read_shards`` on every rank (``_after_load``)."""
         self._after_load()
 
     # ---- memory ------------------------------------------------------------------------------

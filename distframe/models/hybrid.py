@@ -371,11 +371,9 @@ class HybridShardedModel(ShardedModelBase):
                 state[f"buffer/{name}"] = buf.detach().clone()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
-                        assign: bool = False) -> None:  # noqa: ARG002
+    def read_shards(self, reader: RangeReader) -> None:
         """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
-        any strategy, or a checkpoint reader). No communication."""
-        reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        any strategy, or a checkpoint reader); ``load_state_dict`` is this alone, no communication."""
         check_replicated(reader, self.local_buffers.items())
         layout = self._parameter_layout()
         fill_shards(layout, reader, "param", layout.shards)

@@ -120,6 +120,14 @@ class RangeReader:
             i += 1
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def whole(self, kind: str, name: str) -> torch.Tensor:
+        """The one piece of ``kind`` stored for ``name``, whole (state kept per rank, such as
+        generator states, rather than ranges of a parameter)."""
+        runs = self._index.get((kind, name), [])
+        if len(runs) != 1 or runs[0][0] != 0:
+            raise KeyError(f"no single stored {kind} piece for {name!r}")
+        return self._fetch(runs[0][2], 0, None)
+
     def buffer(self, name: str) -> torch.Tensor:
         key = f"buffer/{name}"
         if key not in self.keys:

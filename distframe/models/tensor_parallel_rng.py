@@ -19,8 +19,10 @@ derived from one base seed that construction agrees on (world rank 0's, broadcas
 * ``split``: different on every rank; for dropout inside the parallel region, where each rank
   holds its own part of the activation (the attention probabilities of its heads).
 
-The generators are made on first use for each device (``torch.Generator(device=...)``) and are
-not part of the model's state dict: a run restarted from a checkpoint draws new masks.
+The generators are made on first use for each device (``torch.Generator(device=...)``). They are
+not part of the model's state dict; ``distframe.checkpoint`` saves each rank's ``state_dict()``
+(the seeds and every generator's state) and restores it into the same layout, so a run resumed
+from a checkpoint draws the masks the uninterrupted run would have drawn.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class TensorParallelRNG:
     def __init__(self, replicated_seed: int, split_seed: int) -> None:
         self.replicated_seed, self.split_seed = replicated_seed, split_seed
         self._generators: dict[tuple[str, str], torch.Generator] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # "<region>.<device type>" -> generator state
 
     @classmethod
     def for_groups(cls, base_seed: int, groups: ParallelGroups) -> TensorParallelRNG:
@@ -74,16 +77,42 @@ class TensorParallelRNG:
                    derive_seed(base_seed, "split", *where, groups.tp_index))
 
     def replicated_generator(self, device: torch.device) -> torch.Generator:
-        return self._generator("replicated", self.replicated_seed, device)
+        return self._generator("replicated", device)
 
     def split_generator(self, device: torch.device) -> torch.Generator:
-        return self._generator("split", self.split_seed, device)
+        return self._generator("split", device)
 
-    def _generator(self, region: str, seed: int, device: torch.device) -> torch.Generator:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``seeds`` (int64: replicated, split) and the state of every generator drawn from so
+        far, keyed ``<region>.<device type>`` (a rank draws on one device), on the CPU; a loaded
+        state no generator has taken up yet counts as that generator's."""
+        state = {"seeds": torch.tensor([self.replicated_seed, self.split_seed], dtype=torch.int64),
+                 **self._loaded}
+        for (region, device), generator in self._generators.items():
+            state[f"{region}.{torch.device(device).type}"] = generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Takes the seeds and generator states of ``state_dict()``: generators it holds continue
+        from there (those already made are set in place), the others start from the seeds."""
+        seeds = [int(v) for v in state["seeds"].tolist()]
+        self.replicated_seed, self.split_seed = seeds
+        self._loaded = {key: value.clone() for key, value in state.items() if key != "seeds"}
+        for (region, device), generator in self._generators.items():
+            self._start(generator, region, torch.device(device))
+
+    def _generator(self, region: str, device: torch.device) -> torch.Generator:
+        device = torch.device(device)
         key = (region, str(device))
         if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+            self._generators[key] = self._start(torch.Generator(device=device), region, device)
         return self._generators[key]
+
+    def _start(self, generator: torch.Generator, region: str, device: torch.device) -> torch.Generator:
+        loaded = self._loaded.get(f"{region}.{device.type}")
+        if loaded is not None:
+            return generator.set_state(loaded)
+        return generator.manual_seed(self.replicated_seed if region == "replicated" else self.split_seed)
 
 
 class ReplicatedDropout(nn.Dropout):

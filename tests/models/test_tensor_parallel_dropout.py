@@ -134,3 +134,100 @@ def test_generator_dropout_of_everything_gives_zeros(inplace):
     from attention.autograd_path import generator_dropout
     out = generator_dropout(torch.ones(6), 1.0, torch.Generator().manual_seed(0), inplace=inplace)
     assert torch.equal(out, torch.zeros(6))
+
+
+# ---- the generators in checkpoints ----------------------------------------------------------------
+def _build(backend, dims, seed):
+    if dims.dp == dims.pp == 1:
+        return TensorParallelModel(tiny_lm(dropout=DROPOUT), backend, dropout_seed=seed)
+    return HybridShardedModel(tiny_lm(dropout=DROPOUT), backend, dims=dims, num_microbatches=2,
+                              dropout_seed=seed)
+
+
+def _run(backend, dims, seed, steps, load_from=None, save_to=None, **load_settings):
+    """Adam steps ``steps`` (indices into ``batches()``), after loading ``load_from`` and before
+    saving ``save_to``; this rank's losses and the gathered dense parameters."""
+    from distframe import checkpoint
+    model = _build(backend, dims, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    if load_from is not None:
+        checkpoint.load(load_from, model, opt, **load_settings)
+    per = BATCH // dims.dp
+    lo = model.groups.dp_index * per
+    losses = [model.train_step((x[lo:lo + per], y[lo:lo + per]), lm_loss, opt)
+              for x, y in (batches()[s] for s in steps)]
+    if save_to is not None:
+        checkpoint.save(save_to, model, opt, step=steps[-1] + 1 if steps else None)
+    return losses, model.gather_full_parameters()
+
+
+def _save_after_one_step(path, dims):
+    spawn(lambda b: _run(b, dims, 7, [0], save_to=path), dims.world_size)
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+def test_a_resumed_run_draws_the_masks_the_uninterrupted_run_draws(tmp_path, dp, tp, pp):
+    # The generators were not saved: the resumed run started them again from the seed (here
+    # another one, as a restarted job whose seed comes from torch.initial_seed() may have).
+    # Bitwise: the same float64 operations in the same order on the same values.
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    whole = spawn(lambda b: _run(b, dims, 7, [0, 1, 2]), dims.world_size)
+    _save_after_one_step(tmp_path / "ckpt", dims)
+    resumed = spawn(lambda b: _run(b, dims, 99, [1, 2], load_from=tmp_path / "ckpt"), dims.world_size)
+    for (losses, full), (resumed_losses, resumed_full) in zip(whole, resumed):
+        assert resumed_losses == losses[1:]
+        for name, tensor in full.items():
+            assert torch.equal(resumed_full[name], tensor), name
+
+
+def test_a_checkpoint_saved_right_after_a_load_keeps_the_loaded_generators(tmp_path):
+    # Saved before any step drew from them, the loaded states were not saved again, and the
+    # run resumed from the second checkpoint restarted its generators from the seed.
+    dims = ParallelDims(tp=2)
+    whole = spawn(lambda b: _run(b, dims, 7, [0, 1, 2]), 2)
+    _save_after_one_step(tmp_path / "first", dims)
+    spawn(lambda b: _run(b, dims, 99, [], load_from=tmp_path / "first", save_to=tmp_path / "again"), 2)
+    resumed = spawn(lambda b: _run(b, dims, 98, [1, 2], load_from=tmp_path / "again"), 2)
+    for (losses, _), (resumed_losses, _) in zip(whole, resumed):
+        assert resumed_losses == losses[1:]
+
+
+def _strip_dropout_rng(path):
+    """Makes ``path`` a checkpoint as distframe wrote it before it saved the generators."""
+    import json
+    meta_path = path / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta.pop("dropout_rng") is not None
+    for table in meta["files"]:
+        table["tensors"] = {k: n for k, n in table["tensors"].items() if not k.startswith("dropout_rng/")}
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_without_the_generators_loads_with_fresh_ones(tmp_path):
+    dims = ParallelDims(tp=2)
+    _save_after_one_step(tmp_path / "ckpt", dims)
+    _strip_dropout_rng(tmp_path / "ckpt")
+    old = spawn(lambda b: _run(b, dims, 7, [1, 2], load_from=tmp_path / "ckpt"), 2)
+    # What loading did before the generators were saved: the model's own, from its seed.
+    fresh = spawn(lambda b: _run(b, dims, 7, [1, 2], load_from=tmp_path / "ckpt",
+                                 restore_dropout_rng=False), 2)
+    assert_same_run([(None, None, *r) for r in old], [(None, None, *r) for r in fresh])
+    whole = spawn(lambda b: _run(b, dims, 7, [0, 1, 2]), 2)
+    assert old[0][0] != whole[0][0][1:]  # fresh generators: the first step's masks again
+
+
+def test_generators_saved_under_another_layout_are_refused_by_name(tmp_path):
+    from distframe.checkpoint import CheckpointError
+    _save_after_one_step(tmp_path / "ckpt", ParallelDims(tp=2))
+    other = ParallelDims(tp=4)
+
+    def load(backend, **settings):
+        try:
+            _run(backend, other, 7, [1], load_from=tmp_path / "ckpt", **settings)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+    for message in spawn(load, 4):
+        assert message is not None and "dp=1 tp=2 pp=1 cp=1" in message and "dp=1 tp=4 pp=1 cp=1" in message
+        assert "restore_dropout_rng=False" in message
+    assert spawn(lambda b: load(b, restore_dropout_rng=False), 4) == [None] * 4
