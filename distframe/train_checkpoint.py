@@ -31,6 +31,20 @@ def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
     return (str(found[0]), found[1]) if found else None
 
 
+def agreed_latest_checkpoint(out_dir: str, backend: Any) -> tuple[str, int]:
+    """``latest_checkpoint`` for ``--resume``, the same on every rank, or an error on every rank
+    (one small all_gather): a rank that finds none, or a later step than its peers (node-local
+    directories out of step), would otherwise leave the others waiting in the load's collectives."""
+    from distframe.checkpoint.agreement import agree
+    found = latest_checkpoint(out_dir)
+    error = None if found else ConfigError(
+        f"--resume: no checkpoint under {out_dir}/checkpoints; run without --resume to start "
+        "fresh, or pass the --out of the run to continue")
+    agree(backend, error, f"--resume from {out_dir}", {"step": found[1]} if found else None)
+    assert found is not None
+    return found
+
+
 def resume_step(out_dir: str, steps: int) -> int | None:
     """The step ``--resume`` continues after (the latest checkpoint's), or None if there is no
     checkpoint; ConfigError if ``--steps`` is below it (a run cannot train backwards)."""

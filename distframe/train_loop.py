@@ -215,10 +215,7 @@ class Job:
         out = self.config.out
         start_step, history = 0, []
         if self.config.resume:
-            found = train_checkpoint.latest_checkpoint(out)
-            if found is None:
-                raise ConfigError(f"--resume: no checkpoint under {out}/checkpoints; run without "
-                                  "--resume to start fresh, or pass the --out of the run to continue")
+            found = train_checkpoint.agreed_latest_checkpoint(out, self.backend)
             start_step = train_checkpoint.load(found[0], self.model, self.optimizer)
             history = self.log.keep_until(start_step) if self.is_writer else self.log.records()
         self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT

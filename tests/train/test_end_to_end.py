@@ -202,3 +202,33 @@ def test_resume_after_a_crash_mid_metrics_write(tmp_path, corpus_file, capsys):
     assert main(["train", "--out", str(tmp_path), "--data", corpus_file, "--resume", "--steps", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "metrics.jsonl line 2" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("rank1_sees", ["none", "step-2"])
+def test_resume_where_one_rank_sees_other_checkpoints(tmp_path, corpus_file, capsys, monkeypatch,
+                                                      rank1_sees):
+    """Node-local OUT directories out of step: rank 1 finds no checkpoint, or an older one.
+    Every rank says so at once, naming the ranks (one line), where rank 1 used to raise alone:
+    in-memory ranks then stop with it, but a process engine's rank 0 waited in the load's
+    collectives for the timeout."""
+    import threading
+
+    from distframe import train_checkpoint
+    train(tmp_path, corpus_file, "--steps", "4", "--checkpoint-every", "2", "--world-size", "2",
+          "--eval-every", "0")
+    real = train_checkpoint.latest_checkpoint
+
+    def node_local(out):
+        found = real(out)
+        if threading.current_thread().name != "distframe-rank1":
+            return found
+        return None if rank1_sees == "none" else (str(Path(out) / "checkpoints" / "step-2"), 2)
+    monkeypatch.setattr(train_checkpoint, "latest_checkpoint", node_local)
+    capsys.readouterr()
+    status = main(["train", "--data", corpus_file, "--out", str(tmp_path), "--resume", "--steps", "6"])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    if rank1_sees == "none":
+        assert status == 2 and "failed on rank 1 of 2" in err and "no checkpoint" in err, err
+    else:
+        assert status != 0 and "step 4 on rank 0" in err and "step 2 on rank 1" in err, err
