@@ -55,6 +55,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH, WORLD = 4096, 256, 4, 4, 256, 8, 2
 # The baseline each gloo row is divided by in the "vs base" column (when both ran).
 BASELINE = {"gloo:ddp": "gloo:torch-ddp", "gloo:fsdp": "gloo:torch-fsdp2",
+            "gloo:ddp-unused": "gloo:torch-ddp-unused",
             "gloo:zero1": "gloo:deepspeed-zero1", "gloo:zero2": "gloo:deepspeed-zero2"}
 FORMULA = {"ddp": 16, "zero1": 8 + 8 / WORLD, "zero2": 4 + 12 / WORLD, "zero3": 16 / WORLD,
            "fsdp": 16 / WORLD}
@@ -179,9 +180,9 @@ def torch_baseline(kind: str):
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                                           config=config)
         return engine, None
-    if kind == "torch-ddp":
+    if kind.startswith("torch-ddp"):
         from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, find_unused_parameters=kind.endswith("-unused"))
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -265,7 +266,7 @@ def run_pairs(backend, steps: int, warmup: int, pairs: list[str]) -> dict[str, t
     from _gloo_collectives import _join_raw_world
     torch.set_num_threads(1)
     _join_raw_world(backend)
-    names = [name for name in pairs if name in ("ddp", "fsdp")]
+    names = [name for name in pairs if name in ("ddp", "ddp-unused", "fsdp")]
     if _has_deepspeed() and any(name in ("zero1", "zero2") for name in pairs):
         _deepspeed_env(backend.rank)
         names += [name for name in pairs if name in ("zero1", "zero2")]
@@ -278,8 +279,9 @@ def run_pairs(backend, steps: int, warmup: int, pairs: list[str]) -> dict[str, t
 def _time_pair(backend, name: str, steps: int, warmup: int) -> tuple[float, float, float]:
     import statistics
 
-    model_cls, opt_cls = strategies()[name]
-    ours = model_cls(build(), backend)
+    # ddp-unused: both sides with find_unused_parameters=True (every parameter is used: its cost)
+    model_cls, opt_cls = strategies()[name.removesuffix("-unused")]
+    ours = model_cls(build(), backend, **({"find_unused_parameters": True} if name == "ddp-unused" else {}))
     ours_opt = opt_cls(ours, torch.optim.AdamW, lr=3e-4)
     theirs, their_opt = torch_baseline(BASELINE[f"gloo:{name}"].removeprefix("gloo:"))
     steps_of = (lambda batch: ours.train_step(batch, lm_loss, ours_opt),
@@ -306,6 +308,7 @@ def print_pairs(steps: int, warmup: int, pairs: list[str]) -> None:
     print(f"\ninterleaved in the same processes ({steps} steps each, after {warmup} warm-up):")
     print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12} {'paired':>7}")
     labels = {"ddp": "DDPModel / torch DDP", "fsdp": "FSDPModel / FSDP2",
+              "ddp-unused": "DDP find_unused / torch",
               "zero1": "ZeRO-1 / DeepSpeed", "zero2": "ZeRO-2 / DeepSpeed"}
     for name, (ours, theirs, paired) in results.items():
         label = labels[name]
@@ -321,7 +324,8 @@ def main(argv=None) -> None:
                         "the interleaved speed ratios)")
     parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per side of each pair")
     parser.add_argument("--pairs", default="ddp,fsdp,zero1,zero2",
-                        help="which pairs to time (zero1/zero2 only with DeepSpeed installed)")
+                        help="which pairs to time (zero1/zero2 only with DeepSpeed installed; "
+                        "ddp-unused: DDP with find_unused_parameters=True on both sides)")
     args = parser.parse_args(argv)
     from distframe.launch import spawn
     # Each torch baseline runs right beside its counterpart, so load changes hit both alike.
