@@ -2,10 +2,11 @@
 
 A contiguous CPU tensor is passed as a NumPy view of its own storage (``tensor.numpy()``), so MPI
 reads and writes the tensor's memory directly: no per-call copy for float64, float32 or the
-integer dtypes. NumPy has no bfloat16, so bfloat16 bytes travel as int16 (and bool as uint8) in
-operations that only move data. MPI cannot reduce float16 or bfloat16 (and reducing their bit
-patterns as integers gives garbage), so reductions of those dtypes run on a float32 copy and round
-once at the end: the same numerics as the in-memory engine. bool reductions run on the uint8 view
+integer dtypes. NumPy has no bfloat16, float8 or complex32, so their bytes travel as int16,
+uint8 and int32 (and bool's as uint8) in operations that only move data. MPI cannot reduce
+float16, bfloat16 or complex32 (and reducing their bit patterns as integers gives garbage), so
+reductions of those dtypes run on a float32 (complex64) copy and round once at the end: the
+same numerics as the in-memory engine. bool reductions run on the uint8 view
 with MAX (any) and MIN (all), which the base class has already substituted for SUM and PRODUCT.
 
 GPU tensors go to mpi4py directly when the MPI library is CUDA-aware; otherwise they are staged
@@ -27,10 +28,14 @@ from distframe.errors import BackendUnavailableError
 INSTALL_HINT = ("install it with `pip install 'distframe[mpi]'` (or `pip install mpi4py mpich`), "
                 "or use another backend")
 
-# Reduction dtypes MPI has no type for: reduced in float32 and rounded once.
-_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-# Dtypes NumPy lacks or that MPI should see as another type of the same width.
-_WIRE_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+# Reduction dtypes MPI has no type for: reduced in float32 (complex64) and rounded once.
+_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
+# Dtypes NumPy lacks or that MPI should see as another type of the same width (float8 and
+# complex32 are only moved: types.UNREDUCIBLE, and complex32 reduces upcast).
+_WIRE_VIEW = {torch.bfloat16: torch.int16, torch.bool: torch.uint8, torch.complex32: torch.int32,
+              **{dtype: torch.uint8 for dtype in (getattr(torch, n, None) for n in (
+                  "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))
+                 if dtype is not None}}
 
 
 # [Note: MPICH algorithm choice] Every engine call is a non-blocking collective (so it can time

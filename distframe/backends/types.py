@@ -36,9 +36,21 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"op must be a ReduceOp (SUM, AVG, PRODUCT, MIN, MAX), got {op!r}")
 
 
+# Dtypes torch has no CPU arithmetic for (float8; unsigned wider than 8 bits): no engine can
+# reduce them alike (MPI could add uint16, the others cannot), so every engine refuses.
+UNREDUCIBLE = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "uint16", "uint32", "uint64") if hasattr(torch, name))
+
+
 def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
     """The op actually applied for ``dtype``: bool SUM is logical OR and PRODUCT logical AND,
-    as in torch.distributed; AVG needs a floating or complex dtype."""
+    as in torch.distributed; AVG needs a floating or complex dtype; ``UNREDUCIBLE`` dtypes are
+    moved (all_gather, broadcast, ...) but never reduced."""
+    if dtype in UNREDUCIBLE:
+        wider = "torch.float32" if dtype.is_floating_point else "torch.int64"
+        raise ValueError(f"a {op.name} reduction of {dtype}: torch has no arithmetic for this dtype, so "
+                         f"no engine reduces it; reduce a {wider} copy (t.to({wider})) and convert back")
     if dtype == torch.bool:
         if op is ReduceOp.AVG:
             raise ValueError("ReduceOp.AVG is undefined for bool tensors; use MAX (any) or MIN (all)")

@@ -55,8 +55,6 @@ def check_scatter_of_rarer_dtypes(backend) -> None:
     header holds, raises on every rank instead of leaving the others waiting for the source."""
     n, r, device = backend.world_size, backend.rank, input_device()
     for dtype in (torch.uint16, torch.uint64, torch.float8_e5m2):
-        if backend.engine == "mpi" and dtype == torch.float8_e5m2:
-            continue  # NumPy has no float8: the MPI engine cannot move it at all
         chunks = [torch.full((2, 3), float(k + 1), device=device).to(dtype) for k in range(n)]
         got = backend.scatter(chunks if r == 0 else None, 0)
         if got.dtype != dtype or got.to(torch.float32).ne(r + 1).any():
@@ -80,3 +78,45 @@ def check_scatter_of_rarer_dtypes(backend) -> None:
         if backend.engine != "inmemory" or got.flatten().tolist() != [float(r)]:
             raise AssertionError(f"{backend.engine}: scatter of 40-dim chunks gave {got.shape}")
     backend.barrier()
+
+
+RARER = ("float8_e4m3fn", "float8_e5m2", "complex32", "uint16", "uint32", "uint64")
+
+
+def check_rarer_dtypes_move_alike(backend) -> None:
+    """float8, complex32 and wide unsigned integers move on every engine (all_gather, broadcast,
+    all_to_all, send/recv bytes exactly: the MPI engine could move none of float8 and complex32);
+    a reduction of a dtype torch has no arithmetic for (float8, uint16-64) is a ValueError on
+    every engine, where MPI summed uint16 and the others raised torch's NotImplementedError;
+    complex32 reduces on every engine (MPI in complex64, rounded once)."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    for name in RARER:
+        dtype = getattr(torch, name)
+        mine = (torch.arange(6, device=device, dtype=torch.float32) + 8 * r).to(dtype).reshape(3, 2)
+        bits = torch.int32 if dtype == torch.complex32 else None
+
+        def raw(t: torch.Tensor) -> list:
+            return (t.view(bits) if bits else t.view(torch.uint8) if t.element_size() == 1 else t.to(
+                torch.float64)).tolist()
+        expected = [raw((torch.arange(6, device=device, dtype=torch.float32) + 8 * k).to(dtype).reshape(3, 2))
+                    for k in range(n)]
+        gathered = backend.all_gather(mine)
+        assert gathered.dtype == dtype and [raw(c) for c in gathered.chunk(n)] == expected, name
+        sent = mine.clone()
+        backend.broadcast(sent, n - 1)
+        assert raw(sent) == expected[n - 1], f"broadcast of {name}"
+        if dtype == torch.complex32:
+            total = mine.clone()
+            backend.all_reduce(total)
+            want = sum(torch.arange(6, dtype=torch.float32) + 8 * k for k in range(n)).reshape(3, 2)
+            assert total.dtype == dtype and total.to(torch.complex64).real.cpu().tolist() == want.tolist()
+            continue
+        for call in (lambda: backend.all_reduce(mine.clone()), lambda: backend.reduce(mine.clone(), 0),
+                     lambda: backend.reduce_scatter(torch.zeros(2 * n, dtype=dtype, device=device))):
+            try:
+                call()
+            except ValueError as exc:
+                assert "no arithmetic" in str(exc) and name in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{backend.engine}: a reduction of {name} did not raise")
+    backend.barrier()  # every rank raised before communicating: they are still in step

@@ -121,3 +121,7 @@ def test_low_precision_average(runner):
 
 def test_scatter_of_rarer_dtypes(runner):
     runner.run(checks_dtypes.check_scatter_of_rarer_dtypes)
+
+
+def test_rarer_dtypes_move_alike(runner):
+    runner.run(checks_dtypes.check_rarer_dtypes_move_alike)
