@@ -20,39 +20,13 @@ sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path
 
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from attention import DilatedAttention, RingDilatedAttention
 
+sys.path.append(_HERE)  # after the package: this folder's attention.py must not shadow it
+from _storage import PeakStorage  # noqa: E402
+
 SEGMENTS, RATES, HEADS, HEAD_DIM = (512, 1024, 2048), (1, 2, 4), 4, 64
-
-
-class PeakStorage(TorchDispatchMode):
-    """Tracks live tensor storage created while active; ``peak`` in bytes above the baseline."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = self.peak = 0
-
-    def _sweep(self):
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._sweep()
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key not in self.live and storage.nbytes() > 0:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
 
 
 def dense_sdpa(q, k, v):

@@ -8,7 +8,10 @@ threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
 Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
 (parameters, gradients, optimizer state, buffers) with the ZeRO formula beside it; ``peak MiB`` =
 the process's peak RSS (VmHWM, reset just before the model is built) minus its RSS then (process engines only: the
-in-memory ranks share one process). Every process engine row, torch's included, starts its ranks
+in-memory ranks share one process); ``live MiB`` = the peak of live tensor storage over one more
+step after the timed ones, every storage counted once (model, gradients, optimizer state,
+activations, gathered parameters, the collectives' outputs: bench/_storage.py), which is what
+the tensors need, where RSS adds what the allocator keeps. Every process engine row, torch's included, starts its ranks
 with multiprocessing's "spawn": a forked rank (distframe's default forkserver) starts with few
 of the shared libraries' pages mapped, faults them in during the first step and so shows ~10-40
 MiB more "peak" for the same allocations.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import os
 import resource
@@ -128,6 +132,17 @@ def reset_peak() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def live_peak_mib(step) -> float:
+    """Peak live tensor storage (MiB) over one more ``step()``, everything reachable counted
+    (bench/_storage.py; after the timed steps, since counting slows the step)."""
+    sys.path.append(_HERE)  # after the packages: this folder's attention.py must not shadow one
+    from _storage import PeakStorage
+    gc.collect()
+    with PeakStorage(include_existing=True) as mode:
+        step()
+    return mode.peak / 2**20
+
+
 def peak_rss_mib() -> float:
     try:
         return _status_kib("VmHWM") / 1024
@@ -164,7 +179,10 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
     for s in range(steps):
         model.train_step(batch_for(backend.rank, warmup + s), lm_loss, opt)
     elapsed = time.perf_counter() - start
-    return {"steps_per_s": steps / elapsed, "state": state, "peak": peak_rss_mib() - before}
+    peak = peak_rss_mib() - before
+    live = None if backend.engine == "inmemory" else live_peak_mib(
+        lambda: model.train_step(batch_for(backend.rank, warmup + steps), lm_loss, opt))
+    return {"steps_per_s": steps / elapsed, "state": state, "peak": peak, "live": live}
 
 
 # ---- torch baselines (own process group) ---------------------------------------------------------
@@ -238,7 +256,9 @@ def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out)
     for s in range(steps):
         step(warmup + s)
     elapsed = time.perf_counter() - start
-    out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "peak": peak_rss_mib() - before}))
+    peak = peak_rss_mib() - before
+    live = live_peak_mib(lambda: step(warmup + steps))
+    out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "peak": peak, "live": live}))
     dist.destroy_process_group()
 
 
@@ -343,7 +363,7 @@ def main(argv=None) -> None:
           f"{os.cpu_count()} CPUs, torch {torch.__version__}"
           + ("" if deepspeed else "; DeepSpeed not installed: no DeepSpeed rows"))
     print(f"{'configuration':<22} {'steps/s':>8} {'vs base':>8} {'state MiB':>10} {'formula MiB':>12} "
-          f"{'peak MiB':>9}")
+          f"{'peak MiB':>9} {'live MiB':>9}")
     speeds: dict[str, float] = {}
     for label, engine, kind in rows:
         if only and kind not in only and label not in only:
@@ -361,7 +381,8 @@ def main(argv=None) -> None:
         speeds[label] = min(x["steps_per_s"] for x in results)
         base = speeds.get(BASELINE.get(label, ""))
         ratio = f"{speeds[label] / base:8.3f}" if base else f"{'-':>8}"
-        print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {formula} {peak}", flush=True)
+        live = f"{max(x['live'] for x in results):9.1f}" if results[0]["live"] is not None else f"{'-':>9}"
+        print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {formula} {peak} {live}", flush=True)
     if not only or "pairs" in only:
         print_pairs(args.pair_steps, max(args.warmup, 1), args.pairs.split(","))
 

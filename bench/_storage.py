@@ -1,0 +1,63 @@
+"""Peak live tensor storage, counted from real storages (the brief's rule for memory claims).
+
+``PeakStorage`` is a TorchDispatchMode: it sees the output of every op run on the thread that
+entered it (forward, backward on CPU, optimizer, the collectives' preallocated outputs), holds a
+weak reference to each output's storage, and keeps the running total of storages still alive and
+its peak. A tensor subclass without storage of its own (DTensor) is counted through its inner
+tensors. With ``include_existing`` it first registers every storage reachable from Python (gc),
+so the peak is of everything live, not only of what the measured code created.
+
+What it cannot see: tensors made by ops on other threads (a communication thread that allocates
+its own outputs) and memory a library allocates without making a tensor (Gloo's internal buffers,
+a kernel's scratch space). Say so beside any figure it gives.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class PeakStorage(TorchDispatchMode):
+    """``peak`` and ``current``: bytes of live storage (see the module docstring)."""
+
+    def __init__(self, include_existing: bool = False) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+        self.include_existing = include_existing
+
+    def __enter__(self):
+        if self.include_existing:
+            for obj in gc.get_objects():
+                if issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups
+                    self._add(obj)
+            self.peak = self.current
+        return super().__enter__()
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 and hasattr(tensor, "__tensor_flatten__"):  # a wrapper subclass (DTensor)
+            for name in tensor.__tensor_flatten__()[0]:
+                self._add(getattr(tensor, name))
+            return
+        if key and key not in self.live and storage.nbytes() > 0:
+            self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+            self.current += storage.nbytes()
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current)
+        return out
