@@ -37,14 +37,14 @@ from distframe.backends.composed import read_scatter_header, scatter_header, sca
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import ProgressBoard
+from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
+                                                   options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
-_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-              ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
@@ -112,7 +112,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         staged = self._stage(tensor)
         self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.allreduce(
-            [wire], _options(dist.AllreduceOptions, reduceOp=torch_op)))
+            [wire], options(dist.AllreduceOptions, reduceOp=torch_op)))
         self._unstage(staged, tensor)
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
@@ -121,7 +121,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if self._rank != dst:  # the transport may use a non-root input as scratch space
             staged = staged.clone()
         self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.reduce(
-            [wire], _options(dist.ReduceOptions, rootRank=dst, reduceOp=torch_op)))
+            [wire], options(dist.ReduceOptions, rootRank=dst, reduceOp=torch_op)))
         if self._rank == dst:
             self._unstage(staged, tensor)
 
@@ -136,7 +136,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if out is None or wire is not staged or staged is not tensor:  # else use the caller's buffer
             out = wire.new_empty((wire.shape[0] // self._world_size, *wire.shape[1:]))
         self._complete(call, self._pg._reduce_scatter_base, out, wire,
-                       _options(dist.ReduceScatterOptions, reduceOp=_TORCH_OPS[op]))
+                       options(dist.ReduceScatterOptions, reduceOp=TORCH_OPS[op]))
         return self._result(from_reducible(out, tensor.dtype), tensor)
 
     def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +151,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         staged = self._stage(tensor)
         self._complete(call, self._pg.broadcast, [movable(staged)],
-                       _options(dist.BroadcastOptions, rootRank=src))
+                       options(dist.BroadcastOptions, rootRank=src))
         self._unstage(staged, tensor)
 
     def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
@@ -159,7 +159,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         staged = self._stage(tensor)
         outs = [staged.new_empty(staged.shape) for _ in range(self._world_size)] if self._rank == dst else []
         self._complete(call, self._pg.gather, [[movable(o) for o in outs]] if outs else [],
-                       [movable(staged)], _options(dist.GatherOptions, rootRank=dst))
+                       [movable(staged)], options(dist.GatherOptions, rootRank=dst))
         return [self._result(o, tensor) for o in outs] if self._rank == dst else None
 
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
@@ -171,7 +171,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         out = torch.empty(shape, dtype=dtype, device=self._device)
         sources = [[movable(self._stage(c.contiguous())) for c in chunks]] if chunks is not None else []
         self._complete(call, self._pg.scatter, [movable(out)], sources,
-                       _options(dist.ScatterOptions, rootRank=src))
+                       options(dist.ScatterOptions, rootRank=src))
         return scattered_to(out, source_on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
@@ -269,7 +269,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             staged.copy_(reduced.view(staged.shape))
             return
         wire, shares_memory = plan
-        self._complete(call, issue, wire, _TORCH_OPS[op])
+        self._complete(call, issue, wire, TORCH_OPS[op])
         if not shares_memory:
             staged.copy_(from_reducible(wire, staged.dtype))
 
@@ -289,7 +289,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
     # ---- post first (see distframe.backends.posted; Gloo only): native dtypes ------------------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         if tensor.dtype in _POSTABLE:
-            return self._pg.allreduce([tensor], _ALLREDUCE_OPTIONS[op])
+            return self._pg.allreduce([tensor], ALLREDUCE_OPTIONS[op])
         return None
 
     def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
@@ -299,7 +299,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
         if out.is_cpu and tensor.dtype in _POSTABLE:
-            return self._pg._reduce_scatter_base(out, tensor, _REDUCE_SCATTER_OPTIONS[op])
+            return self._pg._reduce_scatter_base(out, tensor, REDUCE_SCATTER_OPTIONS[op])
         return None
 
     def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
@@ -340,30 +340,3 @@ def _wait_for_members(store: dist.Store, rank: int, world_size: int,
     store.set(str(rank), "1")
     store.wait([str(r) for r in range(world_size)], timeout)
 
-
-_OPTIONS: dict[tuple, Any] = {}
-
-
-def _options(cls: type, **fields: Any) -> Any:
-    """A torch.distributed options object with ``fields`` set. Process groups copy their options,
-    so one object per distinct value is built once and reused (building one costs a few
-    microseconds per call)."""
-    key = (cls, *fields.items())
-    try:
-        return _OPTIONS[key]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable value: build a fresh one
-        key = None
-    options = cls()
-    for name, value in fields.items():
-        setattr(options, name, value)
-    if key is not None:
-        _OPTIONS[key] = options
-    return options
-
-
-_ALLREDUCE_OPTIONS = {op: _options(dist.AllreduceOptions, reduceOp=torch_op)
-                      for op, torch_op in _TORCH_OPS.items()}
-_REDUCE_SCATTER_OPTIONS = {op: _options(dist.ReduceScatterOptions, reduceOp=torch_op)
-                           for op, torch_op in _TORCH_OPS.items()}
