@@ -1,6 +1,6 @@
 """Departures: a rank says that it will make no further call on a group, so that peers waiting for
-it there stop at once instead of at the timeout. Used by the Gloo/NCCL engine, whose
-progress board (``torch_dist_board``) carries the announcements.
+it there stop at once instead of at the timeout. Used by the Gloo/NCCL and MPI engines, whose
+progress boards (``torch_dist_board``, ``mpi_progress``) carry the announcements.
 
 [Note: departures] A rank departs when its function under a launcher has returned or raised, or
 when it shuts a backend down (``depart`` on the engines; ``shutdown`` departs from that group and
@@ -22,6 +22,8 @@ abandoned cannot be cancelled. Where the engines differ:
   connection (a departing rank's groups close theirs) is put down to a departure that shows
   within half a second. NCCL's waits are not sliced (its ``wait(timeout)`` fails the work), so
   there a departure is named only in the error of a lost connection.
+* MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
+  sees the departures of ranks on its own node only. A backend that is garbage departs too.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ TIMEOUT = 30.0  # every backend's timeout in this module
 PROMPT = 10.0  # an error that came sooner was caused by the departure, not by the timeout
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POOLS = [pytest.param((engine, world), marks=getattr(pytest.mark, engine), id=f"{engine}-{world}")
-         for engine in ("gloo",) for world in (2, 3)]
+         for engine in ("gloo", "mpi") for world in (2, 3)]
 
 
 @pytest.fixture(scope="module", params=POOLS)
@@ -172,7 +172,8 @@ def test_ranks_ending_at_different_times_raise_nothing(pool):
     assert pool.run(rank_last_call_left_running) == [float(world)] * (world - 1) + [None]
 
 
-@pytest.mark.parametrize("engine", [pytest.param("gloo", marks=pytest.mark.gloo)])
+@pytest.mark.parametrize("engine", [pytest.param("gloo", marks=pytest.mark.gloo),
+                                    pytest.param("mpi", marks=pytest.mark.mpi)])
 def test_spawn_stops_ranks_waiting_for_one_that_returned(engine):
     if engine == "mpi":
         pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
