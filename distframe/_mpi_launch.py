@@ -4,9 +4,10 @@ The parent starts ``mpiexec -n N python -m distframe._mpi_launch HOST PORT`` onc
 connects back to the parent over a local socket (``multiprocessing.connection``, authenticated
 with a random key passed in the environment) and then loops: receive a pickled task, build an
 ``MPICommunicationBackend`` over a fresh duplicate of ``COMM_WORLD``, run ``fn(backend, *args,
-**kwargs)``, shut the backend down, send the result or the exception back. Tasks go to each rank
-over its own connection rather than by MPI broadcast, so the parent learns at once when a rank
-fails and never depends on the MPI state that a failure may have left behind.
+**kwargs)``, shut the backend down, send the result or the exception back. Shutting down departs
+(``distframe.backends.departures``): peers still waiting for the rank in a call stop at once.
+Tasks go to each rank over its own connection rather than by MPI broadcast, so the parent learns
+at once when a rank fails and never depends on the MPI state that a failure may have left behind.
 
 If a rank fails and its peers have not reported within ``FAILURE_GRACE_SECONDS`` (typically
 they wait inside a collective for the failed rank), or a rank dies, the parent kills the whole
@@ -304,7 +305,13 @@ def _serve(host: str, port: int) -> None:
         try:
             fn, args, kwargs, timeout, backend_kwargs = pickle.loads(payload)
             with MPICommunicationBackend(timeout=timeout, **backend_kwargs) as backend:
-                reply = (True, fn(backend, *args, **kwargs))
+                try:
+                    reply = (True, fn(backend, *args, **kwargs))
+                except BaseException:
+                    # Peers waiting for this rank stop with RankFailedError, which the parent
+                    # ranks below this error; shutdown would depart as if fn had returned.
+                    backend.depart(failed=True)
+                    raise
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             reply = (False, _portable_exception(exc))
         # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's

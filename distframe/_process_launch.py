@@ -17,6 +17,11 @@ fail in the same way, and their own errors are then reported too); ranks still r
 are terminated. The first original error (lowest rank, peers' RankFailedError aside) is re-raised
 with a note naming its rank and its remote traceback. A pool whose run timed out, lost a process
 or was terminated starts fresh workers, with fresh backends, on its next run.
+
+[Note: departures between runs] A rank whose function returns or raises departs
+(``distframe.backends.departures``): peers still waiting for it in a call it never made stop at
+once instead of at the timeout. Its backend serves the next run, so before each run, when every
+rank has answered, the pool clears the departures announced in the last one.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.launch import raise_first_failure
 
@@ -97,6 +103,7 @@ class ProcessPool:
         if self._needs_restart:
             self._stop_workers(graceful=False)
             self._start_workers()
+        clear_departures(self._store, self._prefix)  # [Note: departures between runs]
         for worker in self._workers:
             worker.connection.send_bytes(task)
         results, errors = self._collect()
@@ -118,6 +125,7 @@ class ProcessPool:
         context = _start_context(self.start_method)
         host, port = "127.0.0.1", self._store.port
         prefix = f"distframe/pool{os.getpid()}-{id(self)}/generation{self._generation}"
+        self._prefix = prefix
         self._workers = []
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()
@@ -265,8 +273,10 @@ def _run_task(backend: Any, task: bytes) -> bytes:
     try:
         fn, args, kwargs = pickle.loads(task)
         result = fn(backend, *args, **kwargs)
+        backend.depart()  # [Note: departures between runs]
         return pickle.dumps((True, result, _has_failed(backend)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        backend.depart(failed=True)
         return _encode_error(exc, failed=_has_failed(backend) or isinstance(
             exc, (CollectiveTimeoutError, RankFailedError)))
 

@@ -23,9 +23,11 @@ def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
     processes (``fn`` and its results must pickle; ``nccl`` needs one GPU per rank); ``mpi`` ranks
     are processes started with ``mpiexec``. ``timeout`` and ``backend_kwargs`` go to each backend's
     constructor. If any rank raises, the others stop (in-memory: at once, with RankFailedError;
-    processes: they are terminated), every thread or process has ended when ``spawn`` returns,
-    and the first original exception is re-raised with a note naming its rank. In-memory ranks
-    that wait for a rank whose function has returned stop at once with CollectiveTimeoutError.
+    processes: those waiting for it in a call with RankFailedError, the others are terminated),
+    every thread or process has ended when ``spawn`` returns, and the first original exception is
+    re-raised with a note naming its rank. Ranks that wait for a rank whose function has returned
+    stop at once with CollectiveTimeoutError (Gloo and MPI ranks: within a fraction of a second;
+    see distframe.backends.departures for what NCCL and MPI ranks on other nodes see).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")

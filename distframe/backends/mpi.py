@@ -4,7 +4,9 @@ Every collective maps onto its native non-blocking MPI call (Iallreduce, Iallgat
 Ireduce_scatter_block, Ibcast, Ireduce, Igather, Iscatter, Ialltoallv, Ibarrier) on zero-copy
 NumPy views of the tensors (see ``mpi_buffers``), and is polled until it completes or the
 backend's timeout passes (see ``mpi_progress``); a timeout raises ``CollectiveTimeoutError``
-naming the ranks that never entered the call. Point-to-point uses Isend/Irecv of the tensor's
+naming the ranks that never entered the call, and a peer on this node that has departed without
+issuing the call (its function returned or raised, or it shut the backend down) stops the wait at
+once (``distframe.backends.departures``). Point-to-point uses Isend/Irecv of the tensor's
 bytes, and a receive whose message has another size raises ``CollectiveMismatchError``.
 
 With ``debug=True`` the base class all-gathers a 16-integer signature before each collective, so
@@ -20,12 +22,14 @@ frees the communicator only when no request is left pending, and never synchroni
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
+from distframe.backends.departures import departure_error
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
@@ -72,6 +76,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._board = ProgressBoard(comm, MPI)
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
+        self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
+        # A backend that is garbage (a group made inside a function that has returned, say) can
+        # make no further call: it departs, even if shutdown() never ran.
+        weakref.finalize(self, self._board.depart_after_entered)
 
     @property
     def comm(self) -> Any:
@@ -89,7 +97,17 @@ class MPICommunicationBackend(CommunicationBackendBase):
         both inline, saving a closure per call); ``keep`` is what MPI may still touch on timeout."""
         if not request.Test():
             wait_request(request, time.monotonic() + call.timeout,
-                         lambda: self._timed_out(call, request, keep))
+                         lambda waited, timed_out: self._stuck(call, request, keep, waited, timed_out))
+
+    def _stuck(self, call: Call, request: Any, keep: Any, waited: float,
+               timed_out: bool) -> BaseException | None:
+        """The error that ends a wait for ``request`` (see ``wait_request``), if any."""
+        if timed_out:
+            return self._timed_out(call, request, keep)
+        error = departure_error(self._board.departures(), call.op, call.seq, waited)
+        if error is not None:
+            self._abandoned.append((request, keep))
+        return error
 
     def _timed_out(self, call: Call, request: Any, keep: Any) -> CollectiveTimeoutError:
         self._abandoned.append((request, keep))
@@ -127,8 +145,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         request, keep = handle
         self._board.publish(seq)
         if not request.Test():
-            wait_request(request, time.monotonic() + self.timeout,
-                         lambda: self._timed_out(Call(op, seq, None, self.timeout), request, keep))
+            wait_request(request, time.monotonic() + self.timeout, lambda waited, timed_out: self._stuck(
+                Call(op, seq, None, self.timeout), request, keep, waited, timed_out))
 
     # ---- collectives ---------------------------------------------------------------------------
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
@@ -236,7 +254,9 @@ class MPICommunicationBackend(CommunicationBackendBase):
                                ranks.index(self._rank) if member else 0)
         if not member:
             return None
-        return type(self)._adopt(sub, self._MPI, self.timeout, self.debug)
+        group = type(self)._adopt(sub, self._MPI, self.timeout, self.debug)
+        self._subgroups.add(group)  # it departs with this backend
+        return group
 
     # ---- point to point ------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
@@ -255,7 +275,17 @@ class MPICommunicationBackend(CommunicationBackendBase):
         return _P2PWork(self, self._comm.Irecv(buf, src, tag), "recv", seq, src, tag, host,
                         target=tensor)
 
+    def depart(self, *, failed: bool = False) -> None:
+        """Tells the peers on this node that this rank makes no further call on this group or on
+        the groups made from it (its function has returned, or raised when ``failed``): a peer
+        waiting for it in a call it has not issued stops at once (``distframe.backends.departures``).
+        ``shutdown`` departs; the first departure stands."""
+        self._board.depart(self._seq, failed)
+        for group in list(self._subgroups):
+            group.depart(failed=failed)
+
     def _shutdown(self) -> None:
+        self.depart()
         self._board.close()
         if not self._abandoned:
             self._comm.Free()
@@ -276,7 +306,8 @@ class _P2PWork(Work):
             limit = self._backend.timeout if timeout is None else timeout
             try:
                 wait_request(self._request, time.monotonic() + limit,
-                             lambda: self._timed_out(limit), self._status)
+                             lambda _, timed_out: self._timed_out(limit) if timed_out else None,
+                             self._status)
             except self._backend._MPI.Exception as exc:
                 if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
                     raise self._mismatch("more than") from None

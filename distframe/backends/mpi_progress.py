@@ -1,4 +1,5 @@
-"""Bounded waits for the MPI engine: poll a request until a deadline, and say who is missing.
+"""Bounded waits for the MPI engine: poll a request until a deadline, say who is missing, and stop
+at once when a peer has departed (``distframe.backends.departures``).
 
 [Note: why polling] MPI's blocking calls cannot be interrupted, so the engine starts every
 operation non-blocking and polls ``Request.Test()`` until it completes or ``call.timeout``
@@ -8,6 +9,8 @@ with a delay growing to 1 ms, so that a rank waiting for a late peer does not ho
 spin yields the CPU between polls (``sched_yield``): with more ranks than cores (3 ranks on 2
 cores) a pure spin made a 1 MB all-reduce about 2x slower than MPICH's blocking call, the
 yielding one within noise of it; with a core per rank the yield costs nothing measurable.
+Only once the spin is over does the poll ask, every ``CHECK_SECONDS``, whether a peer that can
+never arrive has departed, so a call that completes within the spin pays nothing for it.
 
 [Note: progress board] To name the ranks that did not arrive without another collective, each
 rank writes the sequence number of the collective it has entered into a small file mapped into
@@ -16,7 +19,9 @@ read-only. Publishing is one 8-byte store per call; reading needs no MPI call at
 even when the missing peer is busy in Python and never enters MPI (passive-target RMA does not:
 with MPICH over UCX a Get waits for the target to make progress). The files are unlinked as soon
 as every peer has mapped them, so a killed job leaves nothing behind. Ranks on other nodes are
-reported as unknown.
+reported as unknown. A second word says whether the rank has departed: 0 while it has not, else
+the number of calls it had issued plus one, negated if it failed (one 8-byte store, so a peer
+never reads half of it). Departures of ranks on other nodes are not seen.
 """
 from __future__ import annotations
 
@@ -29,29 +34,39 @@ from typing import Any
 
 import numpy as np
 
+from distframe.backends.departures import Departure
+
 SPIN_SECONDS = 0.05
 MAX_SLEEP_SECONDS = 1e-3
+CHECK_SECONDS = 0.05
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
-def wait_request(request: Any, deadline: float, on_timeout: Callable[[], BaseException],
-                 status: Any = None) -> None:
-    """Polls ``request`` until it completes; past ``deadline`` (``time.monotonic``) raises
-    ``on_timeout()``. The request is left pending on timeout: the caller keeps it alive."""
+def wait_request(request: Any, deadline: float,
+                 on_stuck: Callable[[float, bool], BaseException | None], status: Any = None) -> None:
+    """Polls ``request`` until it completes. Past ``deadline`` (``time.monotonic``) raises
+    ``on_stuck(seconds waited, True)``; after the spin, raises at once what ``on_stuck(seconds
+    waited, False)`` returns, asked every ``CHECK_SECONDS`` (an error when the call can never
+    complete). The request is left pending when this raises: the caller keeps it alive."""
     if request.Test(status):
         return
     start = time.monotonic()
-    spin_until = min(start + SPIN_SECONDS, deadline)
+    spin_until = check_at = min(start + SPIN_SECONDS, deadline)
     delay = 1e-5
     while not request.Test(status):
         now = time.monotonic()
         if now >= deadline:
-            raise on_timeout()
+            raise on_stuck(now - start, True)
         if now < spin_until:
             _yield_cpu()
-        else:
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, MAX_SLEEP_SECONDS)
+            continue
+        if now >= check_at:
+            error = on_stuck(now - start, False)
+            if error is not None:
+                raise error
+            check_at = now + CHECK_SECONDS
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, MAX_SLEEP_SECONDS)
 
 
 class ProgressBoard:
@@ -70,13 +85,31 @@ class ProgressBoard:
                 os.unlink(path)
         finally:
             node.Free()
-        self._own = np.frombuffer(self._own_map, dtype=np.int64, count=1)
+        # Word 0: the last sequence number entered; word 1: the departure (see the module's notes).
+        self._own = np.frombuffer(self._own_map, dtype=np.int64, count=2)
         self._own_rank = comm.Get_rank()
-        self._peers = {rank: np.frombuffer(m, dtype=np.int64, count=1)
+        self._peers = {rank: np.frombuffer(m, dtype=np.int64, count=2)
                        for rank, m in self._peer_maps.items()}
 
     def publish(self, seq: int) -> None:
         self._own[0] = seq
+
+    def depart(self, issued: int, failed: bool) -> None:
+        """Announces that this rank has left after issuing ``issued`` calls; the first
+        announcement stands (a closed board announces nothing)."""
+        if self._own is not None and self._own[1] == 0:
+            self._own[1] = -(issued + 1) if failed else issued + 1
+
+    def depart_after_entered(self) -> None:
+        """``depart`` after the last call this rank entered: for a backend that is gone, which has
+        no call left to run."""
+        if self._own is not None:
+            self.depart(int(self._own[0]), False)
+
+    def departures(self) -> dict[int, Departure]:
+        """The same-node peers that have departed."""
+        words = {rank: int(view[1]) for rank, view in self._peers.items()}
+        return {rank: Departure(abs(word) - 1, word < 0) for rank, word in words.items() if word}
 
     def read(self) -> dict[int, int]:
         """Rank -> last published sequence number, for this rank and its same-node peers."""

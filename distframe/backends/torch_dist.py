@@ -67,6 +67,9 @@ class NCCLCommunicationBackend(TorchDistributedBackend):
     """
 
     engine = "nccl"
+    # NCCL's wait(timeout) marks the work failed once the timeout passes, so waits are not sliced:
+    # a departure is named only when the departed rank's connections close.
+    _wait_slice = datetime.timedelta(0)
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, *, device: int | None = None,
                  timeout: float = DEFAULT_TIMEOUT, debug: bool = False, prefix: str = "distframe",

@@ -1,25 +1,46 @@
 """ProgressBoard: each rank says in the store which call it has reached, so that a rank whose
-collective timed out can name the ranks that never arrived.
+collective timed out can name the ranks that never arrived, and when it leaves a group, so that
+ranks waiting for it there stop at once (``distframe.backends.departures``).
 
 [Note: the board costs nothing per call] A collective only records its sequence number in a
 dict (one assignment). A background thread copies changed entries to the store at most every
 ``interval`` seconds, so the hot path makes no store round trip. An entry is therefore up to one
-interval stale, which is far below any sensible timeout. The store is read only after a failure.
+interval stale, which is far below any sensible timeout. The store is read only after a failure,
+or while a call has waited for longer than ``WAIT_SLICE``.
+
+[Note: departures in the store] A rank that departs sets ``<progress key>/left`` for each group
+it leaves to the number of calls it issued there ("7", or "7 failed"), then appends those keys'
+names to one key per world (``departures_key``). A waiting rank reads that key, one round trip
+while nobody has left, and the ``left`` keys of its group's peers only when it lists them.
+ProcessPool's workers keep their backends from one run to the next: the pool clears the
+departures (``clear_departures``) before each run, when every rank has answered the last one.
 """
 from __future__ import annotations
 
+import datetime
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
+
+from distframe.backends.departures import Departure, departure_error
+
+#: How long a call waits before it first asks whether a peer has departed, and between asks.
+WAIT_SLICE = datetime.timedelta(seconds=0.2)
+_LEFT = "/left"
 
 
 class ProgressBoard:
     """One per process, shared by a world backend and all its subgroups (each group uses its own
     keys). ``reached(key, seq)`` is the hot-path call; ``behind(keys, seq)`` the diagnosis."""
 
-    def __init__(self, store: dist.Store, interval: float = 0.2) -> None:
+    def __init__(self, store: dist.Store, interval: float = 0.2,
+                 departures_key: str = "distframe/departures") -> None:
         self._store = _own_connection(store)
         self._interval = interval
+        self._departures_key = departures_key
         self._latest: dict[str, int] = {}
         self._written: dict[str, int] = {}
         self._stop = threading.Event()
@@ -49,6 +70,52 @@ class ProgressBoard:
         # check() first: get() on a key no one has set would block for the store's timeout.
         return int(self._store.get(key).decode()) if self._store.check([key]) else 0
 
+    def depart(self, under: str, issued: dict[str, int], failed: bool) -> None:
+        """Announces that this rank has left the groups whose progress keys start with ``under``
+        ([Note: departures in the store]), after issuing ``issued[key]`` calls on each. A group
+        missing from ``issued`` is gone (garbage): the last call it entered was its last, and it
+        is announced this once, then forgotten."""
+        suffix = " failed" if failed else ""
+        counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
+                  if key.startswith(under)}
+        for key in counts.keys() - issued.keys():
+            self._latest.pop(key, None)
+        try:
+            for key, count in counts.items():
+                self._store.set(key + _LEFT, f"{count}{suffix}")
+            self._store.append(self._departures_key, "".join(f"{key}{_LEFT}\n" for key in counts))
+            self._store.check([self._departures_key])  # a round trip: every write has landed
+        except RuntimeError:  # the store is gone: nobody is left to wait for this rank
+            pass
+
+    def departure_error(self, keys: dict[int, str], op: str, seq: int, waited: float,
+                        settle: float = 0.0) -> Exception | None:
+        """The error for a wait of ``waited`` seconds in call ``seq`` when a rank of ``keys`` (rank
+        -> progress key) has departed (``departures.departure_error``); None when none has, or
+        when the store cannot be read. ``settle``: for up to that many seconds, asks again until
+        a departure shows."""
+        deadline = time.monotonic() + settle
+        error = self._departure_error(keys, op, seq, waited)
+        while error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            error = self._departure_error(keys, op, seq, waited)
+        return error
+
+    def _departure_error(self, keys: dict[int, str], op: str, seq: int,
+                         waited: float) -> Exception | None:
+        try:
+            if not self._store.check([self._departures_key]):
+                return None
+            listed = set(self._store.get(self._departures_key).decode().split())
+            departed = {}
+            for rank, key in keys.items():
+                if key + _LEFT in listed and self._store.check([key + _LEFT]):
+                    issued, *failed = self._store.get(key + _LEFT).decode().split()
+                    departed[rank] = Departure(int(issued), bool(failed))
+        except (RuntimeError, ValueError):
+            return None
+        return departure_error(departed, op, seq, waited)
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -73,3 +140,40 @@ def _own_connection(store: dist.Store) -> dist.Store:
         return store.clone()
     except (RuntimeError, AttributeError, NotImplementedError):
         return store
+
+
+def wait_in_slices(work: Any, wait_slice: datetime.timedelta,
+                   departure_error: Callable[[float], Exception | None]) -> RuntimeError | None:
+    """Waits for ``work`` (a process group's Work) after a first ``work.wait(wait_slice)`` raised,
+    one slice at a time, raising at once what ``departure_error(seconds waited)`` returns between
+    slices. Returns the work's own failure, or None once it has completed."""
+    start = time.monotonic() - wait_slice.total_seconds()
+    while not work.is_completed():  # a failed call completes too, with its error
+        error = departure_error(time.monotonic() - start)
+        if error is not None:
+            raise error
+        try:
+            work.wait(wait_slice)
+            return None
+        except RuntimeError:  # the slice ended (or the call failed: asked again above)
+            pass
+    try:
+        work.wait()
+    except RuntimeError as failure:
+        return failure
+    return None
+
+
+def clear_departures(store: dist.Store, prefix: str) -> None:
+    """Forgets the departures announced in the world whose backends were built with ``prefix``
+    (for a launcher whose backends serve several runs; call it while no rank is in a call)."""
+    key = departures_key(prefix)
+    if store.check([key]):
+        for left in store.get(key).decode().split():
+            store.delete_key(left)
+        store.delete_key(key)
+
+
+def departures_key(prefix: str) -> str:
+    """The key that lists the departures of the world whose backends were built with ``prefix``."""
+    return f"{prefix}/departures"

@@ -9,7 +9,9 @@ every member derives the same one without talking, and only members build it (to
 
 [Note: what each call costs] A collective is one call of the process group's own operation on
 the caller's tensor (or a zero-copy view of it), plus one dict assignment for the progress board
-(see ``torch_dist_board``). Conversions happen only where the transport lacks something:
+(see ``torch_dist_board``). Gloo waits in slices of ``WAIT_SLICE`` (0.2 s), asking between them
+whether a peer has departed (``distframe.backends.departures``): a call that completes within
+the first slice pays nothing for it. Conversions happen only where the transport lacks something:
 see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base class's all-gather of a
 16 x int64 signature (128 bytes per rank: one small-message latency), and per point-to-point
 message a 128-byte header that the receiver checks before it posts the payload's receive.
@@ -26,6 +28,7 @@ import abc
 import dataclasses
 import datetime
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,17 +39,20 @@ from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendB
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import ProgressBoard
+from distframe.backends.torch_dist_board import WAIT_SLICE, ProgressBoard, departures_key, wait_in_slices
+from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
+                                                   options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
-_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-              ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16
+# A rank whose function returns drops the groups it made (their connections close) just before it
+# departs: a lost connection is put down to a departure that shows within this many seconds.
+_DEPARTURE_SETTLE_S = 0.5
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
 _POSTABLE = NATIVE_DTYPES - {torch.bool}
 _PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
@@ -59,6 +65,7 @@ class _Shared:
     store: dist.Store
     board: ProgressBoard
     failed: bool = False
+    groups: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # its live backends
 
 
 class TorchDistributedBackend(CommunicationBackendBase):
@@ -73,16 +80,20 @@ class TorchDistributedBackend(CommunicationBackendBase):
     engine = "torch"
     _keeps_half_dtype = True
     _device: torch.device
+    #: A wait that outlasts it asks whether a peer has departed (distframe.backends.departures).
+    _wait_slice: datetime.timedelta = WAIT_SLICE
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, *,
                  timeout: float = DEFAULT_TIMEOUT, debug: bool = False, prefix: str = "distframe",
                  _shared: _Shared | None = None) -> None:
         super().__init__(rank, world_size, timeout=timeout, debug=debug)
         self._owns_shared = _shared is None
-        self._shared = _shared or _Shared(store, ProgressBoard(store, min(0.2, self.timeout / 10)))
+        self._shared = _shared or _Shared(store, ProgressBoard(store, min(0.2, self.timeout / 10),
+                                                               departures_key(prefix)))
         self._prefix = prefix
         self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
         self._my_progress_key = self._progress_keys[rank]
+        self._peer_progress_keys = {r: k for r, k in self._progress_keys.items() if r != rank}
         self._shared.board.register(self._my_progress_key)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
@@ -91,6 +102,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
                           world_size, timeout_delta)
         self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
         self._p2p_counts: dict[tuple[str, int, int], int] = {}
+        self._shared.groups.add(self)
 
     @property
     def has_failed(self) -> bool:
@@ -112,7 +124,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         staged = self._stage(tensor)
         self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.allreduce(
-            [wire], _options(dist.AllreduceOptions, reduceOp=torch_op)))
+            [wire], options(dist.AllreduceOptions, reduceOp=torch_op)))
         self._unstage(staged, tensor)
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
@@ -121,7 +133,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if self._rank != dst:  # the transport may use a non-root input as scratch space
             staged = staged.clone()
         self._reduce_in_place(staged, op, call, lambda wire, torch_op: self._pg.reduce(
-            [wire], _options(dist.ReduceOptions, rootRank=dst, reduceOp=torch_op)))
+            [wire], options(dist.ReduceOptions, rootRank=dst, reduceOp=torch_op)))
         if self._rank == dst:
             self._unstage(staged, tensor)
 
@@ -136,7 +148,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if out is None or wire is not staged or staged is not tensor:  # else use the caller's buffer
             out = wire.new_empty((wire.shape[0] // self._world_size, *wire.shape[1:]))
         self._complete(call, self._pg._reduce_scatter_base, out, wire,
-                       _options(dist.ReduceScatterOptions, reduceOp=_TORCH_OPS[op]))
+                       options(dist.ReduceScatterOptions, reduceOp=TORCH_OPS[op]))
         return self._result(from_reducible(out, tensor.dtype), tensor)
 
     def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +163,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         staged = self._stage(tensor)
         self._complete(call, self._pg.broadcast, [movable(staged)],
-                       _options(dist.BroadcastOptions, rootRank=src))
+                       options(dist.BroadcastOptions, rootRank=src))
         self._unstage(staged, tensor)
 
     def _gather(self, tensor: torch.Tensor, dst: int, call: Call) -> list[torch.Tensor] | None:
@@ -159,7 +171,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         staged = self._stage(tensor)
         outs = [staged.new_empty(staged.shape) for _ in range(self._world_size)] if self._rank == dst else []
         self._complete(call, self._pg.gather, [[movable(o) for o in outs]] if outs else [],
-                       [movable(staged)], _options(dist.GatherOptions, rootRank=dst))
+                       [movable(staged)], options(dist.GatherOptions, rootRank=dst))
         return [self._result(o, tensor) for o in outs] if self._rank == dst else None
 
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
@@ -171,7 +183,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         out = torch.empty(shape, dtype=dtype, device=self._device)
         sources = [[movable(self._stage(c.contiguous())) for c in chunks]] if chunks is not None else []
         self._complete(call, self._pg.scatter, [movable(out)], sources,
-                       _options(dist.ScatterOptions, rootRank=src))
+                       options(dist.ScatterOptions, rootRank=src))
         return scattered_to(out, source_on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
@@ -228,7 +240,18 @@ class TorchDistributedBackend(CommunicationBackendBase):
         return self._p2p_counts[key]
 
     # ---- life cycle --------------------------------------------------------------------------
+    def depart(self, *, failed: bool = False) -> None:
+        """Tells the peers that this rank makes no further call on this group or on the groups
+        made from it (its function has returned, or raised when ``failed``): a peer waiting for it
+        in a call it has not issued stops at once (``distframe.backends.departures``).
+        ``shutdown`` departs; launchers depart for a rank whose function has ended."""
+        under = f"{self._prefix}/"  # this group's keys and those of the groups made from it
+        issued = {g._my_progress_key: g._seq for g in list(self._shared.groups)
+                  if g._my_progress_key.startswith(under)}
+        self._shared.board.depart(under, issued, failed)
+
     def _shutdown(self) -> None:
+        self.depart()
         sends, self._unfinished_sends = self._unfinished_sends, []
         for work, _ in sends:
             try:
@@ -269,7 +292,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             staged.copy_(reduced.view(staged.shape))
             return
         wire, shares_memory = plan
-        self._complete(call, issue, wire, _TORCH_OPS[op])
+        self._complete(call, issue, wire, TORCH_OPS[op])
         if not shares_memory:
             staged.copy_(from_reducible(wire, staged.dtype))
 
@@ -279,17 +302,36 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     def _await(self, work: Any, op: str, seq: int) -> None:
         try:
-            work.wait()
+            work.wait(self._wait_slice)
+            return
         except RuntimeError as exc:
-            error = self._comm_error(exc, op, seq, None)
-            if error is None:
-                raise
-            raise error from exc
+            first = exc
+        # Outside the except block, so that what it raises does not chain "Operation timed out!".
+        self._await_rest(work, first, op, seq)
+
+    def _await_rest(self, work: Any, exc: RuntimeError, op: str, seq: int) -> None:
+        """``_await`` once the first wait raised ``exc``, perhaps only because the slice ended."""
+        if self._wait_slice:
+            failure = wait_in_slices(work, self._wait_slice,
+                                     lambda waited: self._departure_error(op, seq, waited))
+            if failure is None:
+                return
+            exc = failure
+        error = self._comm_error(exc, op, seq, None)
+        if error is None:
+            raise exc
+        raise error from exc
+
+    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0) -> Exception | None:
+        error = self._shared.board.departure_error(self._peer_progress_keys, op, seq, waited, settle)
+        if error is not None:
+            self._shared.failed = True
+        return error
 
     # ---- post first (see distframe.backends.posted; Gloo only): native dtypes ------------------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         if tensor.dtype in _POSTABLE:
-            return self._pg.allreduce([tensor], _ALLREDUCE_OPTIONS[op])
+            return self._pg.allreduce([tensor], ALLREDUCE_OPTIONS[op])
         return None
 
     def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
@@ -299,7 +341,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
         if out.is_cpu and tensor.dtype in _POSTABLE:
-            return self._pg._reduce_scatter_base(out, tensor, _REDUCE_SCATTER_OPTIONS[op])
+            return self._pg._reduce_scatter_base(out, tensor, REDUCE_SCATTER_OPTIONS[op])
         return None
 
     def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
@@ -316,9 +358,12 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if not timed_out and not any(word in lowered for word in _PEER_LOST):
             return None
         self._shared.failed = True
+        if peers is None and not timed_out:  # a peer that departs may close its connections first
+            departed = self._departure_error(op, seq, 0.0, _DEPARTURE_SETTLE_S)
+            if departed is not None:
+                return departed
         detail = f"{self.engine} reported: " + _SOURCE_LOCATION.sub("", text.splitlines()[0] if text else "")
-        missing = peers if peers is not None else self._shared.board.behind(
-            {r: key for r, key in self._progress_keys.items() if r != self._rank}, seq)
+        missing = peers if peers is not None else self._shared.board.behind(self._peer_progress_keys, seq)
         if missing == []:
             detail += "; every rank had reached this call"
         if timed_out:
@@ -340,30 +385,3 @@ def _wait_for_members(store: dist.Store, rank: int, world_size: int,
     store.set(str(rank), "1")
     store.wait([str(r) for r in range(world_size)], timeout)
 
-
-_OPTIONS: dict[tuple, Any] = {}
-
-
-def _options(cls: type, **fields: Any) -> Any:
-    """A torch.distributed options object with ``fields`` set. Process groups copy their options,
-    so one object per distinct value is built once and reused (building one costs a few
-    microseconds per call)."""
-    key = (cls, *fields.items())
-    try:
-        return _OPTIONS[key]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable value: build a fresh one
-        key = None
-    options = cls()
-    for name, value in fields.items():
-        setattr(options, name, value)
-    if key is not None:
-        _OPTIONS[key] = options
-    return options
-
-
-_ALLREDUCE_OPTIONS = {op: _options(dist.AllreduceOptions, reduceOp=torch_op)
-                      for op, torch_op in _TORCH_OPS.items()}
-_REDUCE_SCATTER_OPTIONS = {op: _options(dist.ReduceScatterOptions, reduceOp=torch_op)
-                           for op, torch_op in _TORCH_OPS.items()}

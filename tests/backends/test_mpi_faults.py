@@ -35,10 +35,12 @@ def _outcome(fn):
 
 # ---- functions the ranks run ---------------------------------------------------------------------
 def run_timeout(b, absent):
-    """Every rank but ``absent`` calls all_reduce as the group's second collective."""
+    """Every rank but ``absent`` calls all_reduce as the group's second collective; ``absent``
+    stays past their timeout (leaving would stop them at once: test_departures)."""
     with MPICommunicationBackend(b.comm, timeout=1.0) as fast:
         fast.barrier()
         if fast.rank == absent:
+            time.sleep(2.5)
             return "skipped"
         start = time.monotonic()
         outcome = _outcome(lambda: fast.all_reduce(torch.ones(4)))

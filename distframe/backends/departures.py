@@ -1,0 +1,59 @@
+"""Departures: a rank says that it will make no further call on a group, so that peers waiting for
+it there stop at once instead of at the timeout. Used by the Gloo/NCCL and MPI engines, whose
+progress boards (``torch_dist_board``, ``mpi_progress``) carry the announcements.
+
+[Note: departures] A rank departs when its function under a launcher has returned or raised, or
+when it shuts a backend down (``depart`` on the engines; ``shutdown`` departs from that group and
+the groups made from it). It records, per group, how many calls it had issued there and whether
+it failed. A rank whose call has not completed asks, every fraction of a second while it waits
+(never on a call that completes on the fast path), whether a peer of the group has departed:
+
+* a peer that failed: RankFailedError naming it, as when the in-memory engine aborts;
+* a peer that left having issued fewer calls than this call's sequence number can never arrive:
+  CollectiveTimeoutError naming the call, its sequence number and that rank;
+* a peer that left after issuing this call is waited for as usual: its call runs (perhaps still
+  on its communication thread). So ranks that end at slightly different times, or a peer still
+  in its last call when another leaves, see no error.
+
+Each engine marks the group unusable after such an error, as after a timeout: the call that was
+abandoned cannot be cancelled. Where the engines differ:
+
+* Gloo asks the store after each ``torch_dist_board.WAIT_SLICE`` (0.2 s) of a wait; a lost
+  connection (a departing rank's groups close theirs) is put down to a departure that shows
+  within half a second. NCCL's waits are not sliced (its ``wait(timeout)`` fails the work), so
+  there a departure is named only in the error of a lost connection.
+* MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
+  sees the departures of ranks on its own node only. A backend that is garbage departs too.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from distframe.errors import CollectiveTimeoutError, RankFailedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Departure:
+    """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised."""
+
+    issued: int
+    failed: bool = False
+
+
+def departure_error(departed: dict[int, Departure], op: str, seq: int,
+                    waited: float) -> Exception | None:
+    """The error for a rank that has waited ``waited`` seconds in call ``seq`` (``op``) of a group
+    whose ranks ``departed`` have left it; None when every rank it may wait for can still come."""
+    failed = sorted(rank for rank, d in departed.items() if d.failed)
+    if failed:
+        return RankFailedError(failed[0], f"{op} (sequence number {seq}): it raised and left the group")
+    gone = sorted(rank for rank, d in departed.items() if d.issued < seq)
+    if not gone:
+        return None
+    who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {gone}"
+    calls = " and ".join(str(departed[rank].issued) for rank in gone)
+    return CollectiveTimeoutError(
+        op, seq, gone, round(waited, 1),
+        f"{who} left the group after {calls} calls, without making this one (its function returned "
+        "or it shut the backend down), so this rank stopped at once instead of waiting for the "
+        "timeout; the group is unusable now, shut it down")

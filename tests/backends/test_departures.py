@@ -1,0 +1,221 @@
+"""Ranks that leave while their peers wait for them, on the Gloo and MPI engines (worlds of 2 and 3):
+a rank whose function returned, that shut a backend down, or that failed, without making the call
+its peers wait in, stops them at once (CollectiveTimeoutError naming the call and the rank, or
+RankFailedError) instead of at the timeout (30 s here); ranks that end at slightly different
+times after completing every call cause no error. See distframe/backends/departures.py.
+
+Run as a module under torchrun (``python -m torch.distributed.run ... -m
+tests.backends.test_departures``), this file is the program of the torchrun test.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distframe._process_launch import ProcessPool
+from distframe.errors import CollectiveTimeoutError, RankFailedError
+from distframe.launch import init_backend, spawn
+
+TIMEOUT = 30.0  # every backend's timeout in this module
+PROMPT = 10.0  # an error that came sooner was caused by the departure, not by the timeout
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POOLS = [pytest.param((engine, world), marks=getattr(pytest.mark, engine), id=f"{engine}-{world}")
+         for engine in ("gloo", "mpi") for world in (2, 3)]
+
+
+@pytest.fixture(scope="module", params=POOLS)
+def pool(request):
+    engine, world = request.param
+    if engine == "gloo":
+        made = ProcessPool(world, "gloo", timeout=TIMEOUT)
+    else:
+        pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
+        from distframe._mpi_launch import MPIPool
+        made = MPIPool(world, timeout=TIMEOUT)
+    with made:
+        yield made
+
+
+# ---- what the ranks run ------------------------------------------------------------------------
+def _outcome(call):
+    """What ``call()`` did on a waiting rank, and how long it took."""
+    start = time.monotonic()
+    try:
+        call()
+    except CollectiveTimeoutError as exc:
+        return "timeout", exc.op, exc.seq, exc.missing_ranks, time.monotonic() - start, str(exc)
+    except RankFailedError as exc:
+        return "failed", exc.failed_rank, time.monotonic() - start, str(exc)
+    return "completed", time.monotonic() - start
+
+
+def _signal_and_wait(signals: str, rank: int, world_size: int, leaver: int) -> None:
+    """Peers drop a file once they have their outcome; the leaver stays until they all have."""
+    if rank != leaver:
+        Path(signals, f"rank{rank}").touch()
+        return
+    deadline = time.monotonic() + TIMEOUT + 10
+    peers = [Path(signals, f"rank{r}") for r in range(world_size) if r != leaver]
+    while time.monotonic() < deadline and not all(p.exists() for p in peers):
+        time.sleep(0.05)
+
+
+def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
+    """The last rank leaves without making the call its peers wait in: its function returns
+    (``how`` "return"), or it shuts down the backend the call is made on or the one that backend
+    was made from, and stays until its peers have their outcome ("shutdown"). The call is an
+    all_reduce (the post-first path) or a broadcast from the leaver on that backend, or a barrier
+    on a subgroup of it whose rank order is reversed. Waiting ranks return (the op, sequence
+    number and missing ranks they expect, what happened)."""
+    leaver = b.world_size - 1
+    if how == "return":
+        owner = b
+    elif b.engine == "mpi":  # as in a script that mpiexec started
+        owner = init_backend("mpi", timeout=TIMEOUT)
+    else:  # not the pool's own backend, which serves the other tests of this module
+        owner = b.new_group(list(range(b.world_size)))
+    reversed_ranks = list(range(b.world_size))[::-1]
+    group = owner.new_group(reversed_ranks) if where == "subgroup barrier" else owner
+    if b.rank == leaver:
+        if how == "shutdown":
+            owner.shutdown()
+            _signal_and_wait(signals, b.rank, b.world_size, leaver)
+        return None
+    op = "barrier" if where == "subgroup barrier" else where
+    leaver_there = reversed_ranks.index(leaver) if group is not owner else leaver
+    expected = (op, group.stats.total_calls() + 1, [leaver_there])
+    calls = {"all_reduce": lambda: group.all_reduce(torch.ones(3)),
+             "broadcast": lambda: group.broadcast(torch.ones(3, dtype=torch.float64), leaver_there),
+             "subgroup barrier": lambda: group.barrier()}
+    outcome = _outcome(calls[where])
+    if how == "shutdown":
+        _signal_and_wait(signals, b.rank, b.world_size, leaver)
+        owner.shutdown()
+    return expected, outcome
+
+
+def rank_depart_as_failed(b, signals: str):
+    """The last rank announces that it failed and stays; its peers wait in an all_reduce."""
+    leaver = b.world_size - 1
+    b.barrier()
+    if b.rank == leaver:
+        b.depart(failed=True)
+    outcome = None if b.rank == leaver else _outcome(lambda: b.all_reduce(torch.ones(2)))
+    _signal_and_wait(signals, b.rank, b.world_size, leaver)
+    return outcome
+
+
+def rank_return_while_peers_wait(b):
+    if b.rank != b.world_size - 1:
+        b.all_reduce(torch.ones(2))
+
+
+def rank_raise_while_peers_wait(b):
+    b.barrier()
+    if b.rank == b.world_size - 1:
+        raise ValueError("the last rank gives up")
+    b.all_reduce(torch.ones(2))
+
+
+def rank_last_arrives_late(b):
+    """Every rank completes every call; the last rank enters the last one late, while the others
+    wait in it, and each rank returns as soon as its call is done."""
+    b.all_reduce(torch.ones(2))
+    if b.rank == b.world_size - 1:
+        time.sleep(0.6)
+    return b.all_reduce(torch.ones(2))[0].item()
+
+
+def rank_last_call_left_running(b):
+    """The last rank issues its last call asynchronously, late, and returns without waiting for
+    it: the call still runs, so the peers waiting in it complete."""
+    b.barrier()
+    if b.rank == b.world_size - 1:
+        time.sleep(0.6)
+        b.all_reduce(torch.ones(2), async_op=True)
+        return None
+    return b.all_reduce(torch.ones(2))[0].item()
+
+
+# ---- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["return", "shutdown"])
+@pytest.mark.parametrize("where", ["all_reduce", "broadcast", "subgroup barrier"])
+def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, how):
+    results = pool.run(rank_leave_while_peers_wait, where, how, str(tmp_path))
+    assert results[-1] is None
+    for expected, outcome in results[:-1]:
+        assert outcome[:4] == ("timeout", *expected), outcome
+        elapsed, text = outcome[4:]
+        assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+
+
+def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(pool, tmp_path):
+    results = pool.run(rank_depart_as_failed, str(tmp_path))
+    world = len(results)
+    assert results[-1] is None
+    for kind, failed_rank, elapsed, text in results[:-1]:
+        assert (kind, failed_rank) == ("failed", world - 1), text
+        assert elapsed < PROMPT and "all_reduce (sequence number" in text, text
+
+
+def test_ranks_ending_at_different_times_raise_nothing(pool):
+    world = pool.world_size
+    for _ in range(2):  # the second run must not see the first run's departures
+        assert pool.run(rank_last_arrives_late) == [float(world)] * world
+    assert pool.run(rank_last_call_left_running) == [float(world)] * (world - 1) + [None]
+
+
+@pytest.mark.parametrize("engine", [pytest.param("gloo", marks=pytest.mark.gloo),
+                                    pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_spawn_stops_ranks_waiting_for_one_that_returned(engine):
+    if engine == "mpi":
+        pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        spawn(rank_return_while_peers_wait, 3, engine, timeout=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT  # starting the processes takes a few seconds
+    assert (info.value.op, info.value.seq, info.value.missing_ranks) == ("all_reduce", 1, [2])
+    assert info.value.timeout < PROMPT  # how long rank 0 waited
+    with pytest.raises(ValueError, match="the last rank gives up") as info:
+        spawn(rank_raise_while_peers_wait, 3, engine, timeout=TIMEOUT)
+    assert any("raised on rank 2" in note for note in info.value.__notes__)
+
+
+# ---- torchrun -----------------------------------------------------------------------------------
+def torchrun_main() -> None:
+    """Rank 1 shuts its backend down and stays until rank 0 has reported its all_reduce."""
+    backend = init_backend("gloo", timeout=TIMEOUT)
+    backend.barrier()
+    signals = os.environ["DISTFRAME_TEST_SIGNALS"]
+    if backend.rank == 1:
+        backend.shutdown()
+    else:
+        print("OUTCOME", repr(_outcome(lambda: backend.all_reduce(torch.ones(2)))[:5]), flush=True)
+    _signal_and_wait(signals, backend.rank, backend.world_size, 1)
+    backend.shutdown()
+
+
+@pytest.mark.gloo
+def test_a_rank_that_shuts_down_under_torchrun_stops_its_waiting_peer(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", DISTFRAME_TEST_SIGNALS=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "tests.backends.test_departures"]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.findall(r"OUTCOME \('(\w+)', '(\w+)', (\d+), \[(\d)\], ([\d.]+)\)", done.stdout)
+    assert len(found) == 1, done.stdout[-3000:]
+    kind, op, seq, missing, elapsed = found[0]
+    assert (kind, op, seq, missing) == ("timeout", "all_reduce", "2", "1")
+    assert float(elapsed) < PROMPT
+
+
+if __name__ == "__main__":
+    torchrun_main()
