@@ -136,7 +136,8 @@ def _gather_blocks(x, index, head_idx, bs):
     nb, kmax = index.shape[1], index.shape[2]
     blocks = x.view(batch, nb, bs, heads, head_dim).permute(0, 3, 1, 2, 4)  # (B, H, nb, bs, D)
     picked = blocks[:, head_idx, index.view(heads, -1)]  # (B, H, nb*K, bs, D)
-    picked = picked.view(batch, heads, nb, kmax * bs, head_dim)
+    # reshape: a view for inputs laid out (B, T, H, D); a copy for others, e.g. batch-second
+    picked = picked.reshape(batch, heads, nb, kmax * bs, head_dim)
     return picked.permute(0, 2, 1, 3, 4)  # (B, nb, H, K*bs, D)
 
 
