@@ -39,10 +39,14 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
 
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
-    """Shapes ``(B, T, H, D)``, equal for q, k, v; mask ``(B, T)`` bool."""
+    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype and device; mask ``(B, T)`` bool."""
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
     for name, tensor in (("key", key), ("value", value)):
+        for what in ("dtype", "device"):
+            if getattr(tensor, what) != getattr(query, what):
+                raise ValueError(f"{name} {what} {getattr(tensor, what)} differs from query "
+                                 f"{what} {getattr(query, what)}: pass q, k and v alike")
         if tensor.shape[-1] != query.shape[-1]:
             raise ValueError(f"{name} head_dim {tensor.shape[-1]} differs from query head_dim "
                              f"{query.shape[-1]}")

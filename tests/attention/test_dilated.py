@@ -146,6 +146,14 @@ def test_head_dim_mismatch():
         DilatedAttention([4], [1])(q, k[..., :3], v)
 
 
+def test_mixed_dtypes_are_an_error_that_names_them():
+    """As SDPA: q, k and v share a dtype; the error says which differs (not a matmul failure)."""
+    q, k, v = random_qkv(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="key dtype torch.float32 differs from query dtype "
+                                         "torch.float64"):
+        DilatedAttention([4], [1])(q, k.float(), v)
+
+
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_batch_or_sequence(shape, causal):
