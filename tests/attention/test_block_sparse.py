@@ -64,6 +64,18 @@ def test_invalid_arguments():
         BlockSparseDilatedAttention(4, local_window=1)(q, k, v)
 
 
+@pytest.mark.parametrize("inputs,mask,message", [
+    ((1, 8, 2), None, r"query must be \(batch, seq, heads, head_dim\)"),
+    ((1, 8, 2, 4), torch.zeros(1, 8), "key_padding_mask must be a bool tensor"),
+    ((1, 8, 2, 4), torch.zeros(1, 4, dtype=torch.bool), r"key_padding_mask must be \(batch, seq\)"),
+])
+def test_invalid_inputs_name_the_fix(inputs, mask, message):
+    """The same checks as ``DilatedAttention``, not an unpacking, view or ``~`` failure."""
+    x = torch.zeros(inputs, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        BlockSparseDilatedAttention(4, local_window=1)(x, x, x, key_padding_mask=mask)
+
+
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
 def test_empty_batch_or_sequence(shape):
     q, k, v = random_qkv(*shape)
