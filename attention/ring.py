@@ -95,6 +95,9 @@ class RingDilatedAttention(DilatedAttention):
         super().__init__(segment_lengths, dilation_rates, softmax_scale, attention_dropout)
         if attention_dropout != 0.0:
             raise ValueError("attention_dropout: RingDilatedAttention supports only 0.0")
+        if total_heads is None and head_start != 0:
+            raise ValueError(f"head_start={head_start} needs total_heads (the model's head count) "
+                             "to place the heads passed in; or leave head_start at 0")
         if total_heads is not None and not 0 <= head_start < total_heads:
             raise ValueError(f"head_start={head_start} must lie in 0..{total_heads - 1} (total_heads)")
         self.backend = backend

@@ -127,6 +127,9 @@ def test_ring_over_a_slice_of_the_heads(case, heads):
 def test_head_slice_outside_the_heads_is_an_error():
     with pytest.raises(ValueError, match="head_start"):
         RingDilatedAttention((4,), (1,), backend=None, head_start=4, total_heads=4)
+    # Without total_heads a head_start would be ignored: heads 0.. would be read silently.
+    with pytest.raises(ValueError, match="head_start=2 needs total_heads"):
+        RingDilatedAttention((4,), (2,), backend=None, head_start=2)
 
     def run(backend):
         module = RingDilatedAttention((4,), (1,), backend=backend, head_start=2, total_heads=4)
