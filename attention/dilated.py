@@ -7,6 +7,7 @@ merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zer
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -61,6 +62,26 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
 
 
+class KeySourceCache(OrderedDict):
+    """The key sources (index layouts) of the most recent ``max_entries`` shapes, least recently
+    used dropped first: each holds O(seq * heads) index tensors, and a model run on many sequence
+    lengths (generation, variable-length batches) would otherwise keep one set per length."""
+
+    def __init__(self, max_entries: int = 8) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def __getitem__(self, key):
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_entries:
+            self.popitem(last=False)
+
+
 class DilatedAttention(nn.Module):
     """Exact dilated attention on ``(batch, seq, heads, head_dim)`` tensors, one device.
 
@@ -81,7 +102,7 @@ class DilatedAttention(nn.Module):
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.softmax_scale = softmax_scale
         self.attention_dropout = attention_dropout
-        self._sources: dict[tuple, list[LocalKeySource]] = {}
+        self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
                      is_causal: bool) -> list[LocalKeySource]:

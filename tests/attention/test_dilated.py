@@ -168,3 +168,16 @@ def test_empty_batch_or_sequence(shape, causal):
                                     dtype=torch.float64)
     x = torch.randn(shape[0], shape[1], 8, dtype=torch.float64)
     assert mha(x, x, x, is_causal=causal)[0].shape == x.shape
+
+
+def test_layouts_kept_for_a_few_sequence_lengths_only():
+    """Index layouts are cached per sequence length; a model fed many lengths (generation,
+    variable-length batches) keeps only the most recent few, and evicted ones are rebuilt."""
+    module = DilatedAttention([4, 8], [1, 2])
+    first = random_qkv(1, 3, 2, 4)
+    with torch.no_grad():
+        for seq in range(3, 60):
+            module(*random_qkv(1, seq, 2, 4), is_causal=True)
+        assert len(module._sources) <= 8
+        out = module(*first, is_causal=True)
+        assert max_error(out, dense_dilated_attention(*first, [4, 8], [1, 2], is_causal=True)) < TOL64
