@@ -92,6 +92,20 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(lambda *t: module(*t, is_causal=True), (q, k, v))
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_double_backward_is_refused(fused, monkeypatch):
+    """The exact backward is not itself differentiable: the math kernel (float64 on a GPU, odd
+    head sizes) gave wrong second derivatives silently (errors of 0.5 against the dense
+    reference), the fused one an error about an aten op. Both now refuse, saying so."""
+    if not fused:
+        monkeypatch.setattr("attention.kernel._use_cpu_flash", lambda q: False)
+    q, k, v = random_qkv(1, 6, 2, 3)
+    out = DilatedAttention([4], [1])(q, k, v)
+    grad_q, = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
+
+
 def test_autograd_path_matches_function():
     q, k, v = random_qkv(2, 13, 4, 4)
     module = DilatedAttention([4, 8], [1, 2])
