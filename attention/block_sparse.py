@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.dilated import validate_inputs
+
 
 def local_window_layout(num_blocks: int, window: int) -> torch.Tensor:
     """Blocks within ``window`` blocks of the diagonal."""
@@ -96,9 +98,8 @@ class BlockSparseDilatedAttention(nn.Module):
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, H, D)`` -> ``(B, T, H, D)``; T must be a multiple of ``block_size``."""
+        validate_inputs(query, key, value, key_padding_mask)
         batch, seq_len, heads, head_dim = query.shape
-        if key.shape != query.shape or value.shape != query.shape:
-            raise ValueError("query, key and value must share the shape (batch, seq, heads, dim)")
         if seq_len % self.block_size != 0:
             raise ValueError(f"seq length {seq_len} must be a multiple of block_size "
                              f"{self.block_size}")
@@ -136,7 +137,8 @@ def _gather_blocks(x, index, head_idx, bs):
     nb, kmax = index.shape[1], index.shape[2]
     blocks = x.view(batch, nb, bs, heads, head_dim).permute(0, 3, 1, 2, 4)  # (B, H, nb, bs, D)
     picked = blocks[:, head_idx, index.view(heads, -1)]  # (B, H, nb*K, bs, D)
-    picked = picked.view(batch, heads, nb, kmax * bs, head_dim)
+    # reshape: a view for inputs laid out (B, T, H, D); a copy for others, e.g. batch-second
+    picked = picked.reshape(batch, heads, nb, kmax * bs, head_dim)
     return picked.permute(0, 2, 1, 3, 4)  # (B, nb, H, K*bs, D)
 
 

@@ -7,6 +7,7 @@ merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zer
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -39,10 +40,14 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
 
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
-    """Shapes ``(B, T, H, D)``, equal for q, k, v; mask ``(B, T)`` bool."""
+    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype and device; mask ``(B, T)`` bool."""
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
     for name, tensor in (("key", key), ("value", value)):
+        for what in ("dtype", "device"):
+            if getattr(tensor, what) != getattr(query, what):
+                raise ValueError(f"{name} {what} {getattr(tensor, what)} differs from query "
+                                 f"{what} {getattr(query, what)}: pass q, k and v alike")
         if tensor.shape[-1] != query.shape[-1]:
             raise ValueError(f"{name} head_dim {tensor.shape[-1]} differs from query head_dim "
                              f"{query.shape[-1]}")
@@ -55,6 +60,26 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              f"got {tuple(key_padding_mask.shape)}")
         if key_padding_mask.dtype != torch.bool:
             raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
+
+
+class KeySourceCache(OrderedDict):
+    """The key sources (index layouts) of the most recent ``max_entries`` shapes, least recently
+    used dropped first: each holds O(seq * heads) index tensors, and a model run on many sequence
+    lengths (generation, variable-length batches) would otherwise keep one set per length."""
+
+    def __init__(self, max_entries: int = 8) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def __getitem__(self, key):
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_entries:
+            self.popitem(last=False)
 
 
 class DilatedAttention(nn.Module):
@@ -77,7 +102,7 @@ class DilatedAttention(nn.Module):
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.softmax_scale = softmax_scale
         self.attention_dropout = attention_dropout
-        self._sources: dict[tuple, list[LocalKeySource]] = {}
+        self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
                      is_causal: bool) -> list[LocalKeySource]:

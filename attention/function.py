@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from attention.kernel import accumulate_dtype, segment_attention_backward, segment_attention_forward
 from attention.plan import SlotPlan
@@ -101,6 +102,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not differentiable: refuse double backward
     def backward(ctx, grad_out, _grad_lse):
         query, key, value, out, lse, key_padding_mask = ctx.saved_tensors
         grads = [torch.zeros(t.shape, dtype=lse.dtype, device=t.device)

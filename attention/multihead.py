@@ -68,12 +68,16 @@ class MultiheadDilatedAttention(nn.Module):
         """``(B, T, E)`` inputs -> ``((B, T, E), None)`` (no attention weights are formed)."""
         if query.dim() != 3:
             raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
+        if key.shape != query.shape or value.shape != query.shape:
+            raise ValueError(f"dilated attention segments one sequence: key and value must have "
+                             f"the query's shape {tuple(query.shape)}, got key "
+                             f"{tuple(key.shape)} and value {tuple(value.shape)}")
         batch, seq_len, _ = query.shape
         # num_heads follows the projection width, so a column-split q_proj just works.
         heads = self.q_proj.out_features // self.head_dim
         q = self.q_proj(query).view(batch, seq_len, heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(key).view(batch, key.shape[1], heads, self.head_dim)
-        v = self.v_proj(value).view(batch, value.shape[1], heads, self.head_dim)
+        k = self.k_proj(key).view(batch, seq_len, heads, self.head_dim)
+        v = self.v_proj(value).view(batch, seq_len, heads, self.head_dim)
         attended = self.attention(q, k, v, is_causal=is_causal,
                                   key_padding_mask=key_padding_mask)  # (B, T, H, D)
         attended = attended.reshape(batch, seq_len, heads * self.head_dim)  # (B, T, E)

@@ -80,8 +80,9 @@ class RingDilatedAttention(DilatedAttention):
 
     Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
-    and two in backward (keys again, then key gradients); none otherwise. Counted in
-    ``backend.stats``. Attention dropout is not supported here.
+    and two in backward (keys again, then key gradients); none otherwise; and one
+    ``all_gather`` of the slice lengths (8 bytes a rank) the first time a shape is seen. Counted
+    in ``backend.stats``. Attention dropout is not supported here.
 
     ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
     parallelism split by heads): the ``H`` heads it passes are heads ``[head_start,
@@ -95,12 +96,25 @@ class RingDilatedAttention(DilatedAttention):
         super().__init__(segment_lengths, dilation_rates, softmax_scale, attention_dropout)
         if attention_dropout != 0.0:
             raise ValueError("attention_dropout: RingDilatedAttention supports only 0.0")
+        if total_heads is None and head_start != 0:
+            raise ValueError(f"head_start={head_start} needs total_heads (the model's head count) "
+                             "to place the heads passed in; or leave head_start at 0")
         if total_heads is not None and not 0 <= head_start < total_heads:
             raise ValueError(f"head_start={head_start} must lie in 0..{total_heads - 1} (total_heads)")
         self.backend = backend
         # Head-split (tensor-parallel) use: the H heads passed in are heads
         # [head_start, head_start + H) of total_heads, and read what those heads read.
         self.head_start, self.total_heads = head_start, total_heads
+
+    def _check_equal_slices(self, local_len: int, device) -> None:
+        """One ``all_gather`` of the slice lengths, when a new shape's sources are built: slices
+        of unequal lengths would be placed at ``rank * local_len`` and give wrong results."""
+        lengths = self.backend.all_gather(torch.tensor([local_len], device=device)).tolist()
+        if len(set(lengths)) > 1:
+            raise ValueError(f"RingDilatedAttention needs slices of one length on every rank, got "
+                             f"{lengths} on ranks 0..{len(lengths) - 1}: pad the sequence to a "
+                             "multiple of the world size (masking the padding with "
+                             "key_padding_mask) and split it into equal slices")
 
     def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
         """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it
@@ -109,6 +123,7 @@ class RingDilatedAttention(DilatedAttention):
         cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
         if cache_key in self._sources:
             return self._sources[cache_key]
+        self._check_equal_slices(local_len, device)
         total, heads = num_heads, None
         if self.total_heads is not None:  # make_slot_plans checks that the heads fit
             total, heads = self.total_heads, (self.head_start, self.head_start + num_heads)

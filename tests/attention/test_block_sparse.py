@@ -64,6 +64,18 @@ def test_invalid_arguments():
         BlockSparseDilatedAttention(4, local_window=1)(q, k, v)
 
 
+@pytest.mark.parametrize("inputs,mask,message", [
+    ((1, 8, 2), None, r"query must be \(batch, seq, heads, head_dim\)"),
+    ((1, 8, 2, 4), torch.zeros(1, 8), "key_padding_mask must be a bool tensor"),
+    ((1, 8, 2, 4), torch.zeros(1, 4, dtype=torch.bool), r"key_padding_mask must be \(batch, seq\)"),
+])
+def test_invalid_inputs_name_the_fix(inputs, mask, message):
+    """The same checks as ``DilatedAttention``, not an unpacking, view or ``~`` failure."""
+    x = torch.zeros(inputs, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        BlockSparseDilatedAttention(4, local_window=1)(x, x, x, key_padding_mask=mask)
+
+
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
 def test_empty_batch_or_sequence(shape):
     q, k, v = random_qkv(*shape)
@@ -71,3 +83,18 @@ def test_empty_batch_or_sequence(shape):
     assert out.shape == shape
     out.sum().backward()
     assert q.grad.shape == shape
+
+
+def test_strided_inputs_equal_contiguous_ones():
+    """Batch-second tensors (``x.transpose(0, 1)`` of ``nn.MultiheadAttention``'s default layout),
+    expanded and transposed inputs give what their contiguous copies give."""
+    q, k, v = random_qkv(2, 24, 3, 4)
+    strided = (q.detach().transpose(1, 2).contiguous().transpose(1, 2),  # (B, H, T, D) storage
+               k.detach()[:1].expand(2, -1, -1, -1),
+               v.detach().transpose(0, 1).contiguous().transpose(0, 1))  # (T, B, H, D) storage
+    for pattern in (dict(local_window=1), dict(segment_blocks=2, dilation=2, global_blocks=1)):
+        module = BlockSparseDilatedAttention(4, **pattern)
+        for causal in (False, True):
+            out = module(*strided, is_causal=causal)
+            ref = module(*(t.contiguous() for t in strided), is_causal=causal)
+            assert max_error(out, ref) < 1e-12

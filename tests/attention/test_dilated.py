@@ -92,6 +92,20 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(lambda *t: module(*t, is_causal=True), (q, k, v))
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_double_backward_is_refused(fused, monkeypatch):
+    """The exact backward is not itself differentiable: the math kernel (float64 on a GPU, odd
+    head sizes) gave wrong second derivatives silently (errors of 0.5 against the dense
+    reference), the fused one an error about an aten op. Both now refuse, saying so."""
+    if not fused:
+        monkeypatch.setattr("attention.kernel._use_cpu_flash", lambda q: False)
+    q, k, v = random_qkv(1, 6, 2, 3)
+    out = DilatedAttention([4], [1])(q, k, v)
+    grad_q, = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
+
+
 def test_autograd_path_matches_function():
     q, k, v = random_qkv(2, 13, 4, 4)
     module = DilatedAttention([4, 8], [1, 2])
@@ -146,6 +160,14 @@ def test_head_dim_mismatch():
         DilatedAttention([4], [1])(q, k[..., :3], v)
 
 
+def test_mixed_dtypes_are_an_error_that_names_them():
+    """As SDPA: q, k and v share a dtype; the error says which differs (not a matmul failure)."""
+    q, k, v = random_qkv(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="key dtype torch.float32 differs from query dtype "
+                                         "torch.float64"):
+        DilatedAttention([4], [1])(q, k.float(), v)
+
+
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_batch_or_sequence(shape, causal):
@@ -160,3 +182,16 @@ def test_empty_batch_or_sequence(shape, causal):
                                     dtype=torch.float64)
     x = torch.randn(shape[0], shape[1], 8, dtype=torch.float64)
     assert mha(x, x, x, is_causal=causal)[0].shape == x.shape
+
+
+def test_layouts_kept_for_a_few_sequence_lengths_only():
+    """Index layouts are cached per sequence length; a model fed many lengths (generation,
+    variable-length batches) keeps only the most recent few, and evicted ones are rebuilt."""
+    module = DilatedAttention([4, 8], [1, 2])
+    first = random_qkv(1, 3, 2, 4)
+    with torch.no_grad():
+        for seq in range(3, 60):
+            module(*random_qkv(1, seq, 2, 4), is_causal=True)
+        assert len(module._sources) <= 8
+        out = module(*first, is_causal=True)
+        assert max_error(out, dense_dilated_attention(*first, [4, 8], [1, 2], is_causal=True)) < TOL64

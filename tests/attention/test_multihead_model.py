@@ -42,6 +42,16 @@ def test_equals_nn_multihead_attention(causal):
     assert max_error(torch.autograd.grad(out, x, g), torch.autograd.grad(ref, x, g)) < 1e-10
 
 
+def test_key_of_another_length_is_an_error_in_the_callers_shapes():
+    """Dilated attention segments one sequence: cross-attention to a memory of another length is
+    refused in the (batch, seq, embed_dim) shapes the caller passed, not the internal per-head ones."""
+    mha = MultiheadDilatedAttention(16, 4, segment_lengths=[4], dilation_rates=[1])
+    x, memory = torch.randn(2, 8, 16), torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"key and value must have the query's shape \(2, 8, 16\), "
+                                         r"got key \(2, 5, 16\)"):
+        mha(x, memory, memory)
+
+
 def test_submodules_and_sub_layer_norm():
     mha = MultiheadDilatedAttention(32, 4, segment_lengths=[8, 16], dilation_rates=[1, 2],
                                     gamma_init=0.5)

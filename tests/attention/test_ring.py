@@ -46,7 +46,7 @@ class RingRank:
         out = module(*mine, is_causal=causal,
                      key_padding_mask=None if mask is None else mask[:, part])
         grads = torch.autograd.grad(out, mine, grad_out[:, part])
-        return out.detach(), [g.detach() for g in grads], backend.stats.total_bytes()
+        return out.detach(), [g.detach() for g in grads], backend.stats.bytes["all_to_all"]
 
 
 def _check(case, engine, dtype, tol):
@@ -127,6 +127,9 @@ def test_ring_over_a_slice_of_the_heads(case, heads):
 def test_head_slice_outside_the_heads_is_an_error():
     with pytest.raises(ValueError, match="head_start"):
         RingDilatedAttention((4,), (1,), backend=None, head_start=4, total_heads=4)
+    # Without total_heads a head_start would be ignored: heads 0.. would be read silently.
+    with pytest.raises(ValueError, match="head_start=2 needs total_heads"):
+        RingDilatedAttention((4,), (2,), backend=None, head_start=2)
 
     def run(backend):
         module = RingDilatedAttention((4,), (1,), backend=backend, head_start=2, total_heads=4)
@@ -135,3 +138,16 @@ def test_head_slice_outside_the_heads_is_an_error():
 
     with pytest.raises(ValueError, match=r"heads \[2, 5\) do not fit in num_heads=4"):
         spawn(run, 2)
+
+
+def test_slices_of_different_lengths_are_an_error():
+    """``torch.chunk`` of 11 positions over 4 ranks gives 3, 3, 3, 2: each rank would place its
+    slice at ``rank * its own length`` and (here) return a wrong result without a word."""
+    x = torch.randn(1, 11, 2, 4, dtype=torch.float64)
+
+    def run(backend):
+        mine = torch.chunk(x, backend.world_size, dim=1)[backend.rank]
+        RingDilatedAttention((6,), (3,), backend=backend)(mine, mine, mine, is_causal=True)
+
+    with pytest.raises(ValueError, match=r"slices of one length.*\[3, 3, 3, 2\]"):
+        spawn(run, 4)
