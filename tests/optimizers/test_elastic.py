@@ -177,3 +177,35 @@ def test_elastic_demo_removes_and_adds_workers_and_logs_it():
     with torch.no_grad():
         expected = float(nn.functional.mse_loss(model(_global_batch(7)[0]), _global_batch(7)[1]))
     assert generations[-1].results == pytest.approx([expected, expected], abs=1e-12)
+
+
+def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule():
+    """torch's idiom for resuming a scheduler, ``LambdaLR(opt, f, last_epoch=step - 1)``, needs
+    the ``initial_lr`` the scheduler put on the param groups: the commit must bring it back, as
+    ``torch.optim.Optimizer.load_state_dict`` does, for joiners and survivors alike."""
+    def decay(step):
+        return 1.0 / (1 + step)
+    total = 6
+
+    def worker(backend, member):
+        model = ZeRO2Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay, last_epoch=opt.step_count - 1)
+        while opt.step_count < total and not opt.membership_changes:
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+            scheduler.step()
+        return opt.param_groups[0]["lr"], model.gather_full_parameters()
+    generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
+    reference = copy.deepcopy(MLP)
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    for step in range(total):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        scheduler.step()
+    assert [len(g.members) for g in generations] == [2, 3]
+    for lr, params in generations[-1].results:
+        assert lr == pytest.approx(LR * decay(total), rel=1e-15)
+        assert _max_diff(params, reference.state_dict()) <= 1e-10
