@@ -173,8 +173,10 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self.pull()
 
     def pull(self) -> None:
-        """Waits for the server's next parameters (or its stop)."""
+        """Waits for the server's next parameters (or its stop; nothing to wait for after one)."""
         self._require_worker("pull")
+        if self.stopped:  # the server has sent its last message to this worker
+            return
         backend, server = self.model.backend, self.config.server_rank
         header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)
         if int(header[0]) == Kind.STOP:

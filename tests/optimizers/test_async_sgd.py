@@ -243,6 +243,26 @@ def test_failed_worker_stops_the_others_cleanly_when_configured():
 
 
 @pytest.mark.timeout(60)
+def test_train_step_after_a_stop_returns_nan_without_waiting_for_the_server():
+    """A stopped worker that keeps calling train_step (as documented: nan) must not wait for
+    parameters from a server that has finished."""
+    steps = 12
+
+    def worker(b, opt):
+        if b.rank == 2:
+            opt.train_step(_batch(b.rank, 0), nn.functional.mse_loss)
+            opt.report_failure(RuntimeError("worker 2 gave up"))
+            return None
+        losses = [opt.train_step(_batch(b.rank, k), nn.functional.mse_loss) for k in range(steps)]
+        opt.finish()
+        return losses, opt.stopped
+    out = _run(4, steps, worker_fn=worker, max_staleness=2, on_worker_failure="stop")
+    assert out[0][0].stopped
+    for losses, stopped in (out[1], out[3]):
+        assert stopped and len(losses) == steps and all(x != x for x in losses[-2:])
+
+
+@pytest.mark.timeout(60)
 def test_silent_worker_is_declared_dead_after_the_timeout():
     steps = 6
 
