@@ -139,6 +139,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         """Pull (if needed), forward, backward, push and pull; returns the local loss (nan when the
         server had already stopped this worker)."""
         self._require_worker("train_step")
+        self._require_not_finished("train_step")
         try:
             if not self._has_parameters:
                 self.pull()
@@ -159,6 +160,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._require_worker("step")
         if closure is not None:
             raise ConfigError("AsyncSGDOptimizer.step takes no closure")
+        self._require_not_finished("step")
         if not self._has_parameters:
             raise ConfigError("AsyncSGDOptimizer: pull() parameters before the first forward "
                               "(train_step does it for you)")
@@ -211,6 +213,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     def should_early_stop(self, local_flag: bool) -> bool:
         """No consensus collective here (workers never meet): this worker's flag, or a stop."""
         return bool(local_flag) or self.stopped
+
+    def _require_not_finished(self, what: str) -> None:
+        if self._finished:  # the server has let go of this worker: a push would never be applied
+            raise ConfigError(f"AsyncSGDOptimizer.{what} after this worker called finish() or reported a "
+                              "failure; the server takes no more of its gradients (train before finish())")
 
     def _require_worker(self, what: str) -> None:
         if self.is_server:

@@ -263,6 +263,25 @@ def test_train_step_after_a_stop_returns_nan_without_waiting_for_the_server():
 
 
 @pytest.mark.timeout(60)
+def test_training_after_finish_or_a_reported_failure_is_a_config_error():
+    """The server has let go of such a worker: a gradient it pushed would never be applied, and
+    the worker would wait for parameters that never come."""
+    def worker(b, opt):
+        opt.train_step(_batch(b.rank, 0), nn.functional.mse_loss)
+        if b.rank == 1:
+            opt.finish()
+        else:
+            opt.report_failure(RuntimeError("worker 2 gave up"))
+        with pytest.raises(ConfigError, match="finish|failure"):
+            opt.train_step(_batch(b.rank, 1), nn.functional.mse_loss)
+        with pytest.raises(ConfigError, match="finish|failure"):
+            opt.step()
+        return None, opt.stopped
+    report = _run(3, 2, worker_fn=worker, max_staleness=1)[0][0]
+    assert report.updates_per_worker == {1: 1, 2: 1} and list(report.failed_workers) == [2]
+
+
+@pytest.mark.timeout(60)
 def test_silent_worker_is_declared_dead_after_the_timeout():
     steps = 6
 
