@@ -40,7 +40,8 @@ class AsyncConfig:
     server_rank: the rank that serves (it computes no gradients).
     staleness_lr: scale the learning rate of a gradient with staleness t by 1 / (1 + t).
     deterministic: serve workers in a fixed round-robin order (tests; equals a sequential replay).
-    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly.
+    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly (the
+        gradients already pushed are applied; no worker gets parameters again).
     worker_timeout: seconds the server waits for a computing worker before declaring it dead
         (None: the backend's timeout).
     """
@@ -77,8 +78,9 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     returns an ``AsyncReport``; its model holds the trained parameters. Worker:
     ``train_step(batch, loss_fn)`` pulls parameters when it has none, runs forward and backward,
     then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
-    staleness gate holds it back); it returns this worker's local loss. When the server says
-    stop, ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
+    staleness gate holds it back); it returns this worker's local loss, and the server applies
+    the gradient of every step that returned one, exactly once. When the server says stop,
+    ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
