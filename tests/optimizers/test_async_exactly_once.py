@@ -69,3 +69,22 @@ def test_every_gradient_a_worker_pushed_is_applied_once_when_a_worker_fails(poli
     assert torch.equal(w, -pushed)
     assert report.updates == sum(int(p[0]) for p in out[1:]) and list(report.failed_workers) == [2]
     assert report.stopped == (policy == "stop") and report.max_staleness_seen <= 2
+
+
+@pytest.fixture(scope="module")
+def gloo_pool():
+    from distframe._process_launch import ProcessPool
+    with ProcessPool(4, "gloo", timeout=60) as pool:
+        yield pool
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_gloo_processes_apply_every_pushed_gradient_once(gloo_pool, policy):
+    """The free-running server waits for each worker on a thread of its own over Gloo."""
+    out = gloo_pool.run(_rank, steps=10, fail_rank=2, fail_at=3, max_staleness=2,
+                        on_worker_failure=policy, worker_timeout=30)
+    w, report = out[0]
+    assert torch.equal(w, -sum(out[1:])) and list(report.failed_workers) == [2]
+    assert report.stopped == (policy == "stop") and report.max_staleness_seen <= 2
