@@ -2,14 +2,15 @@
 the job trains (in-memory engine only: workers are threads that an ``ElasticController`` starts
 in successive groups).
 
-The run starts with ``--world-size`` workers (``--resume``: the world the schedule had reached). ``--elastic-schedule "STEP:WORLD,..."`` changes the
-world cleanly after STEP steps (every worker commits, workers beyond WORLD leave, new ones join
-and receive the commit); ``--fail-at STEP`` makes the group's last worker raise after STEP steps
-(once): the survivors roll back to their newest commit (``--commit-every``) and go on one fewer.
-Each group runs the ordinary ``Job`` loop from the step its ElasticOptimizer restored, so the
-metrics, validation, checkpoints and plot are the same as under ``--optimizer none``; steps
-redone after a rollback replace the records written before the failure. Rank 0 of each group
-prints one line per membership change on stderr.
+The run starts with ``--world-size`` workers (``--resume``: the world the schedule had reached).
+``--elastic-schedule "STEP:WORLD,..."`` changes the world cleanly after STEP steps (every worker
+commits, workers beyond WORLD leave, new ones join and receive the commit); ``--fail-at STEP``
+makes the group's last worker raise after STEP steps (once): the survivors roll back to their
+newest commit (``--commit-every``) and go on one fewer. Each group runs the ordinary ``Job``
+loop from the step its ElasticOptimizer restored, so the metrics, validation, checkpoints and
+plot are the same as under ``--optimizer none``; steps redone after a rollback replace the
+records written before the failure. Rank 0 of each group prints one line per membership change
+on stderr.
 """
 from __future__ import annotations
 
