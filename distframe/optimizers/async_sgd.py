@@ -9,6 +9,7 @@ staleness gate are in ``async_server.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -64,8 +65,9 @@ class AsyncConfig:
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise ConfigError(f"AsyncSGDOptimizer on_worker_failure={self.on_worker_failure!r}: "
                               f"choose one of {', '.join(FAILURE_POLICIES)}")
-        if self.worker_timeout is not None and not (
-                isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
+        timeout = self.worker_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
             raise ConfigError(f"AsyncSGDOptimizer worker_timeout={self.worker_timeout!r}: use a "
                               "positive number of seconds, or None for the backend's timeout")
 

@@ -315,6 +315,8 @@ def test_an_uncaught_worker_error_ends_the_run_without_hanging():
 @pytest.mark.parametrize("settings, field", [
     ({"max_staleness": -1}, "max_staleness"), ({"on_worker_failure": "retry"}, "on_worker_failure"),
     ({"worker_timeout": 0}, "worker_timeout"), ({"deterministic": 1}, "deterministic"),
+    ({"worker_timeout": True}, "worker_timeout"), ({"worker_timeout": float("inf")}, "worker_timeout"),
+    ({"max_staleness": 2.0}, "max_staleness"),
 ])
 def test_bad_settings_name_the_field(settings, field):
     with pytest.raises(ConfigError, match=field):
