@@ -242,6 +242,9 @@ class TrainConfig:
             if not (step.isdigit() and world.isdigit() and int(step) > 0 and int(world) > 0):
                 raise ConfigError(f"--elastic-schedule {self.elastic_schedule!r}: use STEP:WORLD "
                                   "pairs such as 4:3,8:2 (after step 4 the world becomes 3)")
+            if int(step) in schedule:
+                raise ConfigError(f"--elastic-schedule {self.elastic_schedule!r} names step {int(step)} "
+                                  "twice; give one world size per step")
             schedule[int(step)] = int(world)
         return schedule
 

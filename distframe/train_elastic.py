@@ -2,14 +2,15 @@
 the job trains (in-memory engine only: workers are threads that an ``ElasticController`` starts
 in successive groups).
 
-The run starts with ``--world-size`` workers. ``--elastic-schedule "STEP:WORLD,..."`` changes the
-world cleanly after STEP steps (every worker commits, workers beyond WORLD leave, new ones join
-and receive the commit); ``--fail-at STEP`` makes the group's last worker raise after STEP steps
-(once): the survivors roll back to their newest commit (``--commit-every``) and go on one fewer.
-Each group runs the ordinary ``Job`` loop from the step its ElasticOptimizer restored, so the
-metrics, validation, checkpoints and plot are the same as under ``--optimizer none``; steps
-redone after a rollback replace the records written before the failure. Rank 0 of each group
-prints one line per membership change on stderr.
+The run starts with ``--world-size`` workers (``--resume``: the world the schedule had reached).
+``--elastic-schedule "STEP:WORLD,..."`` changes the world cleanly after STEP steps (every worker
+commits, workers beyond WORLD leave, new ones join and receive the commit); ``--fail-at STEP``
+makes the group's last worker raise after STEP steps (once): the survivors roll back to their
+newest commit (``--commit-every``) and go on one fewer. Each group runs the ordinary ``Job``
+loop from the step its ElasticOptimizer restored, so the metrics, validation, checkpoints and
+plot are the same as under ``--optimizer none``; steps redone after a rollback replace the
+records written before the failure. Rank 0 of each group prints one line per membership change
+on stderr.
 """
 from __future__ import annotations
 
@@ -67,8 +68,13 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
             fatal.append(exc)
             raise
 
-    controller = ElasticController(worker, initial_world=config.world_size,
-                                   schedule=config.elastic_schedule_steps(), start_step=start_step)
+    schedule = config.elastic_schedule_steps()
+    # A resumed run starts with the world the schedule had reached (the last change at or
+    # before the step it resumes from), as the uninterrupted run would have.
+    world = next((w for s, w in sorted(schedule.items(), reverse=True) if s <= start_step),
+                 config.world_size)
+    controller = ElasticController(worker, initial_world=world, schedule=schedule,
+                                   start_step=start_step)
     try:
         generations = controller.run()
     except BaseException:

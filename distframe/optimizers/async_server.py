@@ -142,11 +142,9 @@ class ParameterServer:
         kind = Kind(int(header[0]))
         if kind is Kind.PUSH:
             grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
-            pulled = self.pulled.pop(worker)
-            if self.stopping:
-                send_header(self.backend, worker, Kind.STOP, self.version)
-                return
-            self._apply(worker, grad, self.version - pulled)
+            # Applied even when stopping: the gate admitted it, and its worker holds its loss.
+            # The worker then waits for parameters; stopping, it gets the STOP instead.
+            self._apply(worker, grad, self.version - self.pulled.pop(worker))
             self.waiting.append(worker)
         elif kind is Kind.DONE:
             self.pulled.pop(worker)

@@ -9,6 +9,7 @@ staleness gate are in ``async_server.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,8 @@ class AsyncConfig:
     server_rank: the rank that serves (it computes no gradients).
     staleness_lr: scale the learning rate of a gradient with staleness t by 1 / (1 + t).
     deterministic: serve workers in a fixed round-robin order (tests; equals a sequential replay).
-    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly.
+    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly (the
+        gradients already pushed are applied; no worker gets parameters again).
     worker_timeout: seconds the server waits for a computing worker before declaring it dead
         (None: the backend's timeout).
     """
@@ -63,8 +65,9 @@ class AsyncConfig:
         if self.on_worker_failure not in FAILURE_POLICIES:
             raise ConfigError(f"AsyncSGDOptimizer on_worker_failure={self.on_worker_failure!r}: "
                               f"choose one of {', '.join(FAILURE_POLICIES)}")
-        if self.worker_timeout is not None and not (
-                isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0):
+        timeout = self.worker_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < math.inf):
             raise ConfigError(f"AsyncSGDOptimizer worker_timeout={self.worker_timeout!r}: use a "
                               "positive number of seconds, or None for the backend's timeout")
 
@@ -77,8 +80,9 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     returns an ``AsyncReport``; its model holds the trained parameters. Worker:
     ``train_step(batch, loss_fn)`` pulls parameters when it has none, runs forward and backward,
     then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
-    staleness gate holds it back); it returns this worker's local loss. When the server says
-    stop, ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
+    staleness gate holds it back); it returns this worker's local loss, and the server applies
+    the gradient of every step that returned one, exactly once. When the server says stop,
+    ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
@@ -139,6 +143,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         """Pull (if needed), forward, backward, push and pull; returns the local loss (nan when the
         server had already stopped this worker)."""
         self._require_worker("train_step")
+        self._require_not_finished("train_step")
         try:
             if not self._has_parameters:
                 self.pull()
@@ -159,6 +164,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._require_worker("step")
         if closure is not None:
             raise ConfigError("AsyncSGDOptimizer.step takes no closure")
+        self._require_not_finished("step")
         if not self._has_parameters:
             raise ConfigError("AsyncSGDOptimizer: pull() parameters before the first forward "
                               "(train_step does it for you)")
@@ -173,8 +179,10 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self.pull()
 
     def pull(self) -> None:
-        """Waits for the server's next parameters (or its stop)."""
+        """Waits for the server's next parameters (or its stop; nothing to wait for after one)."""
         self._require_worker("pull")
+        if self.stopped:  # the server has sent its last message to this worker
+            return
         backend, server = self.model.backend, self.config.server_rank
         header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)
         if int(header[0]) == Kind.STOP:
@@ -209,6 +217,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     def should_early_stop(self, local_flag: bool) -> bool:
         """No consensus collective here (workers never meet): this worker's flag, or a stop."""
         return bool(local_flag) or self.stopped
+
+    def _require_not_finished(self, what: str) -> None:
+        if self._finished:  # the server has let go of this worker: a push would never be applied
+            raise ConfigError(f"AsyncSGDOptimizer.{what} after this worker called finish() or reported a "
+                              "failure; the server takes no more of its gradients (train before finish())")
 
     def _require_worker(self, what: str) -> None:
         if self.is_server:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distframe.backends.inmemory import InMemoryCommunicationBackend
-from distframe.errors import ConfigError, RankFailedError
+from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.optimizers.elastic import ElasticMember
 
 
@@ -86,6 +86,7 @@ class ElasticController:
             generation = Generation([m.worker_id for m in self.members], start)
             self.generations.append(generation)
             outcomes = _run_group(self.worker_fn, self.members, self.timeout)
+            self._refuse_early_return(outcomes)
             failed = [i for i, o in enumerate(outcomes)
                       if isinstance(o, BaseException) and not isinstance(o, RankFailedError)]
             if failed:
@@ -113,6 +114,20 @@ class ElasticController:
         raise RuntimeError(f"elastic run did not finish within {self.max_generations} generations")
 
 
+    def _refuse_early_return(self, outcomes: list[Any]) -> None:
+        """A worker that returned while its peers waited for it in a collective (they raise the
+        backend's error naming it) is a worker_fn that stopped too soon, not a failure of the
+        peers: dropping them would go on with the worker that left."""
+        returned = [self.members[i].worker_id for i, o in enumerate(outcomes)
+                    if not isinstance(o, BaseException)]
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if returned and errors and all(isinstance(e, (CollectiveTimeoutError, RankFailedError))
+                                       for e in errors):
+            who = f"worker {returned[0]}" if len(returned) == 1 else f"workers {returned}"
+            raise RuntimeError(f"{who} returned while the others were still training ({errors[0]}); "
+                               "worker_fn must train until optimizer.membership_changes or the end")
+
+
 def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[ElasticMember],
                timeout: float) -> list[Any]:
     """Runs ``worker_fn(backend, member)`` on one thread per member over a fresh in-memory group;
@@ -128,7 +143,7 @@ def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[Ela
             outcomes[rank] = exc
             backend.world.abort(rank, exc)
         finally:
-            backend.shutdown()
+            backend.world.finish(rank)  # peers waiting for a rank that returned stop at once
 
     threads = [threading.Thread(target=run, args=(r,), name=f"distframe-elastic-rank{r}", daemon=True)
                for r in range(len(members))]

@@ -109,6 +109,9 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
     for k, group in enumerate(optimizer.param_groups):
         saved = groups[min(k, len(groups) - 1)] if groups else {}
         settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
+        # What others put on the saved group (a scheduler's initial_lr) comes back too, as with
+        # torch's load_state_dict, so a scheduler can resume with last_epoch=step - 1.
+        settings.update({key: value for key, value in saved.items() if key not in settings})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 

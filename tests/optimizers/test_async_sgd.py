@@ -243,6 +243,45 @@ def test_failed_worker_stops_the_others_cleanly_when_configured():
 
 
 @pytest.mark.timeout(60)
+def test_train_step_after_a_stop_returns_nan_without_waiting_for_the_server():
+    """A stopped worker that keeps calling train_step (as documented: nan) must not wait for
+    parameters from a server that has finished."""
+    steps = 12
+
+    def worker(b, opt):
+        if b.rank == 2:
+            opt.train_step(_batch(b.rank, 0), nn.functional.mse_loss)
+            opt.report_failure(RuntimeError("worker 2 gave up"))
+            return None
+        losses = [opt.train_step(_batch(b.rank, k), nn.functional.mse_loss) for k in range(steps)]
+        opt.finish()
+        return losses, opt.stopped
+    out = _run(4, steps, worker_fn=worker, max_staleness=2, on_worker_failure="stop")
+    assert out[0][0].stopped
+    for losses, stopped in (out[1], out[3]):
+        assert stopped and len(losses) == steps and all(x != x for x in losses[-2:])
+
+
+@pytest.mark.timeout(60)
+def test_training_after_finish_or_a_reported_failure_is_a_config_error():
+    """The server has let go of such a worker: a gradient it pushed would never be applied, and
+    the worker would wait for parameters that never come."""
+    def worker(b, opt):
+        opt.train_step(_batch(b.rank, 0), nn.functional.mse_loss)
+        if b.rank == 1:
+            opt.finish()
+        else:
+            opt.report_failure(RuntimeError("worker 2 gave up"))
+        with pytest.raises(ConfigError, match="finish|failure"):
+            opt.train_step(_batch(b.rank, 1), nn.functional.mse_loss)
+        with pytest.raises(ConfigError, match="finish|failure"):
+            opt.step()
+        return None, opt.stopped
+    report = _run(3, 2, worker_fn=worker, max_staleness=1)[0][0]
+    assert report.updates_per_worker == {1: 1, 2: 1} and list(report.failed_workers) == [2]
+
+
+@pytest.mark.timeout(60)
 def test_silent_worker_is_declared_dead_after_the_timeout():
     steps = 6
 
@@ -276,6 +315,8 @@ def test_an_uncaught_worker_error_ends_the_run_without_hanging():
 @pytest.mark.parametrize("settings, field", [
     ({"max_staleness": -1}, "max_staleness"), ({"on_worker_failure": "retry"}, "on_worker_failure"),
     ({"worker_timeout": 0}, "worker_timeout"), ({"deterministic": 1}, "deterministic"),
+    ({"worker_timeout": True}, "worker_timeout"), ({"worker_timeout": float("inf")}, "worker_timeout"),
+    ({"max_staleness": 2.0}, "max_staleness"),
 ])
 def test_bad_settings_name_the_field(settings, field):
     with pytest.raises(ConfigError, match=field):

@@ -2,6 +2,7 @@
 with a failure midway equals an uninterrupted single-process run of the committed steps, for
 every data-parallel strategy; joiners receive the commit; checkpoints restart at a new size."""
 import copy
+import time
 
 import pytest
 import torch
@@ -177,3 +178,56 @@ def test_elastic_demo_removes_and_adds_workers_and_logs_it():
     with torch.no_grad():
         expected = float(nn.functional.mse_loss(model(_global_batch(7)[0]), _global_batch(7)[1]))
     assert generations[-1].results == pytest.approx([expected, expected], abs=1e-12)
+
+
+def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule():
+    """torch's idiom for resuming a scheduler, ``LambdaLR(opt, f, last_epoch=step - 1)``, needs
+    the ``initial_lr`` the scheduler put on the param groups: the commit must bring it back, as
+    ``torch.optim.Optimizer.load_state_dict`` does, for joiners and survivors alike."""
+    def decay(step):
+        return 1.0 / (1 + step)
+    total = 6
+
+    def worker(backend, member):
+        model = ZeRO2Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay, last_epoch=opt.step_count - 1)
+        while opt.step_count < total and not opt.membership_changes:
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+            scheduler.step()
+        return opt.param_groups[0]["lr"], model.gather_full_parameters()
+    generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
+    reference = copy.deepcopy(MLP)
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    for step in range(total):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        scheduler.step()
+    assert [len(g.members) for g in generations] == [2, 3]
+    for lr, params in generations[-1].results:
+        assert lr == pytest.approx(LR * decay(total), rel=1e-15)
+        assert _max_diff(params, reference.state_dict()) <= 1e-10
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_returns_early_is_named_at_once_and_its_peers_are_not_dropped():
+    """Worker 1 returns before the membership change while its peers wait for it in a
+    collective: they must stop at once (not after the 30 s timeout), and the run must end with
+    an error naming worker 1, not drop the peers as failed and go on with worker 1 alone."""
+    def worker(backend, member):
+        model = DDPModel(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+        while opt.step_count < 6 and not opt.membership_changes:
+            if member.worker_id == 1 and opt.step_count == 2:
+                return "left"
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count
+    controller = ElasticController(worker, initial_world=3, schedule={4: 2}, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker 1 returned .*membership_changes"):
+        controller.run()
+    assert time.monotonic() - start < 15
+    assert len(controller.generations) == 1

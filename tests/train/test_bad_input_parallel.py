@@ -31,6 +31,8 @@ from tests.train.test_bad_input import _fails_with
     (["--compressor", "topk"], ["--compressor applies to --optimizer compressed"]),
     (["--optimizer", "adamw"], ["--optimizer 'adamw' is unknown", "--base-optimizer adamw"]),
     (["--optimizer", "elastic", "--elastic-schedule", "4"], ["--elastic-schedule", "STEP:WORLD"]),
+    (["--optimizer", "elastic", "--elastic-schedule", "2:4,2:2"],
+     ["--elastic-schedule", "step 2 twice", "one world size per step"]),
     (["--optimizer", "elastic", "--world-size", "2", "--elastic-schedule", "2:3"],
      ["--batch-size 8", "elastic world size 3"]),
     (["--optimizer", "async", "--world-size", "1"], ["--optimizer async needs --world-size >= 2"]),

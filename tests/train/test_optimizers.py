@@ -92,3 +92,17 @@ def test_elastic_resume_logs_the_step_it_continues_from(tmp_path, corpus_file, c
     assert "from step 2, restored from checkpoint" in err
     assert "elastic: workers [0, 1] from step 2: finished" in err and "from step 0" not in err
     assert [m["step"] for m in metrics] == [1, 2, 3]
+
+
+def test_elastic_resume_starts_with_the_world_the_schedule_had_reached(tmp_path, corpus_file, capsys):
+    """After step 2 the schedule makes the world 4; a run resumed at step 3 continues with 4
+    workers, not the --world-size the run started with."""
+    flags = ("--world-size", "2", "--batch-size", "4", "--optimizer", "elastic",
+             "--elastic-schedule", "2:4", "--eval-every", "0")
+    train(tmp_path, corpus_file, *flags, "--steps", "3")
+    capsys.readouterr()
+    metrics = train(tmp_path, corpus_file, *flags, "--steps", "4", "--resume")
+    err = capsys.readouterr().err
+    assert "elastic: world 4 (workers [0, 1, 2, 3]) from step 3, restored from checkpoint" in err
+    assert "finished step 4 with world size 4" in err
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
