@@ -39,12 +39,14 @@ class PeakStorage(TorchDispatchMode):
         return super().__enter__()
 
     def _add(self, tensor: torch.Tensor) -> None:
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+            for name in tensor.__tensor_flatten__()[0]:  # a wrapper subclass (DTensor): no storage
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._add(inner)
+            return
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key == 0 and hasattr(tensor, "__tensor_flatten__"):  # a wrapper subclass (DTensor)
-            for name in tensor.__tensor_flatten__()[0]:
-                self._add(getattr(tensor, name))
-            return
         if key and key not in self.live and storage.nbytes() > 0:
             self.live[key] = (StorageWeakRef(storage), storage.nbytes())
             self.current += storage.nbytes()

@@ -239,6 +239,14 @@ def _has_deepspeed() -> bool:
 
 
 def _torch_worker(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
+    try:
+        _torch_rank(rank, kind, steps, warmup, port, out)
+    except BaseException as exc:  # the parent waits on the queue: tell it, or it waits forever
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _torch_rank(rank: int, kind: str, steps: int, warmup: int, port: int, out) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     if kind.startswith("deepspeed-"):
@@ -274,6 +282,9 @@ def run_torch(kind: str, steps: int, warmup: int) -> list[dict]:
     results = dict(out.get() for _ in procs)
     for p in procs:
         p.join()
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        raise RuntimeError(f"{kind}: rank(s) failed: {failed}")
     return [results[r] for r in range(WORLD)]
 
 
