@@ -7,6 +7,7 @@ merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zer
 """
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Sequence
 
@@ -18,19 +19,28 @@ from attention.function import DilatedAttentionFunction, LocalKeySource
 from attention.plan import make_slot_plans
 
 
+def _positive_int(name: str, value) -> int:
+    """``value`` as an ``int`` if it is a positive integral number (not a bool, not a float)."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number <= 0:
+        raise ValueError(f"{name} must hold positive integers, got {value!r}")
+    return number
+
+
 def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the branch configuration; raise ``ValueError`` naming the bad argument."""
-    segments, rates = tuple(segment_lengths), tuple(dilation_rates)
+    """Check the branch configuration; raise ``ValueError`` naming the bad argument. Any integral
+    number is accepted (numpy integers from a config) and returned as a Python ``int``."""
+    segments = tuple(_positive_int("segment_lengths", value) for value in segment_lengths)
+    rates = tuple(_positive_int("dilation_rates", value) for value in dilation_rates)
     if len(segments) == 0:
         raise ValueError("segment_lengths must name at least one branch")
     if len(segments) != len(rates):
         raise ValueError(f"segment_lengths ({len(segments)} entries) and dilation_rates "
                          f"({len(rates)} entries) must have the same length")
-    for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
-        for value in values:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must hold positive integers, got {value!r}")
     for w, r in zip(segments, rates):
         if w % r != 0:
             raise ValueError(f"segment_lengths: segment {w} is not divisible by its "
