@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.dilated import validate_inputs
+from attention.dilated import validate_inputs, validate_softmax_scale
 
 
 def local_window_layout(num_blocks: int, window: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ class BlockSparseDilatedAttention(nn.Module):
         self.block_size, self.local_window = block_size, local_window
         self.segment_blocks, self.dilation = segment_blocks, dilation
         self.global_blocks, self.block_layout = global_blocks, block_layout
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = validate_softmax_scale(softmax_scale)
 
     def layout(self, num_blocks: int, num_heads: int, is_causal: bool = False) -> torch.Tensor:
         """``(H, nb, nb)`` bool: the union of the configured patterns (lower triangle if causal)."""

@@ -7,6 +7,8 @@ merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zer
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections import OrderedDict
 from typing import Sequence
@@ -28,6 +30,17 @@ def _positive_int(name: str, value) -> int:
     if number is None or number <= 0:
         raise ValueError(f"{name} must hold positive integers, got {value!r}")
     return number
+
+
+def validate_softmax_scale(softmax_scale) -> float | None:
+    """None (``head_dim ** -0.5`` at run time) or a positive finite real number, as a float."""
+    if softmax_scale is None:
+        return None
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a positive finite number (or None for "
+                         f"head_dim ** -0.5), got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
 def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
@@ -106,11 +119,9 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.segment_lengths, self.dilation_rates = validate_branches(segment_lengths,
                                                                       dilation_rates)
-        if softmax_scale is not None and softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = validate_softmax_scale(softmax_scale)
         self.attention_dropout = attention_dropout
         self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
 
