@@ -84,6 +84,15 @@ def test_valid_softmax_scale_is_used():
     assert max_error(module(q, k, v), ref.transpose(1, 2)) < 1e-10
 
 
+def test_element_mask_of_a_partial_block_is_an_error():
+    """forward refuses a sequence that is not a whole number of blocks; element_mask returned a
+    (H, 8, 8) mask for seq_len 10 (the last two positions dropped) instead of saying so."""
+    module = BlockSparseDilatedAttention(4, local_window=1)
+    with pytest.raises(ValueError, match="seq length 10 must be a multiple of block_size 4"):
+        module.element_mask(10, 2)
+    assert module.element_mask(12, 2).shape == (2, 12, 12)
+
+
 @pytest.mark.parametrize("inputs,mask,message", [
     ((1, 8, 2), None, r"query must be \(batch, seq, heads, head_dim\)"),
     ((1, 8, 2, 4), torch.zeros(1, 8), "key_padding_mask must be a bool tensor"),
