@@ -111,7 +111,8 @@ class DilatedAttention(nn.Module):
     Cost per branch: O(seq * w / r) time and O(seq) memory; never a seq x seq matrix. Uses the
     fused flash kernel on CPU (fp32, fp64, fp16, bf16; merges accumulate in fp32). With
     ``attention_dropout > 0`` in training mode it takes a slower path differentiated by
-    autograd, dropping merged attention probabilities (masks from ``dropout_generator``).
+    autograd, dropping merged attention probabilities: one decision per (batch, head, query,
+    key) pair, from a hash seeded by ``dropout_generator`` (see ``attention/pair_dropout.py``).
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -123,6 +124,9 @@ class DilatedAttention(nn.Module):
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.softmax_scale = validate_softmax_scale(softmax_scale)
         self.attention_dropout = attention_dropout
+        # Global index of the first head passed in; a head-split (tensor-parallel) subclass sets
+        # it so that its pairs draw the dropout decisions the full module's heads draw.
+        self.head_start = 0
         self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
@@ -156,7 +160,8 @@ class DilatedAttention(nn.Module):
             return dilated_attention_autograd(query, key, value, sources, is_causal=is_causal,
                                               key_padding_mask=key_padding_mask, scale=scale,
                                               dropout=self.attention_dropout,
-                                              generator=self.dropout_generator(query.device))
+                                              generator=self.dropout_generator(query.device),
+                                              first_head=self.head_start)
         out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
                                                 is_causal, scale)
         return out
