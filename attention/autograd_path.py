@@ -3,7 +3,10 @@
 Same branches and merge as ``attention/function.py`` but written with differentiable torch ops
 and an explicit ``(M x M)`` score matrix per compressed segment (O(seq * w / r) memory per
 branch), so that dropout can be applied to the merged attention probabilities: merged
-probabilities are ``exp(lse_i - LSE) * P_i``, so dropping them is dropping ``P_i`` and merging.
+probabilities are ``sum_i exp(lse_i - LSE) * P_i``, so dropping them is dropping every ``P_i``
+with *one* mask and merging: a pair that several branches cover gets one decision, shared
+through a hash of the pair (``[Note: one dropout decision per pair]`` in
+``attention/pair_dropout.py``).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.function import KeySource, accumulate_dtype
+from attention.pair_dropout import draw_seed, unit_keep_mask
 
 
 def generator_dropout(x: torch.Tensor, p: float, generator: torch.Generator | None, *,
@@ -30,7 +34,8 @@ def generator_dropout(x: torch.Tensor, p: float, generator: torch.Generator | No
     return x.mul_(scaled) if inplace else x * scaled
 
 
-def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, scale, p, generator):
+def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, scale, dropout):
+    """One unit's output and lse; ``dropout``: None or ``(p, seed, first_head)``."""
     plan = source.plan
     acc = accumulate_dtype(query.dtype)
     qc = plan.compressed(query).to(acc)  # (B*nseg, H, M, D)
@@ -45,8 +50,13 @@ def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, s
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B*nseg, H, M, 1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse))
-    probs = generator_dropout(probs, p, generator)
-    out_c = torch.cat([probs @ vc.to(acc), lse], dim=-1)  # (B*nseg, hg, M, D + 1)
+    if dropout is not None:
+        p, seed, first_head = dropout
+        probs = probs * unit_keep_mask(plan, query.shape[0], seed, first_head, p)
+    attended = probs @ vc.to(acc)  # (B*nseg, hg, M, D)
+    if dropout is not None:
+        attended = attended * (1.0 / (1.0 - p))  # the kept pairs' 1 / (1 - p)
+    out_c = torch.cat([attended, lse], dim=-1)  # (B*nseg, hg, M, D + 1)
     return _scatter(out_c, plan, query.shape)
 
 
@@ -67,15 +77,20 @@ def _scatter(src, plan, shape):
 def dilated_attention_autograd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                sources: Sequence[KeySource], *, is_causal: bool,
                                key_padding_mask: torch.Tensor | None, scale: float,
-                               dropout: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Merged dilated attention ``(B, T, H, D)`` with dropout on the attention probabilities, its
-    masks drawn from ``generator`` (torch's global generator when None).
+                               dropout: float, generator: torch.Generator | None = None,
+                               first_head: int = 0) -> torch.Tensor:
+    """Merged dilated attention ``(B, T, H, D)`` with dropout on the merged attention
+    probabilities; the seed of its pair decisions is drawn from ``generator`` (torch's global
+    generator when None). ``first_head``: global index of the first head passed in.
 
     Units (head groups of a branch) cover disjoint rows, so merging over all units at once is
     merging over branches.
     """
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, dropout, generator)
+    pairs = None
+    if dropout > 0.0:
+        pairs = (dropout, draw_seed(generator, query.device), first_head)
+    outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, pairs)
                        for s in sources))
     lse = torch.stack(lses)  # (units, B, T, H)
     total = torch.logsumexp(lse, dim=0, keepdim=True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.dilated import validate_inputs
+from attention.dilated import validate_inputs, validate_softmax_scale
 
 
 def local_window_layout(num_blocks: int, window: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ class BlockSparseDilatedAttention(nn.Module):
         self.block_size, self.local_window = block_size, local_window
         self.segment_blocks, self.dilation = segment_blocks, dilation
         self.global_blocks, self.block_layout = global_blocks, block_layout
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = validate_softmax_scale(softmax_scale)
 
     def layout(self, num_blocks: int, num_heads: int, is_causal: bool = False) -> torch.Tensor:
         """``(H, nb, nb)`` bool: the union of the configured patterns (lower triangle if causal)."""
@@ -85,8 +85,16 @@ class BlockSparseDilatedAttention(nn.Module):
             active = active & torch.ones(num_blocks, num_blocks, dtype=torch.bool).tril()
         return active.contiguous()
 
+    def _check_whole_blocks(self, seq_len: int) -> None:
+        if seq_len % self.block_size != 0:
+            raise ValueError(f"seq length {seq_len} must be a multiple of block_size "
+                             f"{self.block_size}: pad the sequence (masking the padding with "
+                             "key_padding_mask) or choose a block_size that divides it")
+
     def element_mask(self, seq_len: int, num_heads: int, is_causal: bool = False) -> torch.Tensor:
-        """``(H, T, T)`` bool allowed-pairs mask equivalent to the layout (for checks)."""
+        """``(H, T, T)`` bool allowed-pairs mask equivalent to the layout (for checks); T must be
+        a multiple of ``block_size``, as in ``forward``."""
+        self._check_whole_blocks(seq_len)
         nb = seq_len // self.block_size
         mask = self.layout(nb, num_heads, is_causal)
         mask = mask.repeat_interleave(self.block_size, 1).repeat_interleave(self.block_size, 2)
@@ -100,9 +108,7 @@ class BlockSparseDilatedAttention(nn.Module):
         """``(B, T, H, D)`` -> ``(B, T, H, D)``; T must be a multiple of ``block_size``."""
         validate_inputs(query, key, value, key_padding_mask)
         batch, seq_len, heads, head_dim = query.shape
-        if seq_len % self.block_size != 0:
-            raise ValueError(f"seq length {seq_len} must be a multiple of block_size "
-                             f"{self.block_size}")
+        self._check_whole_blocks(seq_len)
         bs, nb = self.block_size, seq_len // self.block_size
         index, valid = _active_index(self.layout(nb, heads, is_causal), query.device)
         kmax = index.shape[-1]

@@ -7,6 +7,9 @@ merged by ``exp(lse_i - logsumexp_j lse_j)``; positions no branch covers are zer
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections import OrderedDict
 from typing import Sequence
 
@@ -18,19 +21,39 @@ from attention.function import DilatedAttentionFunction, LocalKeySource
 from attention.plan import make_slot_plans
 
 
+def _positive_int(name: str, value) -> int:
+    """``value`` as an ``int`` if it is a positive integral number (not a bool, not a float)."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number <= 0:
+        raise ValueError(f"{name} must hold positive integers, got {value!r}")
+    return number
+
+
+def validate_softmax_scale(softmax_scale) -> float | None:
+    """None (``head_dim ** -0.5`` at run time) or a positive finite real number, as a float."""
+    if softmax_scale is None:
+        return None
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a positive finite number (or None for "
+                         f"head_dim ** -0.5), got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the branch configuration; raise ``ValueError`` naming the bad argument."""
-    segments, rates = tuple(segment_lengths), tuple(dilation_rates)
+    """Check the branch configuration; raise ``ValueError`` naming the bad argument. Any integral
+    number is accepted (numpy integers from a config) and returned as a Python ``int``."""
+    segments = tuple(_positive_int("segment_lengths", value) for value in segment_lengths)
+    rates = tuple(_positive_int("dilation_rates", value) for value in dilation_rates)
     if len(segments) == 0:
         raise ValueError("segment_lengths must name at least one branch")
     if len(segments) != len(rates):
         raise ValueError(f"segment_lengths ({len(segments)} entries) and dilation_rates "
                          f"({len(rates)} entries) must have the same length")
-    for name, values in (("segment_lengths", segments), ("dilation_rates", rates)):
-        for value in values:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must hold positive integers, got {value!r}")
     for w, r in zip(segments, rates):
         if w % r != 0:
             raise ValueError(f"segment_lengths: segment {w} is not divisible by its "
@@ -88,7 +111,8 @@ class DilatedAttention(nn.Module):
     Cost per branch: O(seq * w / r) time and O(seq) memory; never a seq x seq matrix. Uses the
     fused flash kernel on CPU (fp32, fp64, fp16, bf16; merges accumulate in fp32). With
     ``attention_dropout > 0`` in training mode it takes a slower path differentiated by
-    autograd, dropping merged attention probabilities (masks from ``dropout_generator``).
+    autograd, dropping merged attention probabilities: one decision per (batch, head, query,
+    key) pair, from a hash seeded by ``dropout_generator`` (see ``attention/pair_dropout.py``).
     """
 
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -96,12 +120,13 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.segment_lengths, self.dilation_rates = validate_branches(segment_lengths,
                                                                       dilation_rates)
-        if softmax_scale is not None and softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
-        self.softmax_scale = softmax_scale
+        self.softmax_scale = validate_softmax_scale(softmax_scale)
         self.attention_dropout = attention_dropout
+        # Global index of the first head passed in; a head-split (tensor-parallel) subclass sets
+        # it so that its pairs draw the dropout decisions the full module's heads draw.
+        self.head_start = 0
         self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
@@ -135,7 +160,8 @@ class DilatedAttention(nn.Module):
             return dilated_attention_autograd(query, key, value, sources, is_causal=is_causal,
                                               key_padding_mask=key_padding_mask, scale=scale,
                                               dropout=self.attention_dropout,
-                                              generator=self.dropout_generator(query.device))
+                                              generator=self.dropout_generator(query.device),
+                                              first_head=self.head_start)
         out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
                                                 is_causal, scale)
         return out

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from attention.pair_dropout import keep_pairs, key_words, row_words
+
 
 def head_offsets(num_heads: int, dilation_rate: int) -> list[int]:
     """Offset ``o = h // ceil(H / r)`` of every head for one branch (so ``o < r``)."""
@@ -47,13 +49,28 @@ def branch_counts(seq_len: int, segment_lengths: Sequence[int],
     return counts  # (H, T, T)
 
 
+def dense_keep_mask(seed: torch.Tensor, batch: int, num_heads: int, seq_len: int,
+                    p: float) -> torch.Tensor:
+    """``(B, H, T, T)`` bool: the pairs that ``DilatedAttention``'s dropout keeps with ``seed``
+    (``attention/pair_dropout.py``), for every pair at once."""
+    positions = torch.arange(seq_len, device=seed.device)
+    rows = row_words(seed, torch.arange(batch, device=seed.device).view(-1, 1, 1),
+                     torch.arange(num_heads, device=seed.device).view(1, -1, 1), positions)
+    keys = key_words(positions).expand(batch * num_heads, -1)
+    return keep_pairs(rows.reshape(-1, seq_len), keys, p).view(batch, num_heads, seq_len, seq_len)
+
+
 def dense_dilated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                             softmax_scale: float | None = None, is_causal: bool = False,
-                            key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                            key_padding_mask: torch.Tensor | None = None,
+                            dropout_keep: torch.Tensor | None = None,
+                            dropout: float = 0.0) -> torch.Tensor:
     """Reference dilated attention on ``(B, T, H, D)`` inputs; rows with ``C == 0`` give zero.
 
     ``key_padding_mask`` is ``(B, T)`` bool, True for keys to ignore (their C becomes 0).
+    ``dropout_keep``: ``(B, H, T, T)`` bool; the merged probabilities of the pairs it keeps are
+    scaled by ``1 / (1 - dropout)``, the others dropped (dropout on the softmax).
     """
     batch, seq_len, num_heads, head_dim = query.shape
     scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
@@ -66,4 +83,6 @@ def dense_dilated_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     covered = counts.sum(-1, keepdim=True) > 0  # (B, H, T, 1)
     scores = torch.where(covered, scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1) * covered
+    if dropout_keep is not None:
+        probs = probs * dropout_keep.to(query.device) / (1.0 - dropout)
     return (probs @ v).transpose(1, 2)  # (B, T, H, D)

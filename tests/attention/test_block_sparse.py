@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import BlockSparseDilatedAttention
+from attention import BlockSparseDilatedAttention, DilatedAttention
 from attention_helpers import max_error, outputs_and_grads, random_qkv
 
 
@@ -62,6 +62,35 @@ def test_invalid_arguments():
     q, k, v = random_qkv(1, 10, 1, 2)
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockSparseDilatedAttention(4, local_window=1)(q, k, v)
+
+
+@pytest.mark.parametrize("module", ["block_sparse", "dilated"])
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), True, "0.5"])
+def test_invalid_softmax_scale_names_the_fix(module, scale):
+    """A scale that is not a positive finite number is refused when the module is built (it
+    was taken by block-sparse and gave NaN or garbage outputs), the same way by both modules."""
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        if module == "block_sparse":
+            BlockSparseDilatedAttention(4, local_window=1, softmax_scale=scale)
+        else:
+            DilatedAttention([4], [1], softmax_scale=scale)
+
+
+def test_valid_softmax_scale_is_used():
+    q, k, v = random_qkv(1, 8, 2, 4)
+    module = BlockSparseDilatedAttention(4, block_layout=torch.ones(2, 2, dtype=torch.bool),
+                                         softmax_scale=0.3)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), scale=0.3)
+    assert max_error(module(q, k, v), ref.transpose(1, 2)) < 1e-10
+
+
+def test_element_mask_of_a_partial_block_is_an_error():
+    """forward refuses a sequence that is not a whole number of blocks; element_mask returned a
+    (H, 8, 8) mask for seq_len 10 (the last two positions dropped) instead of saying so."""
+    module = BlockSparseDilatedAttention(4, local_window=1)
+    with pytest.raises(ValueError, match="seq length 10 must be a multiple of block_size 4"):
+        module.element_mask(10, 2)
+    assert module.element_mask(12, 2).shape == (2, 12, 12)
 
 
 @pytest.mark.parametrize("inputs,mask,message", [

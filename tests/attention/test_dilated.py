@@ -1,6 +1,7 @@
 """DilatedAttention against the dense ``log C`` reference: forward and gradients, float64 1e-10."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,20 @@ def test_low_precision_dtypes(dtype, tol):
 def test_invalid_configuration(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DilatedAttention(**kwargs)
+
+
+def test_numpy_integer_branches_are_accepted():
+    """Segment lengths read from a config as numpy integers are integers: the module equals the
+    one built from Python ints (and holds Python ints); bools and floats stay refused."""
+    q, k, v = random_qkv(1, 16, 4, 4)
+    module = DilatedAttention(np.array([4, 8]), [np.int64(1), np.int32(2)])
+    assert module.segment_lengths == (4, 8) and module.dilation_rates == (1, 2)
+    assert all(type(n) is int for n in module.segment_lengths + module.dilation_rates)
+    ref = dense_dilated_attention(q, k, v, [4, 8], [1, 2])
+    assert max_error(module(q, k, v), ref) < TOL64
+    for bad in ([True], [4.0], [np.float64(4)], [np.bool_(True)]):
+        with pytest.raises(ValueError, match="segment_lengths must hold positive integers"):
+            DilatedAttention(bad, [1])
 
 
 def test_head_dim_mismatch():

@@ -231,3 +231,22 @@ def test_generators_saved_under_another_layout_are_refused_by_name(tmp_path):
         assert message is not None and "dp=1 tp=2 pp=1 cp=1" in message and "dp=1 tp=4 pp=1 cp=1" in message
         assert "restore_dropout_rng=False" in message
     assert spawn(lambda b: load(b, restore_dropout_rng=False), 4) == [None] * 4
+
+
+def test_head_shard_drops_the_pairs_the_full_module_drops():
+    """Pair decisions hash the global head index: a rank holding heads [2, 4) of 4, given the
+    generator state the full module had, drops what the full module drops for those heads."""
+    from attention import DilatedAttention
+    from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    dense = DilatedAttention([4, 8], [1, 2], attention_dropout=0.4).train()
+    shard = HeadShardedDilatedAttention(dense, head_start=2, total_heads=4).train()
+    torch.manual_seed(3)
+    full = dense(q, k, v, is_causal=True)
+    torch.manual_seed(3)
+    part = shard(q[:, :, 2:], k[:, :, 2:], v[:, :, 2:], is_causal=True)
+    assert (part - full[:, :, 2:]).abs().max().item() < 1e-12
+    dense.eval()
+    assert (full - dense(q, k, v, is_causal=True)).abs().max().item() > 1e-3  # dropout acted
