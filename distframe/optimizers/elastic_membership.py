@@ -19,6 +19,7 @@ per generation. The group's world size changes, the global batch does not
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,12 +54,16 @@ class ElasticController:
     def __init__(self, worker_fn: Callable[[Any, ElasticMember], Any], *, initial_world: int,
                  schedule: dict[int, int] | None = None, max_generations: int = 32,
                  timeout: float = 60.0, start_step: int = 0) -> None:
-        if isinstance(initial_world, bool) or not isinstance(initial_world, int) or initial_world < 1:
-            raise ConfigError(f"ElasticController initial_world={initial_world!r}: use a positive int")
+        for name, value in (("initial_world", initial_world), ("max_generations", max_generations)):
+            if not _is_positive_int(value):
+                raise ConfigError(f"ElasticController {name}={value!r}: use a positive int")
         for step, size in (schedule or {}).items():
-            if not (isinstance(step, int) and step > 0 and isinstance(size, int) and size >= 1):
+            if not (_is_positive_int(step) and _is_positive_int(size)):
                 raise ConfigError(f"ElasticController schedule entry {step!r}: {size!r}: use "
                                   "{step (positive int): world size (positive int)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"ElasticController timeout={timeout!r}: use a positive number of "
+                              "seconds (each collective's limit)")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ConfigError(f"ElasticController start_step={start_step!r}: use an int >= 0")
         self.worker_fn = worker_fn
@@ -126,6 +131,10 @@ class ElasticController:
             who = f"worker {returned[0]}" if len(returned) == 1 else f"workers {returned}"
             raise RuntimeError(f"{who} returned while the others were still training ({errors[0]}); "
                                "worker_fn must train until optimizer.membership_changes or the end")
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[ElasticMember],

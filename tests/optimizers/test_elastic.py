@@ -2,6 +2,7 @@
 with a failure midway equals an uninterrupted single-process run of the committed steps, for
 every data-parallel strategy; joiners receive the commit; checkpoints restart at a new size."""
 import copy
+import re
 import time
 
 import pytest
@@ -159,6 +160,18 @@ def test_uneven_global_batch_and_bad_schedule_are_config_errors():
     with pytest.raises(ConfigError, match="schedule"):
         ElasticController(lambda b, m: None, initial_world=2, schedule={0: 3})
     assert ElasticMember(5).commit is None
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"schedule": {True: 3}}, "schedule entry True: 3"),
+    ({"schedule": {2: False}}, "schedule entry 2: False"),
+    ({"max_generations": 0}, "max_generations=0"), ({"max_generations": True}, "max_generations=True"),
+    ({"max_generations": 2.5}, "max_generations=2.5"), ({"timeout": 0}, "timeout=0"),
+    ({"timeout": float("nan")}, "timeout=nan"), ({"timeout": True}, "timeout=True"),
+])
+def test_bad_controller_settings_name_the_field_and_the_fix(kwargs, needle):
+    with pytest.raises(ConfigError, match=rf"{re.escape(needle)}.*: use "):
+        ElasticController(lambda b, m: None, initial_world=2, **kwargs)
 
 
 def test_elastic_demo_removes_and_adds_workers_and_logs_it():
