@@ -3,6 +3,7 @@ with a failure midway equals an uninterrupted single-process run of the committe
 every data-parallel strategy; joiners receive the commit; checkpoints restart at a new size."""
 import copy
 import re
+import threading
 import time
 
 import pytest
@@ -244,3 +245,42 @@ def test_a_worker_that_returns_early_is_named_at_once_and_its_peers_are_not_drop
         controller.run()
     assert time.monotonic() - start < 15
     assert len(controller.generations) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stall", ["hangs", "is_late"])
+def test_a_hung_or_late_worker_is_dropped_and_its_peers_go_on(stall):
+    """Worker 2 stalls after step 2, outside any collective: its peers' collective times out
+    naming it as missing. The controller must drop worker 2, not the peers that timed out; must
+    not wait for a thread that never returns ("hangs") without bound; and the survivors must
+    finish from the last commit. "is_late" wakes after the peers' timeout and meets the aborted
+    group in its next collective."""
+    release = threading.Event()
+    total = 6
+
+    def worker(backend, member):
+        model = DDPModel(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+        while opt.step_count < total and not opt.membership_changes:
+            if member.worker_id == 2 and opt.step_count == 2:
+                if stall == "hangs":
+                    release.wait()  # until the test ends
+                    return "released"
+                time.sleep(3)
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count, model.gather_full_parameters()
+    controller = ElasticController(worker, initial_world=3, timeout=2)
+    start = time.monotonic()
+    try:
+        generations = controller.run()
+    finally:
+        release.set()
+    assert time.monotonic() - start < 45  # two 2 s timeouts and the training, not forever
+    assert [(g.members, g.start_step, g.end) for g in generations] == [
+        ([0, 1, 2], 0, "failed"), ([0, 1], 2, "finished")]
+    assert generations[0].failed_worker == 2 and "worker 2" in generations[0].error
+    if stall == "hangs":
+        assert "hung" in generations[0].error
+    reference = _reference(total)
+    for steps, params in generations[-1].results:
+        assert steps == total and _max_diff(params, reference) <= 1e-10
