@@ -226,6 +226,50 @@ def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule(
         assert _max_diff(params, reference.state_dict()) <= 1e-10
 
 
+def test_an_lr_scheduler_owned_by_the_optimizer_is_restored_from_commits():
+    """A scheduler built by ``lr_scheduler=`` is stepped inside ``step()`` before the commit, so
+    joiners (step 3) and survivors rolled back after a failure (worker 2 dies after step 5; the
+    last commit, every 2 steps, is step 4) hold its state and rates: the run follows the
+    uninterrupted schedule, although no worker passes last_epoch."""
+    def decay(step):
+        return 1.0 / (1 + step)
+    total = 7
+
+    def worker(backend, member):
+        model = ZeRO2Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, commit_every=2,
+                               lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, decay))
+        while opt.step_count < total and not opt.membership_changes:
+            if member.worker_id == 2 and opt.step_count == 5:
+                raise _WorkerDied("worker 2 died after step 5")
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.lr_scheduler.last_epoch, opt.param_groups[0]["lr"], model.gather_full_parameters()
+    generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
+    assert [(len(g.members), g.start_step, g.end) for g in generations] == [
+        (2, 0, "clean"), (3, 3, "failed"), (2, 4, "finished")]
+    reference = copy.deepcopy(MLP)
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    for step in range(total):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        scheduler.step()
+    for last_epoch, lr, params in generations[-1].results:
+        assert last_epoch == total and lr == pytest.approx(LR * decay(total), rel=1e-15)
+        assert _max_diff(params, reference.state_dict()) <= 1e-10
+
+
+def test_an_lr_scheduler_that_is_not_a_builder_is_a_config_error():
+    def fn(b):
+        opt = torch.optim.SGD(MLP.parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match="lr_scheduler: pass a function"):
+            ElasticOptimizer(DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1,
+                             lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    spawn(fn, 1)
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_that_returns_early_is_named_at_once_and_its_peers_are_not_dropped():
     """Worker 1 returns before the membership change while its peers wait for it in a
