@@ -113,7 +113,7 @@ def _add_optimizer_arguments(parser: argparse.ArgumentParser, add: Any) -> None:
         "steps between in-memory commits (a failure rolls back to the last)"
         + _default("commit_every"))
     add("--elastic-schedule", group=group, metavar="STEP:WORLD,...", help="--optimizer elastic: "
-        "after STEP steps the world becomes WORLD workers (e.g. 4:3,8:2)")
+        "after STEP steps (below --steps) the world becomes WORLD workers (e.g. 4:3,8:2)")
     add("--fail-at", group=group, type=int, metavar="STEP", help="--optimizer elastic: the last "
         "worker fails after STEP steps (once); the others go on without it")
 

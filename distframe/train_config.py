@@ -65,7 +65,8 @@ class TrainConfig:
     the torch optimizer; ``optimizer`` (none, compressed, async, elastic) the distframe optimizer
     around it, with its own settings (``OPTIMIZERS[name].settings``), which must stay at their
     defaults under the others.
-    ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD.
+    ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD
+    (each STEP below ``steps``).
     """
 
     strategy: str = "ddp"
@@ -199,6 +200,13 @@ class TrainConfig:
             raise ConfigError("--optimizer async needs --world-size >= 2: rank 0 serves the "
                               "parameters and the other ranks train")
         self.elastic_world_sizes()  # parses --elastic-schedule
+        # A change at the last step would start a group that trains nothing; a later one is
+        # never reached (and its world would still have to divide --batch-size).
+        late = [step for step in self.elastic_schedule_steps() if step >= self.steps]
+        if late:
+            raise ConfigError(f"--elastic-schedule {self.elastic_schedule!r} changes the world after "
+                              f"step {late[0]}, but the run ends at --steps {self.steps}; use steps "
+                              f"below {self.steps}, or raise --steps")
 
     def _check_parallel(self) -> None:
         _check_unused(self, PARALLEL_SETTINGS, "strategy")

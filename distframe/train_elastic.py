@@ -23,7 +23,7 @@ import torch
 from attention.model import DilatedTransformerLM
 from distframe import train_checkpoint
 from distframe.data import TokenCorpus
-from distframe.errors import ConfigError, RankFailedError
+from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.optimizers.elastic_demo import DemoWorkerFailure
 from distframe.optimizers.elastic_membership import ElasticController
 from distframe.train_config import TrainConfig
@@ -62,8 +62,8 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
             job = ElasticJob(backend, config, model, optimizer, corpus, torch.device("cpu"),
                              backend.world_size, backend.rank, info, failed=failed)
             return job.run()
-        except (DemoWorkerFailure, RankFailedError):
-            raise
+        except (DemoWorkerFailure, RankFailedError, CollectiveTimeoutError):
+            raise  # the controller drops the worker that failed, or that its peers waited for
         except BaseException as exc:
             fatal.append(exc)
             raise

@@ -25,6 +25,7 @@ import torch
 from distframe.backends import validation
 from distframe.backends.async_calls import AsyncCalls
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
+from distframe.backends.departures import Departure
 from distframe.backends.posted import PostedCollectives
 from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor
 from distframe.backends.signature import Signature, describe_mismatch
@@ -98,6 +99,11 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     @property
     def is_shut_down(self) -> bool:
         return self._closed
+
+    def departures(self) -> dict[int, Departure]:
+        """The peers known to have left this group (``distframe.backends.departures``), by rank;
+        empty where the engine cannot tell."""
+        return {}
 
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,

@@ -11,6 +11,8 @@ it failed. A rank whose call has not completed asks, every fraction of a second 
 * a peer that failed: RankFailedError naming it, as when the in-memory engine aborts;
 * a peer that left having issued fewer calls than this call's sequence number can never arrive:
   CollectiveTimeoutError naming the call, its sequence number and that rank;
+* a receive from a peer that left: ``backend.departures()`` says how many messages it sent
+  first, so a caller can tell whether the one it waits for is still on its way;
 * a peer that left after issuing this call is waited for as usual: its call runs (perhaps still
   on its communication thread). So ranks that end at slightly different times, or a peer still
   in its last call when another leaves, see no error.
@@ -34,10 +36,17 @@ from distframe.errors import CollectiveTimeoutError, RankFailedError
 
 @dataclasses.dataclass(frozen=True)
 class Departure:
-    """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised."""
+    """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised;
+    ``sent``: how many point-to-point messages it had sent, by (destination rank, tag), where the
+    engine records it (None where it does not: MPI)."""
 
     issued: int
     failed: bool = False
+    sent: dict[tuple[int, int], int] | None = None
+
+    def sent_to(self, dst: int, tag: int) -> int | None:
+        """Messages it sent to ``dst`` on ``tag`` before leaving; None when unknown."""
+        return None if self.sent is None else self.sent.get((dst, tag), 0)
 
 
 def departure_error(departed: dict[int, Departure], op: str, seq: int,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World
 from distframe.backends.types import CompletedWork, ReduceOp, Work
@@ -152,6 +153,16 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
         seq = self._next_p2p_seq("recv", src, tag)
         return _RecvWork(self, tensor, src, tag, seq)
+
+    # ---- life cycle ------------------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        # This rank makes no further call here (its function under spawn has returned, or raised).
+        failed = self._rdv.world.failed_rank == self._rdv.global_ranks[self._rank]
+        sent = {(peer, tag): n for (way, peer, tag), n in self._p2p_seq.items() if way == "send"}
+        self._rdv.departures.setdefault(self._rank, Departure(self._seq, failed, sent))
+
+    def departures(self) -> dict[int, Departure]:
+        return {r: d for r, d in list(self._rdv.departures.items()) if r != self._rank}
 
 
 class _RecvWork(Work):

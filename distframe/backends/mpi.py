@@ -29,7 +29,7 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import departure_error
+from distframe.backends.departures import Departure, departure_error
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
@@ -283,6 +283,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._board.depart(self._seq, failed)
         for group in list(self._subgroups):
             group.depart(failed=failed)
+
+    def departures(self) -> dict[int, Departure]:
+        """The peers on this node that have departed (not how many messages they sent)."""
+        return self._board.departures()
 
     def _shutdown(self) -> None:
         self.depart()

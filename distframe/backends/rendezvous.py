@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.departures import Departure
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 
@@ -135,6 +136,7 @@ class Rendezvous:
         # (src, dst, tag) -> {message number on that channel: (number, payload)}
         self._mailboxes: dict[tuple[int, int, int], dict[int, Any]] = {}
         self._freed_through = 0  # the highest sequence number whose slot is done and freed
+        self.departures: dict[int, Departure] = {}  # ranks whose backend here has shut down
         world.register(self)
 
     # ---- collectives -------------------------------------------------------------------------

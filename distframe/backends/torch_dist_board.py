@@ -9,7 +9,8 @@ interval stale, which is far below any sensible timeout. The store is read only 
 or while a call has waited for longer than ``WAIT_SLICE``.
 
 [Note: departures in the store] A rank that departs sets ``<progress key>/left`` for each group
-it leaves to the number of calls it issued there ("7", or "7 failed"), then appends those keys'
+it leaves to the number of calls it issued there and the messages it sent, by peer and tag
+("7 sent=1:5:2", or "7 failed sent="), then appends those keys'
 names to one key per world (``departures_key``). A waiting rank reads that key, one round trip
 while nobody has left, and the ``left`` keys of its group's peers only when it lists them.
 ProcessPool's workers keep their backends from one run to the next: the pool clears the
@@ -70,19 +71,22 @@ class ProgressBoard:
         # check() first: get() on a key no one has set would block for the store's timeout.
         return int(self._store.get(key).decode()) if self._store.check([key]) else 0
 
-    def depart(self, under: str, issued: dict[str, int], failed: bool) -> None:
+    def depart(self, under: str, issued: dict[str, int], failed: bool,
+               sent: dict[str, dict[tuple[int, int], int]] | None = None) -> None:
         """Announces that this rank has left the groups whose progress keys start with ``under``
         ([Note: departures in the store]), after issuing ``issued[key]`` calls on each. A group
         missing from ``issued`` is gone (garbage): the last call it entered was its last, and it
-        is announced this once, then forgotten."""
+        is announced this once, then forgotten. ``sent[key]``: its messages by (peer, tag)."""
         suffix = " failed" if failed else ""
+        sent = sent or {}
         counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
                   if key.startswith(under)}
         for key in counts.keys() - issued.keys():
             self._latest.pop(key, None)
         try:
             for key, count in counts.items():
-                self._store.set(key + _LEFT, f"{count}{suffix}")
+                messages = ",".join(f"{d}:{t}:{n}" for (d, t), n in sorted(sent.get(key, {}).items()))
+                self._store.set(key + _LEFT, f"{count}{suffix} sent={messages}")
             self._store.append(self._departures_key, "".join(f"{key}{_LEFT}\n" for key in counts))
             self._store.check([self._departures_key])  # a round trip: every write has landed
         except RuntimeError:  # the store is gone: nobody is left to wait for this rank
@@ -103,18 +107,23 @@ class ProgressBoard:
 
     def _departure_error(self, keys: dict[int, str], op: str, seq: int,
                          waited: float) -> Exception | None:
+        departed = self.departures(keys)
+        return None if departed is None else departure_error(departed, op, seq, waited)
+
+    def departures(self, keys: dict[int, str]) -> dict[int, Departure] | None:
+        """The ranks of ``keys`` (rank -> progress key) that have departed; None when the store
+        cannot be read."""
         try:
             if not self._store.check([self._departures_key]):
-                return None
+                return {}
             listed = set(self._store.get(self._departures_key).decode().split())
             departed = {}
             for rank, key in keys.items():
                 if key + _LEFT in listed and self._store.check([key + _LEFT]):
-                    issued, *failed = self._store.get(key + _LEFT).decode().split()
-                    departed[rank] = Departure(int(issued), bool(failed))
+                    departed[rank] = _parse_departure(self._store.get(key + _LEFT).decode())
         except (RuntimeError, ValueError):
             return None
-        return departure_error(departed, op, seq, waited)
+        return departed
 
     def close(self) -> None:
         self._stop.set()
@@ -131,6 +140,19 @@ class ProgressBoard:
                 except RuntimeError:  # the store is gone: nobody is left to read the board
                     return
                 self._written[key] = seq
+
+
+def _parse_departure(text: str) -> Departure:
+    """``"7"``, ``"7 failed"``, each perhaps followed by ``" sent=PEER:TAG:N,..."``."""
+    issued, *rest = text.split()
+    sent = None
+    for word in rest:
+        if word.startswith("sent="):
+            sent = {}
+            for item in filter(None, word[len("sent="):].split(",")):
+                peer, tag, count = (int(x) for x in item.split(":"))
+                sent[(peer, tag)] = count
+    return Departure(int(issued), "failed" in rest, sent)
 
 
 def _own_connection(store: dist.Store) -> dist.Store:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
+from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import WAIT_SLICE, ProgressBoard, departures_key, wait_in_slices
@@ -246,9 +247,15 @@ class TorchDistributedBackend(CommunicationBackendBase):
         in a call it has not issued stops at once (``distframe.backends.departures``).
         ``shutdown`` departs; launchers depart for a rank whose function has ended."""
         under = f"{self._prefix}/"  # this group's keys and those of the groups made from it
-        issued = {g._my_progress_key: g._seq for g in list(self._shared.groups)
-                  if g._my_progress_key.startswith(under)}
-        self._shared.board.depart(under, issued, failed)
+        groups = [g for g in list(self._shared.groups) if g._my_progress_key.startswith(under)]
+        issued = {g._my_progress_key: g._seq for g in groups}
+        sent = {g._my_progress_key: {(peer, tag): n for (way, peer, tag), n in g._p2p_counts.items()
+                                     if way == "send"} for g in groups}
+        self._shared.board.depart(under, issued, failed, sent)
+
+    def departures(self) -> dict[int, Departure]:
+        """The peers that have departed (one store round trip while none has)."""
+        return self._shared.board.departures(self._peer_progress_keys) or {}
 
     def _shutdown(self) -> None:
         self.depart()

@@ -27,12 +27,16 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import CollectiveTimeoutError
 from distframe.optimizers.async_protocol import (
     BODY_TAG,
+    HEADER_TAG,
     FlatParameters,
     Kind,
     post_header,
     recv_text,
     send_header,
 )
+
+#: How often a server with nothing to serve asks whether an awaited worker has left the group.
+DEPARTURE_POLL_S = 0.2
 
 
 @dataclasses.dataclass
@@ -83,6 +87,7 @@ class ParameterServer:
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         self._arrivals: queue.Queue = queue.Queue()
         self._listening: set[int] = set()
+        self._headers = {w: 0 for w in workers}  # headers received from each worker
         self._rotation = list(workers)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -100,30 +105,38 @@ class ParameterServer:
     def _next_message(self) -> tuple[int, torch.Tensor] | None:
         """(worker, header) of the next message to serve; None when a worker was dropped."""
         if self.deterministic:
-            w = next(r for r in self._rotation if r in self.pulled)
-            self._rotation.remove(w)
-            self._rotation.append(w)
-            header, work = post_header(self.backend, w)
-            try:
-                work.wait(timeout=self.worker_timeout)
-            except CollectiveTimeoutError:
-                self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
-                return None
-            return w, header
+            candidates = [next(r for r in self._rotation if r in self.pulled)]
+            self._rotation.remove(candidates[0])
+            self._rotation.append(candidates[0])
+        else:
+            candidates = list(self.pulled)
         # [Note: waiting for any worker] The backends have no receive-from-any-source, and a
         # posted receive's is_completed() is only trustworthy on some engines (Gloo reports
-        # completion when waited for), so each pending worker's header is waited for on a
-        # thread of its own, and the first to arrive is served.
-        for w in self.pulled:
+        # completion when waited for), so each awaited worker's header is waited for on a
+        # thread of its own, and the first to arrive is served. Between arrivals the server asks
+        # the backend which workers have left the group (distframe.backends.departures).
+        for w in candidates:
             if w not in self._listening:
                 self._listen(w)
-        w, header, error = self._arrivals.get()
-        self._listening.discard(w)
+        while True:
+            try:
+                w, header, error = self._arrivals.get(timeout=DEPARTURE_POLL_S)
+            except queue.Empty:
+                left = self._departed(candidates)
+                if left is not None:
+                    self._drop(*left)
+                    return None
+                continue
+            self._listening.discard(w)
+            if w in self.pulled:  # else a worker already dropped as departed
+                break
         if isinstance(error, CollectiveTimeoutError):
-            self._drop(w, f"sent nothing for {self.worker_timeout:g} s")
+            left = self._departed([w], received_all=True)
+            self._drop(*(left or (w, f"sent nothing for {self.worker_timeout:g} s")))
             return None
         if error is not None:
             raise error
+        self._headers[w] += 1
         return w, header
 
     def _listen(self, worker: int) -> None:
@@ -137,6 +150,23 @@ class ParameterServer:
                 self._arrivals.put((worker, None, exc))
         self._listening.add(worker)
         threading.Thread(target=wait, name=f"distframe-ps-listen-{worker}", daemon=True).start()
+
+    def _departed(self, workers: list[int], received_all: bool = False) -> tuple[int, str] | None:
+        """(worker, reason) for one of ``workers`` that has left the group with no message to the
+        server still on its way (so it can never send one), else None. A worker's function that
+        returns without finish() leaves this way; so does one that raised outside train_step.
+        ``received_all``: the worker's receive has failed, so nothing is on its way (for engines
+        that do not say how many messages a rank sent before it left)."""
+        # CommunicationBackendBase.departures; a backend that only follows the protocol cannot say.
+        departures = getattr(self.backend, "departures", dict)()
+        for w in workers:
+            left = departures.get(w)
+            sent = None if left is None else left.sent_to(self.backend.rank, HEADER_TAG)
+            if left is not None and (received_all or sent is not None and sent <= self._headers[w]):
+                how = "raised" if left.failed else "returned without calling finish()"
+                return w, (f"its function {how} and it left the group while computing on "
+                           f"parameters of version {self.pulled.get(w)}, with no gradient on its way")
+        return None
 
     def _handle(self, worker: int, header: torch.Tensor) -> None:
         kind = Kind(int(header[0]))

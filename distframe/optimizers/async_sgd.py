@@ -82,7 +82,10 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
     staleness gate holds it back); it returns this worker's local loss, and the server applies
     the gradient of every step that returned one, exactly once. When the server says stop,
-    ``stopped`` becomes True. ``finish()`` tells the server this worker is done.
+    ``stopped`` becomes True. ``finish()`` tells the server this worker is done; a worker whose
+    function returns without it is dropped (``failed_workers`` says so) once the engine reports
+    its departure (``distframe.backends.departures``; Gloo and in-memory at once, MPI at the
+    worker_timeout).
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
     Messages per worker step: a 32-byte header and the gradient (send), a header and the

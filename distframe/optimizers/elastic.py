@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,12 @@ class Commit:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]  # {"tensors", "scalars", "param_groups"}
     world_size: int
+    lr_scheduler: dict[str, Any] | None = None  # the scheduler's state_dict (JSON), if any
 
     def to_bytes(self) -> bytes:
         meta = {"step": self.step, "world_size": self.world_size, "model_keys": sorted(self.model),
-                "scalars": self.optimizer["scalars"], "param_groups": self.optimizer["param_groups"]}
+                "scalars": self.optimizer["scalars"], "param_groups": self.optimizer["param_groups"],
+                "lr_scheduler": self.lr_scheduler}
         tensors = {**{f"m/{k}": v for k, v in self.model.items()},
                    **{f"o/{k}": v for k, v in self.optimizer["tensors"].items()},
                    _META_KEY: _encode_json(meta)}
@@ -55,7 +58,8 @@ class Commit:
         model = {k[2:]: v for k, v in tensors.items() if k.startswith("m/")}
         opt = {k[2:]: v for k, v in tensors.items() if k.startswith("o/")}
         return cls(meta["step"], model, {"tensors": opt, "scalars": meta["scalars"],
-                                         "param_groups": meta["param_groups"]}, meta["world_size"])
+                                         "param_groups": meta["param_groups"]}, meta["world_size"],
+                   meta.get("lr_scheduler"))
 
 
 @dataclasses.dataclass
@@ -78,6 +82,15 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``<checkpoint_dir>/step-<N>`` (distframe.checkpoint). ``member``: this worker's
     ``ElasticMember`` (None: a fresh one). Construction is collective (the restore).
 
+    ``lr_scheduler``: a function that builds a torch learning-rate scheduler on this optimizer
+    (``lambda opt: LambdaLR(opt, f)``). The optimizer then owns it, as DeepSpeed's engine does:
+    ``step()`` steps it after each optimizer step and before the commit, so every commit holds
+    the scheduler's state (``state_dict``, JSON) consistent with the optimizer's, and survivors
+    and joiners get it back (as Horovod's elastic State restores the objects it holds); do not
+    step it yourself. It is built after the restore: a restart from a checkpoint, which holds
+    no scheduler state, gets what the function builds there (pass ``last_epoch=opt.step_count
+    - 1`` to resume a schedule).
+
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
     one all_gather of committed steps and, when some member holds a commit, two broadcasts.
     ``step_count`` is the number of optimizer steps the model has taken, across restarts.
@@ -85,13 +98,18 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, *, commit_every: int = 1,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
-                 member: ElasticMember | None = None, **optimizer_kwargs: Any) -> None:
+                 member: ElasticMember | None = None,
+                 lr_scheduler: Callable[[ElasticOptimizer], Any] | None = None,
+                 **optimizer_kwargs: Any) -> None:
         if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
             raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
                 checkpoint_every, int) or checkpoint_every < 1):
             raise ConfigError(f"ElasticOptimizer checkpoint_every={checkpoint_every!r}: use a positive "
                               "int (commits between checkpoints) or None")
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise ConfigError("ElasticOptimizer lr_scheduler: pass a function that builds the scheduler "
+                              "on the optimizer, such as lambda opt: LambdaLR(opt, f)")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ConfigError("ElasticOptimizer checkpoint_every needs checkpoint_dir=<directory>")
         super().__init__(model, optimizer, **optimizer_kwargs)
@@ -100,11 +118,18 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.checkpoint_every = checkpoint_every
         self.member = member or ElasticMember(model.backend.rank)
         self.step_count = 0
+        self.lr_scheduler = None
         self.restored_from = self._restore()
+        if lr_scheduler is not None:
+            self.lr_scheduler = lr_scheduler(self)
+            if self.member.commit.lr_scheduler is not None:
+                self._load_scheduler(self.member.commit.lr_scheduler)
 
     # ---- training ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.step_count += 1
         if self.step_count % self.commit_every == 0 or self.step_count == self.member.until_step:
             self.commit()
@@ -133,7 +158,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
     def commit(self) -> Commit:
         """Snapshots every rank's state into one Commit held by every rank; collective."""
         backend = self.model.backend
-        mine = Commit(self.step_count, dict(self.model.state_dict()), self.state_dict(), backend.world_size)
+        mine = Commit(self.step_count, dict(self.model.state_dict()), self.state_dict(), backend.world_size,
+                      self._scheduler_state())
         blobs = all_gather_bytes(backend, mine.to_bytes())
         parts = [Commit.from_bytes(b) for b in blobs]
         merged_model: dict[str, torch.Tensor] = {}
@@ -144,7 +170,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
             merged_tensors.update(part.optimizer["tensors"])
             scalars.update(part.optimizer["scalars"])
         commit = Commit(self.step_count, merged_model, {"tensors": merged_tensors, "scalars": scalars,
-                        "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size)
+                        "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size,
+                        parts[0].lr_scheduler)
         self.member.commit = commit
         interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
         if interval is not None and self.step_count > 0 and self.step_count % interval == 0:
@@ -182,6 +209,26 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.load_state_dict(commit.optimizer)
         self.step_count = commit.step
         self.member.commit = commit
+        if self.lr_scheduler is not None and commit.lr_scheduler is not None:
+            self._load_scheduler(commit.lr_scheduler)
+
+    def _scheduler_state(self) -> dict[str, Any] | None:
+        if self.lr_scheduler is None:
+            return None
+        state = self.lr_scheduler.state_dict()
+        try:
+            return json.loads(json.dumps(state))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"ElasticOptimizer commits the lr_scheduler's state_dict as JSON, and "
+                              f"{type(self.lr_scheduler).__name__}'s is not ({exc}); use a scheduler "
+                              "whose state is plain numbers and lists") from None
+
+    def _load_scheduler(self, state: dict[str, Any]) -> None:
+        """The scheduler's committed state, and the rates it had set (a scheduler built afresh sets
+        those of its first step, and load_state_dict leaves the optimizer's rates alone)."""
+        self.lr_scheduler.load_state_dict(state)
+        for group, lr in zip(self.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def latest_checkpoint(directory: Path | None) -> Path | None:

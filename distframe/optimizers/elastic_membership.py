@@ -9,7 +9,10 @@ ends in one of two ways:
   ElasticOptimizer commits at that step; members beyond the new size leave, new members join
   with nothing and receive the commit when the next group's optimizers are built;
 * by a failure: a worker raises; the others stop at once (RankFailedError) and the survivors
-  roll back to their newest commit in the next generation, one member fewer.
+  roll back to their newest commit in the next generation, one member fewer. A worker that
+  stalls is a failure too: its peers' collective times out naming it as missing, and it is
+  dropped, not they; a thread that has still not returned ``timeout`` seconds after a peer
+  ended is abandoned ([Note: a worker that never returns]).
 
 ``worker_fn(backend, member)`` builds the model and an ``ElasticOptimizer(..., member=member)``
 and trains until ``optimizer.membership_changes`` or its own end; it is called once per member
@@ -19,7 +22,9 @@ per generation. The group's world size changes, the global batch does not
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,19 +51,24 @@ class ElasticController:
 
     ``initial_world``: members at the start. ``schedule``: {step: world size} for clean leaves
     and joins. ``max_generations`` bounds the run (a worker that fails in every generation).
-    ``timeout``: the in-memory backend's timeout per collective. ``start_step``: the step the
+    ``timeout``: the in-memory backend's timeout per collective, and how long a worker may run
+    on after a peer of its generation has ended. ``start_step``: the step the
     first generation starts from (that of the checkpoint its workers restore, when resuming).
     """
 
     def __init__(self, worker_fn: Callable[[Any, ElasticMember], Any], *, initial_world: int,
                  schedule: dict[int, int] | None = None, max_generations: int = 32,
                  timeout: float = 60.0, start_step: int = 0) -> None:
-        if isinstance(initial_world, bool) or not isinstance(initial_world, int) or initial_world < 1:
-            raise ConfigError(f"ElasticController initial_world={initial_world!r}: use a positive int")
+        for name, value in (("initial_world", initial_world), ("max_generations", max_generations)):
+            if not _is_positive_int(value):
+                raise ConfigError(f"ElasticController {name}={value!r}: use a positive int")
         for step, size in (schedule or {}).items():
-            if not (isinstance(step, int) and step > 0 and isinstance(size, int) and size >= 1):
+            if not (_is_positive_int(step) and _is_positive_int(size)):
                 raise ConfigError(f"ElasticController schedule entry {step!r}: {size!r}: use "
                                   "{step (positive int): world size (positive int)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"ElasticController timeout={timeout!r}: use a positive number of "
+                              "seconds (each collective's limit)")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ConfigError(f"ElasticController start_step={start_step!r}: use an int >= 0")
         self.worker_fn = worker_fn
@@ -87,12 +97,11 @@ class ElasticController:
             self.generations.append(generation)
             outcomes = _run_group(self.worker_fn, self.members, self.timeout)
             self._refuse_early_return(outcomes)
-            failed = [i for i, o in enumerate(outcomes)
-                      if isinstance(o, BaseException) and not isinstance(o, RankFailedError)]
+            failed = _blamed(outcomes)
             if failed:
                 generation.end = "failed"
                 generation.failed_worker = self.members[failed[0]].worker_id
-                generation.error = f"{type(outcomes[failed[0]]).__name__}: {outcomes[failed[0]]}"
+                generation.error = self._describe_failure(outcomes, failed[0])
                 self.members = [m for i, m in enumerate(self.members) if i not in failed]
                 if not self.members:
                     raise RuntimeError(f"every worker failed; the last error: {generation.error}")
@@ -113,19 +122,55 @@ class ElasticController:
                                                   for _ in range(size - len(self.members))]
         raise RuntimeError(f"elastic run did not finish within {self.max_generations} generations")
 
-
     def _refuse_early_return(self, outcomes: list[Any]) -> None:
         """A worker that returned while its peers waited for it in a collective (they raise the
         backend's error naming it) is a worker_fn that stopped too soon, not a failure of the
         peers: dropping them would go on with the worker that left."""
         returned = [self.members[i].worker_id for i, o in enumerate(outcomes)
-                    if not isinstance(o, BaseException)]
+                    if not isinstance(o, (BaseException, Hung))]
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         if returned and errors and all(isinstance(e, (CollectiveTimeoutError, RankFailedError))
                                        for e in errors):
             who = f"worker {returned[0]}" if len(returned) == 1 else f"workers {returned}"
             raise RuntimeError(f"{who} returned while the others were still training ({errors[0]}); "
                                "worker_fn must train until optimizer.membership_changes or the end")
+
+    def _describe_failure(self, outcomes: list[Any], rank: int) -> str:
+        outcome = outcomes[rank]
+        if isinstance(outcome, Hung):
+            stopped = next((o for o in outcomes if isinstance(o, CollectiveTimeoutError)), None)
+            return (f"worker {self.members[rank].worker_id} hung: it had not returned {outcome.waited:g} s "
+                    f"after a peer stopped" + (f" ({stopped})" if stopped is not None else ""))
+        if isinstance(outcome, (CollectiveTimeoutError, RankFailedError)):  # named missing by a peer
+            peer = next(o for o in outcomes if isinstance(o, CollectiveTimeoutError))
+            return f"worker {self.members[rank].worker_id} did not arrive: {peer}"
+        return f"{type(outcome).__name__}: {outcome}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hung:
+    """The outcome of a worker thread that had not ended ``waited`` seconds after a peer's had."""
+
+    waited: float
+
+
+def _blamed(outcomes: list[Any]) -> list[int]:
+    """The ranks to drop after a generation: those that raised an error of their own (not the
+    backend's report of a peer), else those that hung, else those that the peers' collective
+    timeouts name as missing (a slow or stuck rank, not the peers that gave up on it)."""
+    raised = [i for i, o in enumerate(outcomes) if isinstance(o, BaseException)
+              and not isinstance(o, (CollectiveTimeoutError, RankFailedError))]
+    if raised:
+        return raised
+    hung = [i for i, o in enumerate(outcomes) if isinstance(o, Hung)]
+    if hung:
+        return hung
+    return sorted({r for o in outcomes if isinstance(o, CollectiveTimeoutError)
+                   for r in (o.missing_ranks or ()) if isinstance(outcomes[r], BaseException)})
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[ElasticMember],
@@ -149,6 +194,20 @@ def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[Ela
                for r in range(len(members))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    return outcomes
+    # [Note: a worker that never returns] Once one worker has ended, the others get ``timeout``
+    # seconds more: a peer's failure or departure stops those waiting in a collective at once,
+    # and a rank still computing reaches its next collective within that. A thread still alive
+    # then is abandoned (a daemon; its group is aborted, so any call it makes later raises).
+    deadline = None
+    while any(t.is_alive() for t in threads):
+        if deadline is None and not all(t.is_alive() for t in threads):
+            deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        next(t for t in threads if t.is_alive()).join(0.05)
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    if hung:
+        backends[0].world.abort(hung[0], TimeoutError(f"rank {hung[0]} hung"))
+        for r in hung:
+            outcomes[r] = Hung(timeout)
+    return list(outcomes)  # a copy: an abandoned thread may still write its slot later

@@ -2,6 +2,8 @@
 with a failure midway equals an uninterrupted single-process run of the committed steps, for
 every data-parallel strategy; joiners receive the commit; checkpoints restart at a new size."""
 import copy
+import re
+import threading
 import time
 
 import pytest
@@ -161,6 +163,18 @@ def test_uneven_global_batch_and_bad_schedule_are_config_errors():
     assert ElasticMember(5).commit is None
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"schedule": {True: 3}}, "schedule entry True: 3"),
+    ({"schedule": {2: False}}, "schedule entry 2: False"),
+    ({"max_generations": 0}, "max_generations=0"), ({"max_generations": True}, "max_generations=True"),
+    ({"max_generations": 2.5}, "max_generations=2.5"), ({"timeout": 0}, "timeout=0"),
+    ({"timeout": float("nan")}, "timeout=nan"), ({"timeout": True}, "timeout=True"),
+])
+def test_bad_controller_settings_name_the_field_and_the_fix(kwargs, needle):
+    with pytest.raises(ConfigError, match=rf"{re.escape(needle)}.*: use "):
+        ElasticController(lambda b, m: None, initial_world=2, **kwargs)
+
+
 def test_elastic_demo_removes_and_adds_workers_and_logs_it():
     from distframe.optimizers.elastic_demo import run_elastic_demo
     lines = []
@@ -212,6 +226,50 @@ def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule(
         assert _max_diff(params, reference.state_dict()) <= 1e-10
 
 
+def test_an_lr_scheduler_owned_by_the_optimizer_is_restored_from_commits():
+    """A scheduler built by ``lr_scheduler=`` is stepped inside ``step()`` before the commit, so
+    joiners (step 3) and survivors rolled back after a failure (worker 2 dies after step 5; the
+    last commit, every 2 steps, is step 4) hold its state and rates: the run follows the
+    uninterrupted schedule, although no worker passes last_epoch."""
+    def decay(step):
+        return 1.0 / (1 + step)
+    total = 7
+
+    def worker(backend, member):
+        model = ZeRO2Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, commit_every=2,
+                               lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, decay))
+        while opt.step_count < total and not opt.membership_changes:
+            if member.worker_id == 2 and opt.step_count == 5:
+                raise _WorkerDied("worker 2 died after step 5")
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.lr_scheduler.last_epoch, opt.param_groups[0]["lr"], model.gather_full_parameters()
+    generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
+    assert [(len(g.members), g.start_step, g.end) for g in generations] == [
+        (2, 0, "clean"), (3, 3, "failed"), (2, 4, "finished")]
+    reference = copy.deepcopy(MLP)
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    for step in range(total):
+        x, y = _global_batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        scheduler.step()
+    for last_epoch, lr, params in generations[-1].results:
+        assert last_epoch == total and lr == pytest.approx(LR * decay(total), rel=1e-15)
+        assert _max_diff(params, reference.state_dict()) <= 1e-10
+
+
+def test_an_lr_scheduler_that_is_not_a_builder_is_a_config_error():
+    def fn(b):
+        opt = torch.optim.SGD(MLP.parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match="lr_scheduler: pass a function"):
+            ElasticOptimizer(DDPModel(copy.deepcopy(MLP), b), torch.optim.SGD, lr=0.1,
+                             lr_scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    spawn(fn, 1)
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_that_returns_early_is_named_at_once_and_its_peers_are_not_dropped():
     """Worker 1 returns before the membership change while its peers wait for it in a
@@ -231,3 +289,42 @@ def test_a_worker_that_returns_early_is_named_at_once_and_its_peers_are_not_drop
         controller.run()
     assert time.monotonic() - start < 15
     assert len(controller.generations) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stall", ["hangs", "is_late"])
+def test_a_hung_or_late_worker_is_dropped_and_its_peers_go_on(stall):
+    """Worker 2 stalls after step 2, outside any collective: its peers' collective times out
+    naming it as missing. The controller must drop worker 2, not the peers that timed out; must
+    not wait for a thread that never returns ("hangs") without bound; and the survivors must
+    finish from the last commit. "is_late" wakes after the peers' timeout and meets the aborted
+    group in its next collective."""
+    release = threading.Event()
+    total = 6
+
+    def worker(backend, member):
+        model = DDPModel(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+        while opt.step_count < total and not opt.membership_changes:
+            if member.worker_id == 2 and opt.step_count == 2:
+                if stall == "hangs":
+                    release.wait()  # until the test ends
+                    return "released"
+                time.sleep(3)
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count, model.gather_full_parameters()
+    controller = ElasticController(worker, initial_world=3, timeout=2)
+    start = time.monotonic()
+    try:
+        generations = controller.run()
+    finally:
+        release.set()
+    assert time.monotonic() - start < 45  # two 2 s timeouts and the training, not forever
+    assert [(g.members, g.start_step, g.end) for g in generations] == [
+        ([0, 1, 2], 0, "failed"), ([0, 1], 2, "finished")]
+    assert generations[0].failed_worker == 2 and "worker 2" in generations[0].error
+    if stall == "hangs":
+        assert "hung" in generations[0].error
+    reference = _reference(total)
+    for steps, params in generations[-1].results:
+        assert steps == total and _max_diff(params, reference) <= 1e-10
