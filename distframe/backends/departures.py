@@ -15,6 +15,11 @@ it failed. A rank whose call has not completed asks, every fraction of a second 
   on its communication thread). So ranks that end at slightly different times, or a peer still
   in its last call when another leaves, see no error.
 
+A receive works the same way, counted per channel (sender, receiver, tag): a departure also
+records how many messages the rank had sent on each channel (``sent``), so a receive of message
+``n`` from a rank that left having sent fewer stops at once (``receive_departure_error``), while
+a message it did send before leaving is still waited for and received.
+
 Each engine marks the group unusable after such an error, as after a timeout: the call that was
 abandoned cannot be cancelled. Where the engines differ:
 
@@ -28,16 +33,19 @@ abandoned cannot be cancelled. Where the engines differ:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
 
 @dataclasses.dataclass(frozen=True)
 class Departure:
-    """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised."""
+    """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised;
+    ``sent[(receiver, tag)]``: how many messages it had sent on that channel (None: unknown)."""
 
     issued: int
     failed: bool = False
+    sent: Mapping[tuple[int, int], int] | None = None
 
 
 def departure_error(departed: dict[int, Departure], op: str, seq: int,
@@ -57,3 +65,23 @@ def departure_error(departed: dict[int, Departure], op: str, seq: int,
         f"{who} left the group after {calls} calls, without making this one (its function returned "
         "or it shut the backend down), so this rank stopped at once instead of waiting for the "
         "timeout; the group is unusable now, shut it down")
+
+
+def receive_departure_error(departed: Departure | None, src: int, receiver: int, tag: int, seq: int,
+                            waited: float) -> Exception | None:
+    """The error for rank ``receiver`` that has waited ``waited`` seconds for message ``seq`` from
+    ``src`` with ``tag`` when ``src`` left as ``departed``; None when ``src`` has not left, or did
+    send that message (it may still arrive), or when what it sent is unknown."""
+    if departed is None or departed.sent is None:
+        return None
+    sent = departed.sent.get((receiver, tag), 0)
+    if sent >= seq:
+        return None
+    what = f"recv (message {seq} with tag {tag} from rank {src})"
+    if departed.failed:
+        return RankFailedError(src, f"{what}: it raised and left the group without sending it")
+    return CollectiveTimeoutError(
+        "recv", seq, [src], round(waited, 1),
+        f"rank {src} left the group after sending {sent} messages with tag {tag} to rank {receiver}, "
+        "so this receive stopped at once instead of waiting for the timeout; the group is unusable "
+        "now, shut it down")

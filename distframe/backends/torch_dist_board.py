@@ -12,11 +12,23 @@ or while a call has waited for longer than ``WAIT_SLICE``.
 it leaves to the number of calls it issued there ("7", or "7 failed"), then appends those keys'
 names to one key per world (``departures_key``). A waiting rank reads that key, one round trip
 while nobody has left, and the ``left`` keys of its group's peers only when it lists them.
-ProcessPool's workers keep their backends from one run to the next: the pool clears the
-departures (``clear_departures``) before each run, when every rank has answered the last one.
+The value also lists the messages the rank had sent on each channel of that group, as
+``receiver:tag:count`` words ("7 failed 0:3:1"). ProcessPool's workers keep their backends from
+one run to the next: the pool clears the departures (``clear_departures``) before each run, when
+every rank has answered the last one.
+
+[Note: watching a receive] Gloo's receive cannot be waited for in slices: a ``wait(timeout)`` that
+times out closes the group's connections. So a receive waits in one piece, and registers itself
+with the board (two dict operations); the board's thread, which wakes every ``interval`` anyway,
+looks at receives that have waited longer than ``WAIT_SLICE``, and when the sender has left
+without sending the message (``departures.receive_departure_error``) it records the error and
+ends the wait by waiting on the same work with a 1 ms timeout from its own thread: that wait
+times out, which closes the group's connections and wakes the receiver, which raises the error
+recorded. The group is unusable after such an error anyway.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -25,11 +37,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distframe.backends.departures import Departure, departure_error
+from distframe.backends.departures import Departure, departure_error, receive_departure_error
 
 #: How long a call waits before it first asks whether a peer has departed, and between asks.
 WAIT_SLICE = datetime.timedelta(seconds=0.2)
 _LEFT = "/left"
+_CUT = datetime.timedelta(milliseconds=1)
 
 
 class ProgressBoard:
@@ -43,12 +56,18 @@ class ProgressBoard:
         self._departures_key = departures_key
         self._latest: dict[str, int] = {}
         self._written: dict[str, int] = {}
+        self._p2p_counts: dict[str, dict[tuple[str, int, int], int]] = {}
+        self._receives: dict[int, WatchedReceive] = {}
+        self._receives_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def register(self, key: str) -> None:
-        """Publishes 0 for ``key`` now, so peers can always read it, and starts the writer."""
+    def register(self, key: str, p2p_counts: dict[tuple[str, int, int], int] | None = None) -> None:
+        """Publishes 0 for ``key`` now, so peers can always read it, and starts the writer.
+        ``p2p_counts``: the group's live count of messages per ``("send", receiver, tag)``, which
+        its departure announces."""
         self._store.set(key, "0")
+        self._p2p_counts[key] = {} if p2p_counts is None else p2p_counts
         self._written[key] = self._latest[key] = 0
         if self._thread is None:
             self._thread = threading.Thread(target=self._publish_loop, name="distframe-progress",
@@ -78,11 +97,15 @@ class ProgressBoard:
         suffix = " failed" if failed else ""
         counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
                   if key.startswith(under)}
+        sent = {key: "".join(f" {peer}:{tag}:{n}" for (direction, peer, tag), n
+                             in list(self._p2p_counts.get(key, {}).items()) if direction == "send")
+                for key in counts}
         for key in counts.keys() - issued.keys():
             self._latest.pop(key, None)
+            self._p2p_counts.pop(key, None)
         try:
             for key, count in counts.items():
-                self._store.set(key + _LEFT, f"{count}{suffix}")
+                self._store.set(key + _LEFT, f"{count}{suffix}{sent[key]}")
             self._store.append(self._departures_key, "".join(f"{key}{_LEFT}\n" for key in counts))
             self._store.check([self._departures_key])  # a round trip: every write has landed
         except RuntimeError:  # the store is gone: nobody is left to wait for this rank
@@ -110,11 +133,48 @@ class ProgressBoard:
             departed = {}
             for rank, key in keys.items():
                 if key + _LEFT in listed and self._store.check([key + _LEFT]):
-                    issued, *failed = self._store.get(key + _LEFT).decode().split()
-                    departed[rank] = Departure(int(issued), bool(failed))
+                    departed[rank] = _parse_departure(self._store.get(key + _LEFT).decode())
         except (RuntimeError, ValueError):
             return None
         return departure_error(departed, op, seq, waited)
+
+    def departure(self, key: str) -> Departure | None:
+        """How the rank whose progress key is ``key`` left its group; None while it has not (or
+        when the store cannot be read)."""
+        try:
+            if not self._store.check([key + _LEFT]):
+                return None
+            return _parse_departure(self._store.get(key + _LEFT).decode())
+        except (RuntimeError, ValueError):
+            return None
+
+    def watch(self, receive: WatchedReceive) -> None:
+        """[Note: watching a receive]; ``unwatch`` once its wait has returned or raised."""
+        with self._receives_lock:
+            self._receives[id(receive)] = receive
+
+    def unwatch(self, receive: WatchedReceive) -> None:
+        with self._receives_lock:
+            self._receives.pop(id(receive), None)
+
+    def _check_receives(self) -> None:
+        now = time.monotonic()
+        with self._receives_lock:
+            slow = [r for r in self._receives.values()
+                    if now - r.since > WAIT_SLICE.total_seconds() and r.error is None]
+        for receive in slow:
+            error = receive_departure_error(self.departure(receive.sender_key), receive.src,
+                                            receive.receiver, receive.tag, receive.seq, now - receive.since)
+            if error is None:
+                continue
+            with self._receives_lock:  # not once its wait has ended: the work may be gone
+                if id(receive) not in self._receives:
+                    continue
+                receive.error = error
+                try:
+                    receive.work.wait(_CUT)
+                except RuntimeError:  # the cut: it timed out, waking the receiver
+                    pass
 
     def close(self) -> None:
         self._stop.set()
@@ -123,6 +183,8 @@ class ProgressBoard:
 
     def _publish_loop(self) -> None:
         while not self._stop.wait(self._interval):
+            if self._receives:
+                self._check_receives()
             for key, seq in list(self._latest.items()):
                 if self._written.get(key) == seq:
                     continue
@@ -131,6 +193,32 @@ class ProgressBoard:
                 except RuntimeError:  # the store is gone: nobody is left to read the board
                     return
                 self._written[key] = seq
+
+
+@dataclasses.dataclass(eq=False)
+class WatchedReceive:
+    """A receive waiting for message ``seq`` from ``src`` (progress key ``sender_key``) to
+    ``receiver`` with ``tag``, on ``work``, since ``since``; ``error`` once the board ended it."""
+
+    work: Any
+    src: int
+    sender_key: str
+    receiver: int
+    tag: int
+    seq: int
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    error: Exception | None = None
+
+
+def _parse_departure(text: str) -> Departure:
+    """A ``left`` value: the calls issued, "failed" if so, then ``receiver:tag:count`` words."""
+    issued, *words = text.split()
+    sent = {}
+    for word in words:
+        if word != "failed":
+            receiver, tag, count = map(int, word.split(":"))
+            sent[(receiver, tag)] = count
+    return Departure(int(issued), "failed" in words, sent)
 
 
 def _own_connection(store: dist.Store) -> dist.Store:

@@ -94,14 +94,14 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
         self._my_progress_key = self._progress_keys[rank]
         self._peer_progress_keys = {r: k for r, k in self._progress_keys.items() if r != rank}
-        self._shared.board.register(self._my_progress_key)
+        self._p2p_counts: dict[tuple[str, int, int], int] = {}  # its departure announces the sends
+        self._shared.board.register(self._my_progress_key, self._p2p_counts)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
             dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
         _wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank,
                           world_size, timeout_delta)
         self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
-        self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._shared.groups.add(self)
 
     @property

@@ -101,6 +101,24 @@ def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
     return expected, outcome
 
 
+def rank_receive_from_one_that_left(b, call: str):
+    """The last rank sends rank 0 one message (tag 3) and returns. Rank 0, once it has left,
+    receives that message, then waits for a second one (``recv`` or ``irecv(...).wait()``) that
+    never comes. Rank 0 returns (what it received first, how its second wait ended)."""
+    leaver = b.world_size - 1
+    b.barrier()
+    if b.rank == leaver:
+        b.send(torch.full((3,), 7.0), 0, tag=3)
+        return None
+    if b.rank != 0:
+        return None
+    time.sleep(1.0)  # the leaver has returned (and departed) by now
+    first = b.recv(torch.zeros(3), leaver, tag=3).tolist()
+    second = {"recv": lambda: b.recv(torch.zeros(3), leaver, tag=3),
+              "irecv": lambda: b.irecv(torch.zeros(3), leaver, tag=3).wait()}[call]
+    return first, _outcome(second)
+
+
 def rank_depart_as_failed(b, signals: str):
     """The last rank announces that it failed and stays; its peers wait in an all_reduce."""
     leaver = b.world_size - 1
@@ -154,6 +172,17 @@ def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, 
         assert outcome[:4] == ("timeout", *expected), outcome
         elapsed, text = outcome[4:]
         assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+
+
+@pytest.mark.parametrize("call", ["recv", "irecv"])
+def test_a_receive_from_a_rank_that_left_without_sending_stops_at_once(pool, call):
+    results = pool.run(rank_receive_from_one_that_left, call)
+    leaver = len(results) - 1
+    first, outcome = results[0]
+    assert first == [7.0] * 3  # sent before it left: still delivered
+    assert outcome[:4] == ("timeout", "recv", 2, [leaver]), outcome
+    elapsed, text = outcome[4:]
+    assert elapsed < PROMPT and f"rank {leaver} left" in text, text
 
 
 def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(pool, tmp_path):
