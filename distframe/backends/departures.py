@@ -26,7 +26,11 @@ abandoned cannot be cancelled. Where the engines differ:
 * Gloo asks the store after each ``torch_dist_board.WAIT_SLICE`` (0.2 s) of a wait; a lost
   connection (a departing rank's groups close theirs) is put down to a departure that shows
   within half a second. NCCL's waits are not sliced (its ``wait(timeout)`` fails the work), so
-  there a departure is named only in the error of a lost connection.
+  there a departure is named only in the error of a lost connection. ``new_group``'s members
+  meet in the store (polled, asking about departures every slice) before torch's rendezvous in
+  the process group's constructor, which cannot be interrupted; a member that leaves after
+  entering ``new_group`` but before that rendezvous ends is seen only at the timeout, or when
+  its connections close. Receives: ``torch_dist_board``, [Note: watching a receive].
 * MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
   sees the departures of ranks on its own node only. A backend that is garbage departs too.
 """

@@ -252,6 +252,31 @@ def wait_in_slices(work: Any, wait_slice: datetime.timedelta,
     return None
 
 
+def meet_in_store(store: dist.Store, rank: int, ranks: list[int], timeout: float,
+                  departure_error: Callable[[float], Exception | None]) -> list[int]:
+    """Sets ``rank``'s key in ``store`` and polls until those of every rank of ``ranks`` are set,
+    raising at once what ``departure_error(seconds waited)`` returns, asked every ``WAIT_SLICE``.
+    Returns the ranks still missing after ``timeout`` seconds ([] once all are there). Polls with
+    ``check``: each ``wait`` that times out, as one waiting in slices would, logs two warnings."""
+    store.set(str(rank), "1")
+    keys = [str(r) for r in ranks]
+    start = time.monotonic()
+    ask_at = start + WAIT_SLICE.total_seconds()
+    delay = 1e-3
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - start >= timeout:
+            return [r for r in ranks if not store.check([str(r)])]
+        if now >= ask_at:
+            error = departure_error(now - start)
+            if error is not None:
+                raise error
+            ask_at = now + WAIT_SLICE.total_seconds()
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    return []
+
+
 def clear_departures(store: dist.Store, prefix: str) -> None:
     """Forgets the departures announced in the world whose backends were built with ``prefix``
     (for a launcher whose backends serve several runs; call it while no rank is in a call)."""

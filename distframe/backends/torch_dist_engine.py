@@ -39,7 +39,8 @@ from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendB
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import WAIT_SLICE, ProgressBoard, departures_key, wait_in_slices
+from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
+                                                 wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
@@ -209,6 +210,15 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         if self._rank not in ranks:
             return None
+        # Torch's rendezvous in the process group's constructor cannot be interrupted: members meet
+        # in the store first, where a member that left without making this call is seen at once.
+        members = {r: self._progress_keys[r] for r in ranks if r != self._rank}
+        arrivals = dist.PrefixStore(f"{self._prefix}/group{call.seq}/arrived/", self._shared.store)
+        missing = meet_in_store(arrivals, self._rank, ranks, self.timeout,
+                                lambda s: self._departure_error(call.op, call.seq, s, peer_keys=members))
+        if missing:
+            self._shared.failed = True
+            raise CollectiveTimeoutError(call.op, call.seq, missing, self.timeout, "they never entered it")
         try:
             return type(self)(ranks.index(self._rank), len(ranks), self._shared.store,
                               timeout=self.timeout, debug=self.debug,
@@ -322,8 +332,10 @@ class TorchDistributedBackend(CommunicationBackendBase):
             raise exc
         raise error from exc
 
-    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0) -> Exception | None:
-        error = self._shared.board.departure_error(self._peer_progress_keys, op, seq, waited, settle)
+    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0,
+                         peer_keys: dict[int, str] | None = None) -> Exception | None:
+        keys = self._peer_progress_keys if peer_keys is None else peer_keys  # of the ranks waited for
+        error = self._shared.board.departure_error(keys, op, seq, waited, settle)
         if error is not None:
             self._shared.failed = True
         return error

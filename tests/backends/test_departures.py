@@ -101,6 +101,16 @@ def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
     return expected, outcome
 
 
+def rank_leave_before_new_group(b):
+    """The last rank returns; the others call new_group over every rank, the leaver included."""
+    leaver = b.world_size - 1
+    b.barrier()
+    if b.rank == leaver:
+        return None
+    expected = ("new_group", b.stats.total_calls() + 1, [leaver])
+    return expected, _outcome(lambda: b.new_group(list(range(b.world_size))[::-1]))
+
+
 def rank_receive_from_one_that_left(b, call: str):
     """The last rank sends rank 0 one message (tag 3) and returns. Rank 0, once it has left,
     receives that message, then waits for a second one (``recv`` or ``irecv(...).wait()``) that
@@ -167,6 +177,15 @@ def rank_last_call_left_running(b):
 @pytest.mark.parametrize("where", ["all_reduce", "broadcast", "subgroup barrier"])
 def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, how):
     results = pool.run(rank_leave_while_peers_wait, where, how, str(tmp_path))
+    assert results[-1] is None
+    for expected, outcome in results[:-1]:
+        assert outcome[:4] == ("timeout", *expected), outcome
+        elapsed, text = outcome[4:]
+        assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+
+
+def test_new_group_stops_at_once_when_a_member_left_without_calling_it(pool):
+    results = pool.run(rank_leave_before_new_group)
     assert results[-1] is None
     for expected, outcome in results[:-1]:
         assert outcome[:4] == ("timeout", *expected), outcome
