@@ -4,9 +4,12 @@ progress boards (``torch_dist_board``, ``mpi_progress``) carry the announcements
 
 [Note: departures] A rank departs when its function under a launcher has returned or raised, or
 when it shuts a backend down (``depart`` on the engines; ``shutdown`` departs from that group and
-the groups made from it). It records, per group, how many calls it had issued there and whether
-it failed. A rank whose call has not completed asks, every fraction of a second while it waits
-(never on a call that completes on the fast path), whether a peer of the group has departed:
+the groups made from it). A backend that is garbage, or still open when the interpreter exits,
+departs after the last call it entered; one from ``init_backend`` departs when the script ends
+(``distframe.launch``, [Note: the script is the rank's function]). It records, per group, how
+many calls it had issued there and whether it failed. A rank whose call has not completed asks,
+every fraction of a second while it waits (never on a call that completes on the fast path),
+whether a peer of the group has departed:
 
 * a peer that failed: RankFailedError naming it, as when the in-memory engine aborts;
 * a peer that left having issued fewer calls than this call's sequence number can never arrive:
@@ -32,7 +35,7 @@ abandoned cannot be cancelled. Where the engines differ:
   entering ``new_group`` but before that rendezvous ends is seen only at the timeout, or when
   its connections close. Receives: ``torch_dist_board``, [Note: watching a receive].
 * MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
-  sees the departures of ranks on its own node only. A backend that is garbage departs too.
+  sees the departures of ranks on its own node only.
 """
 from __future__ import annotations
 

@@ -277,6 +277,20 @@ def meet_in_store(store: dist.Store, rank: int, ranks: list[int], timeout: float
     return []
 
 
+def wait_for_members(store: dist.Store, rank: int, world_size: int,
+                      timeout: datetime.timedelta) -> None:
+    """Returns once every member has built its process group.
+
+    [Note: a group is ready only when every member is] Gloo's rendezvous can return on one rank
+    while a peer is still finishing its side of their connection. A rank that then closes the
+    group at once (a group built and shut down unused) closes that connection under the peer,
+    whose construction fails with "Connection closed by peer". So construction ends with a
+    store barrier: each member sets its key and waits for everyone's.
+    """
+    store.set(str(rank), "1")
+    store.wait([str(r) for r in range(world_size)], timeout)
+
+
 def clear_departures(store: dist.Store, prefix: str) -> None:
     """Forgets the departures announced in the world whose backends were built with ``prefix``
     (for a launcher whose backends serve several runs; call it while no rank is in a call)."""

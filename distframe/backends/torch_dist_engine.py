@@ -40,7 +40,7 @@ from distframe.backends.composed import read_scatter_header, scatter_header, sca
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
-                                                 wait_in_slices)
+                                                 wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
@@ -100,10 +100,14 @@ class TorchDistributedBackend(CommunicationBackendBase):
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
             dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
-        _wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank,
-                          world_size, timeout_delta)
+        wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank, world_size,
+                         timeout_delta)
         self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
         self._shared.groups.add(self)
+        # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
+        # departs after the last call it entered (shutdown departs and cancels this).
+        self._departs_when_gone = weakref.finalize(self, self._shared.board.depart, self._my_progress_key,
+                                                   {}, False)
 
     @property
     def has_failed(self) -> bool:
@@ -261,6 +265,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._shared.board.depart(under, issued, failed)
 
     def _shutdown(self) -> None:
+        self._departs_when_gone.detach()
         self.depart()
         sends, self._unfinished_sends = self._unfinished_sends, []
         for work, _ in sends:
@@ -382,18 +387,4 @@ class TorchDistributedBackend(CommunicationBackendBase):
             return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
-
-
-def _wait_for_members(store: dist.Store, rank: int, world_size: int,
-                      timeout: datetime.timedelta) -> None:
-    """Returns once every member has built its process group.
-
-    [Note: a group is ready only when every member is] Gloo's rendezvous can return on one rank
-    while a peer is still finishing its side of their connection. A rank that then closes the
-    group at once (a group built and shut down unused) closes that connection under the peer,
-    whose construction fails with "Connection closed by peer". So construction ends with a
-    store barrier: each member sets its key and waits for everyone's.
-    """
-    store.set(str(rank), "1")
-    store.wait([str(r) for r in range(world_size)], timeout)
 

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -236,29 +237,41 @@ def test_spawn_stops_ranks_waiting_for_one_that_returned(engine):
     assert any("raised on rank 2" in note for note in info.value.__notes__)
 
 
-# ---- torchrun -----------------------------------------------------------------------------------
+# ---- torchrun ----------------------------------------------------------------------------------
+_KEPT = []  # keeps the backend of torchrun_main alive to the end of the process
+
+
 def torchrun_main() -> None:
-    """Rank 1 shuts its backend down and stays until rank 0 has reported its all_reduce."""
+    """Rank 1 leaves while rank 0 waits in an all_reduce (DISTFRAME_TEST_LEAVE): it shuts its
+    backend down and stays until rank 0 has reported ("shutdown"), or returns from the script
+    without shutting down, the backend still referenced, while a thread keeps its process alive
+    until then ("linger") or not ("exit")."""
     backend = init_backend("gloo", timeout=TIMEOUT)
+    _KEPT.append(backend)
     backend.barrier()
-    signals = os.environ["DISTFRAME_TEST_SIGNALS"]
-    if backend.rank == 1:
-        backend.shutdown()
-    else:
+    signals, how = os.environ["DISTFRAME_TEST_SIGNALS"], os.environ["DISTFRAME_TEST_LEAVE"]
+    if backend.rank == 0:
         print("OUTCOME", repr(_outcome(lambda: backend.all_reduce(torch.ones(2)))[:5]), flush=True)
-    _signal_and_wait(signals, backend.rank, backend.world_size, 1)
-    backend.shutdown()
+        _signal_and_wait(signals, 0, 2, 1)
+        backend.shutdown()
+    elif how == "shutdown":
+        backend.shutdown()
+        _signal_and_wait(signals, 1, 2, 1)
+    elif how == "linger":
+        threading.Thread(target=_signal_and_wait, args=(signals, 1, 2, 1)).start()
 
 
 @pytest.mark.gloo
-def test_a_rank_that_shuts_down_under_torchrun_stops_its_waiting_peer(tmp_path):
+@pytest.mark.parametrize("how", ["shutdown", "linger", "exit"])
+def test_a_rank_that_leaves_under_torchrun_stops_its_waiting_peer(tmp_path, how):
     env = dict(os.environ, OMP_NUM_THREADS="1", DISTFRAME_TEST_SIGNALS=str(tmp_path),
+               DISTFRAME_TEST_LEAVE=how,
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "tests.backends.test_departures"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = re.findall(r"OUTCOME \('(\w+)', '(\w+)', (\d+), \[(\d)\], ([\d.]+)\)", done.stdout)
+    found = re.findall(r"OUTCOME \('(\w+)', '?(\w+)'?, (\d+), \[(\d)\], ([\d.]+)\)", done.stdout)
     assert len(found) == 1, done.stdout[-3000:]
     kind, op, seq, missing, elapsed = found[0]
     assert (kind, op, seq, missing) == ("timeout", "all_reduce", "2", "1")
