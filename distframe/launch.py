@@ -1,9 +1,20 @@
 """How ranks come to exist: ``spawn`` (threads or processes from one Python call) and
-``init_backend`` (a process started by mpirun/mpiexec or torchrun)."""
+``init_backend`` (a process started by mpirun/mpiexec or torchrun).
+
+[Note: the script is the rank's function] Under spawn a rank departs when its function returns
+(``distframe.backends.departures``). Under a launcher the script is the function: a backend from
+``init_backend`` departs when the main thread has finished the script (as failed if it raised),
+even while other threads keep the process alive, so peers still waiting for it in a call it never
+made stop at once. A thread that goes on calling collectives after the script has ended is not
+supported: it would be seen as departed. Besides, a backend departs when it is garbage or when
+the interpreter exits (shutdown() departs too).
+"""
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -113,12 +124,36 @@ def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **back
         return InMemoryCommunicationBackend(0, 1, timeout=timeout, **backend_kwargs)
     if name == "mpi":
         from distframe.backends.mpi import MPICommunicationBackend
-        return MPICommunicationBackend(timeout=timeout, **backend_kwargs)
+        return _departs_with_script(MPICommunicationBackend(timeout=timeout, **backend_kwargs))
     if name in ("gloo", "nccl"):
         if launcher != "torchrun":
             raise BackendUnavailableError(
                 f"backend {name!r} needs RANK, WORLD_SIZE and MASTER_ADDR: start the program with "
                 f"torchrun, or use spawn(fn, world_size, backend={name!r})")
         from distframe.backends.torch_dist import from_environment
-        return from_environment(name, timeout=timeout, **backend_kwargs)
+        return _departs_with_script(from_environment(name, timeout=timeout, **backend_kwargs))
     raise ConfigError(f"unknown backend {name!r}; choose auto or one of {', '.join(ENGINES)}")
+
+
+_script_backends: weakref.WeakSet = weakref.WeakSet()
+_script_watcher: threading.Thread | None = None
+
+
+def _departs_with_script(backend: T) -> T:
+    """[Note: the script is the rank's function]: one daemon thread per process waits for the main
+    thread to finish, then departs every backend ``init_backend`` made that is still open."""
+    global _script_watcher
+    _script_backends.add(backend)
+    if _script_watcher is None:
+        _script_watcher = threading.Thread(target=_depart_after_script, name="distframe-script-end",
+                                           daemon=True)
+        _script_watcher.start()
+    return backend
+
+
+def _depart_after_script() -> None:
+    threading.main_thread().join()  # returns once the script has ended, before threads are joined
+    failed = getattr(sys, "last_value", None) is not None  # set when the script raised
+    for backend in list(_script_backends):
+        if not backend.is_shut_down:
+            backend.depart(failed=failed)

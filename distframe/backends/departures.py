@@ -4,9 +4,12 @@ progress boards (``torch_dist_board``, ``mpi_progress``) carry the announcements
 
 [Note: departures] A rank departs when its function under a launcher has returned or raised, or
 when it shuts a backend down (``depart`` on the engines; ``shutdown`` departs from that group and
-the groups made from it). It records, per group, how many calls it had issued there and whether
-it failed. A rank whose call has not completed asks, every fraction of a second while it waits
-(never on a call that completes on the fast path), whether a peer of the group has departed:
+the groups made from it). A backend that is garbage, or still open when the interpreter exits,
+departs after the last call it entered; one from ``init_backend`` departs when the script ends
+(``distframe.launch``, [Note: the script is the rank's function]). It records, per group, how
+many calls it had issued there and whether it failed. A rank whose call has not completed asks,
+every fraction of a second while it waits (never on a call that completes on the fast path),
+whether a peer of the group has departed:
 
 * a peer that failed: RankFailedError naming it, as when the in-memory engine aborts;
 * a peer that left having issued fewer calls than this call's sequence number can never arrive:
@@ -17,19 +20,29 @@ it failed. A rank whose call has not completed asks, every fraction of a second 
   on its communication thread). So ranks that end at slightly different times, or a peer still
   in its last call when another leaves, see no error.
 
+A receive works the same way, counted per channel (sender, receiver, tag): a departure also
+records how many messages the rank had sent on each channel (``sent``), so a receive of message
+``n`` from a rank that left having sent fewer stops at once (``receive_departure_error``), while
+a message it did send before leaving is still waited for and received.
+
 Each engine marks the group unusable after such an error, as after a timeout: the call that was
 abandoned cannot be cancelled. Where the engines differ:
 
 * Gloo asks the store after each ``torch_dist_board.WAIT_SLICE`` (0.2 s) of a wait; a lost
   connection (a departing rank's groups close theirs) is put down to a departure that shows
   within half a second. NCCL's waits are not sliced (its ``wait(timeout)`` fails the work), so
-  there a departure is named only in the error of a lost connection.
+  there a departure is named only in the error of a lost connection. ``new_group``'s members
+  meet in the store (polled, asking about departures every slice) before torch's rendezvous in
+  the process group's constructor, which cannot be interrupted; a member that leaves after
+  entering ``new_group`` but before that rendezvous ends is seen only at the timeout, or when
+  its connections close. Receives: ``torch_dist_board``, [Note: watching a receive].
 * MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
-  sees the departures of ranks on its own node only. A backend that is garbage departs too.
+  sees the departures of ranks on its own node only.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
@@ -42,7 +55,7 @@ class Departure:
 
     issued: int
     failed: bool = False
-    sent: dict[tuple[int, int], int] | None = None
+    sent: Mapping[tuple[int, int], int] | None = None
 
     def sent_to(self, dst: int, tag: int) -> int | None:
         """Messages it sent to ``dst`` on ``tag`` before leaving; None when unknown."""
@@ -66,3 +79,23 @@ def departure_error(departed: dict[int, Departure], op: str, seq: int,
         f"{who} left the group after {calls} calls, without making this one (its function returned "
         "or it shut the backend down), so this rank stopped at once instead of waiting for the "
         "timeout; the group is unusable now, shut it down")
+
+
+def receive_departure_error(departed: Departure | None, src: int, receiver: int, tag: int, seq: int,
+                            waited: float) -> Exception | None:
+    """The error for rank ``receiver`` that has waited ``waited`` seconds for message ``seq`` from
+    ``src`` with ``tag`` when ``src`` left as ``departed``; None when ``src`` has not left, or did
+    send that message (it may still arrive), or when what it sent is unknown."""
+    if departed is None or departed.sent is None:
+        return None
+    sent = departed.sent.get((receiver, tag), 0)
+    if sent >= seq:
+        return None
+    what = f"recv (message {seq} with tag {tag} from rank {src})"
+    if departed.failed:
+        return RankFailedError(src, f"{what}: it raised and left the group without sending it")
+    return CollectiveTimeoutError(
+        "recv", seq, [src], round(waited, 1),
+        f"rank {src} left the group after sending {sent} messages with tag {tag} to rank {receiver}, "
+        "so this receive stopped at once instead of waiting for the timeout; the group is unusable "
+        "now, shut it down")

@@ -29,7 +29,7 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure, departure_error
+from distframe.backends.departures import Departure, departure_error, receive_departure_error
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
@@ -79,7 +79,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
         # A backend that is garbage (a group made inside a function that has returned, say) can
         # make no further call: it departs, even if shutdown() never ran.
-        weakref.finalize(self, self._board.depart_after_entered)
+        weakref.finalize(self, self._board.depart_after_entered, self._p2p_seq)
 
     @property
     def comm(self) -> Any:
@@ -280,12 +280,12 @@ class MPICommunicationBackend(CommunicationBackendBase):
         the groups made from it (its function has returned, or raised when ``failed``): a peer
         waiting for it in a call it has not issued stops at once (``distframe.backends.departures``).
         ``shutdown`` departs; the first departure stands."""
-        self._board.depart(self._seq, failed)
+        self._board.depart(self._seq, failed, self._p2p_seq)
         for group in list(self._subgroups):
             group.depart(failed=failed)
 
     def departures(self) -> dict[int, Departure]:
-        """The peers on this node that have departed (not how many messages they sent)."""
+        """The peers on this node that have departed, with the messages each had sent."""
         return self._board.departures()
 
     def _shutdown(self) -> None:
@@ -309,9 +309,8 @@ class _P2PWork(Work):
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
             try:
-                wait_request(self._request, time.monotonic() + limit,
-                             lambda _, timed_out: self._timed_out(limit) if timed_out else None,
-                             self._status)
+                wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
+                    self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
             except self._backend._MPI.Exception as exc:
                 if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
                     raise self._mismatch("more than") from None
@@ -340,6 +339,17 @@ class _P2PWork(Work):
         return CollectiveMismatchError(
             "recv", self._seq, f"rank {self._peer} sent {received} bytes with tag {self._tag}, rank "
             f"{self._backend.rank} expects shape {tuple(t.shape)} {t.dtype} ({t.nbytes} bytes)")
+
+    def _departed(self, waited: float) -> Exception | None:
+        """The error for a receive whose sender, on this node, left without sending the message."""
+        if self._op != "recv":
+            return None
+        departed = self._backend._board.departures().get(self._peer)
+        error = receive_departure_error(departed, self._peer, self._backend.rank, self._tag, self._seq,
+                                        waited)
+        if error is not None:
+            self._backend._abandoned.append((self._request, self._buffer))
+        return error
 
     def _timed_out(self, limit: float) -> CollectiveTimeoutError:
         self._backend._abandoned.append((self._request, self._buffer))

@@ -21,7 +21,10 @@ with MPICH over UCX a Get waits for the target to make progress). The files are 
 as every peer has mapped them, so a killed job leaves nothing behind. Ranks on other nodes are
 reported as unknown. A second word says whether the rank has departed: 0 while it has not, else
 the number of calls it had issued plus one, negated if it failed (one 8-byte store, so a peer
-never reads half of it). Departures of ranks on other nodes are not seen.
+never reads half of it). Departures of ranks on other nodes are not seen. Before that word, a
+departing rank writes the messages it had sent: word 2 holds how many channels follow (-1 when
+they do not fit in the page: unknown), then (receiver, tag, count) for each. x86 keeps stores
+in order and so does a reader's loads, so a peer that sees the departure word sees the table.
 """
 from __future__ import annotations
 
@@ -85,31 +88,47 @@ class ProgressBoard:
                 os.unlink(path)
         finally:
             node.Free()
-        # Word 0: the last sequence number entered; word 1: the departure (see the module's notes).
-        self._own = np.frombuffer(self._own_map, dtype=np.int64, count=2)
+        # Word 0: the last sequence number entered; word 1: the departure; then the messages sent
+        # (see the module's notes).
+        self._own = np.frombuffer(self._own_map, dtype=np.int64)
         self._own_rank = comm.Get_rank()
-        self._peers = {rank: np.frombuffer(m, dtype=np.int64, count=2)
-                       for rank, m in self._peer_maps.items()}
+        self._peers = {rank: np.frombuffer(m, dtype=np.int64) for rank, m in self._peer_maps.items()}
 
     def publish(self, seq: int) -> None:
         self._own[0] = seq
 
-    def depart(self, issued: int, failed: bool) -> None:
-        """Announces that this rank has left after issuing ``issued`` calls; the first
-        announcement stands (a closed board announces nothing)."""
-        if self._own is not None and self._own[1] == 0:
-            self._own[1] = -(issued + 1) if failed else issued + 1
+    def depart(self, issued: int, failed: bool, p2p_counts: dict[tuple[str, int, int], int]) -> None:
+        """Announces that this rank has left after issuing ``issued`` calls, and sending
+        ``p2p_counts[("send", receiver, tag)]`` messages on each channel; the first announcement
+        stands (a closed board announces nothing)."""
+        if self._own is None or self._own[1] != 0:
+            return
+        sent = [(peer, tag, n) for (direction, peer, tag), n in list(p2p_counts.items())
+                if direction == "send"]
+        if 3 + 3 * len(sent) <= len(self._own):
+            self._own[3:3 + 3 * len(sent)] = np.array(sent, dtype=np.int64).reshape(-1)
+            self._own[2] = len(sent)
+        else:
+            self._own[2] = -1
+        self._own[1] = -(issued + 1) if failed else issued + 1
 
-    def depart_after_entered(self) -> None:
+    def depart_after_entered(self, p2p_counts: dict[tuple[str, int, int], int]) -> None:
         """``depart`` after the last call this rank entered: for a backend that is gone, which has
         no call left to run."""
         if self._own is not None:
-            self.depart(int(self._own[0]), False)
+            self.depart(int(self._own[0]), False, p2p_counts)
 
     def departures(self) -> dict[int, Departure]:
         """The same-node peers that have departed."""
-        words = {rank: int(view[1]) for rank, view in self._peers.items()}
-        return {rank: Departure(abs(word) - 1, word < 0) for rank, word in words.items() if word}
+        departed = {}
+        for rank, view in self._peers.items():
+            word = int(view[1])
+            if word:
+                count = int(view[2])
+                table = view[3:3 + 3 * max(count, 0)].reshape(-1, 3).tolist()
+                sent = None if count < 0 else {(receiver, tag): n for receiver, tag, n in table}
+                departed[rank] = Departure(abs(word) - 1, word < 0, sent)
+        return departed
 
     def read(self) -> dict[int, int]:
         """Rank -> last published sequence number, for this rank and its same-node peers."""

@@ -9,15 +9,26 @@ interval stale, which is far below any sensible timeout. The store is read only 
 or while a call has waited for longer than ``WAIT_SLICE``.
 
 [Note: departures in the store] A rank that departs sets ``<progress key>/left`` for each group
-it leaves to the number of calls it issued there and the messages it sent, by peer and tag
-("7 sent=1:5:2", or "7 failed sent="), then appends those keys'
+it leaves to the number of calls it issued there ("7", or "7 failed"), then appends those keys'
 names to one key per world (``departures_key``). A waiting rank reads that key, one round trip
 while nobody has left, and the ``left`` keys of its group's peers only when it lists them.
-ProcessPool's workers keep their backends from one run to the next: the pool clears the
-departures (``clear_departures``) before each run, when every rank has answered the last one.
+The value also lists the messages the rank had sent on each channel of that group, as
+``receiver:tag:count`` words ("7 failed 0:3:1"). ProcessPool's workers keep their backends from
+one run to the next: the pool clears the departures (``clear_departures``) before each run, when
+every rank has answered the last one.
+
+[Note: watching a receive] Gloo's receive cannot be waited for in slices: a ``wait(timeout)`` that
+times out closes the group's connections. So a receive waits in one piece, and registers itself
+with the board (two dict operations); the board's thread, which wakes every ``interval`` anyway,
+looks at receives that have waited longer than ``WAIT_SLICE``, and when the sender has left
+without sending the message (``departures.receive_departure_error``) it records the error and
+ends the wait by waiting on the same work with a 1 ms timeout from its own thread: that wait
+times out, which closes the group's connections and wakes the receiver, which raises the error
+recorded. The group is unusable after such an error anyway.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -26,11 +37,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distframe.backends.departures import Departure, departure_error
+from distframe.backends.departures import Departure, departure_error, receive_departure_error
 
 #: How long a call waits before it first asks whether a peer has departed, and between asks.
 WAIT_SLICE = datetime.timedelta(seconds=0.2)
 _LEFT = "/left"
+_CUT = datetime.timedelta(milliseconds=1)
 
 
 class ProgressBoard:
@@ -44,12 +56,18 @@ class ProgressBoard:
         self._departures_key = departures_key
         self._latest: dict[str, int] = {}
         self._written: dict[str, int] = {}
+        self._p2p_counts: dict[str, dict[tuple[str, int, int], int]] = {}
+        self._receives: dict[int, WatchedReceive] = {}
+        self._receives_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def register(self, key: str) -> None:
-        """Publishes 0 for ``key`` now, so peers can always read it, and starts the writer."""
+    def register(self, key: str, p2p_counts: dict[tuple[str, int, int], int] | None = None) -> None:
+        """Publishes 0 for ``key`` now, so peers can always read it, and starts the writer.
+        ``p2p_counts``: the group's live count of messages per ``("send", receiver, tag)``, which
+        its departure announces."""
         self._store.set(key, "0")
+        self._p2p_counts[key] = {} if p2p_counts is None else p2p_counts
         self._written[key] = self._latest[key] = 0
         if self._thread is None:
             self._thread = threading.Thread(target=self._publish_loop, name="distframe-progress",
@@ -71,22 +89,23 @@ class ProgressBoard:
         # check() first: get() on a key no one has set would block for the store's timeout.
         return int(self._store.get(key).decode()) if self._store.check([key]) else 0
 
-    def depart(self, under: str, issued: dict[str, int], failed: bool,
-               sent: dict[str, dict[tuple[int, int], int]] | None = None) -> None:
+    def depart(self, under: str, issued: dict[str, int], failed: bool) -> None:
         """Announces that this rank has left the groups whose progress keys start with ``under``
         ([Note: departures in the store]), after issuing ``issued[key]`` calls on each. A group
         missing from ``issued`` is gone (garbage): the last call it entered was its last, and it
-        is announced this once, then forgotten. ``sent[key]``: its messages by (peer, tag)."""
+        is announced this once, then forgotten."""
         suffix = " failed" if failed else ""
-        sent = sent or {}
         counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
                   if key.startswith(under)}
+        sent = {key: "".join(f" {peer}:{tag}:{n}" for (direction, peer, tag), n
+                             in list(self._p2p_counts.get(key, {}).items()) if direction == "send")
+                for key in counts}
         for key in counts.keys() - issued.keys():
             self._latest.pop(key, None)
+            self._p2p_counts.pop(key, None)
         try:
             for key, count in counts.items():
-                messages = ",".join(f"{d}:{t}:{n}" for (d, t), n in sorted(sent.get(key, {}).items()))
-                self._store.set(key + _LEFT, f"{count}{suffix} sent={messages}")
+                self._store.set(key + _LEFT, f"{count}{suffix}{sent[key]}")
             self._store.append(self._departures_key, "".join(f"{key}{_LEFT}\n" for key in counts))
             self._store.check([self._departures_key])  # a round trip: every write has landed
         except RuntimeError:  # the store is gone: nobody is left to wait for this rank
@@ -125,6 +144,44 @@ class ProgressBoard:
             return None
         return departed
 
+    def departure(self, key: str) -> Departure | None:
+        """How the rank whose progress key is ``key`` left its group; None while it has not (or
+        when the store cannot be read)."""
+        try:
+            if not self._store.check([key + _LEFT]):
+                return None
+            return _parse_departure(self._store.get(key + _LEFT).decode())
+        except (RuntimeError, ValueError):
+            return None
+
+    def watch(self, receive: WatchedReceive) -> None:
+        """[Note: watching a receive]; ``unwatch`` once its wait has returned or raised."""
+        with self._receives_lock:
+            self._receives[id(receive)] = receive
+
+    def unwatch(self, receive: WatchedReceive) -> None:
+        with self._receives_lock:
+            self._receives.pop(id(receive), None)
+
+    def _check_receives(self) -> None:
+        now = time.monotonic()
+        with self._receives_lock:
+            slow = [r for r in self._receives.values()
+                    if now - r.since > WAIT_SLICE.total_seconds() and r.error is None]
+        for receive in slow:
+            error = receive_departure_error(self.departure(receive.sender_key), receive.src,
+                                            receive.receiver, receive.tag, receive.seq, now - receive.since)
+            if error is None:
+                continue
+            with self._receives_lock:  # not once its wait has ended: the work may be gone
+                if id(receive) not in self._receives:
+                    continue
+                receive.error = error
+                try:
+                    receive.work.wait(_CUT)
+                except RuntimeError:  # the cut: it timed out, waking the receiver
+                    pass
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -132,6 +189,8 @@ class ProgressBoard:
 
     def _publish_loop(self) -> None:
         while not self._stop.wait(self._interval):
+            if self._receives:
+                self._check_receives()
             for key, seq in list(self._latest.items()):
                 if self._written.get(key) == seq:
                     continue
@@ -142,17 +201,30 @@ class ProgressBoard:
                 self._written[key] = seq
 
 
+@dataclasses.dataclass(eq=False)
+class WatchedReceive:
+    """A receive waiting for message ``seq`` from ``src`` (progress key ``sender_key``) to
+    ``receiver`` with ``tag``, on ``work``, since ``since``; ``error`` once the board ended it."""
+
+    work: Any
+    src: int
+    sender_key: str
+    receiver: int
+    tag: int
+    seq: int
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    error: Exception | None = None
+
+
 def _parse_departure(text: str) -> Departure:
-    """``"7"``, ``"7 failed"``, each perhaps followed by ``" sent=PEER:TAG:N,..."``."""
-    issued, *rest = text.split()
-    sent = None
-    for word in rest:
-        if word.startswith("sent="):
-            sent = {}
-            for item in filter(None, word[len("sent="):].split(",")):
-                peer, tag, count = (int(x) for x in item.split(":"))
-                sent[(peer, tag)] = count
-    return Departure(int(issued), "failed" in rest, sent)
+    """A ``left`` value: the calls issued, "failed" if so, then ``receiver:tag:count`` words."""
+    issued, *words = text.split()
+    sent = {}
+    for word in words:
+        if word != "failed":
+            receiver, tag, count = map(int, word.split(":"))
+            sent[(receiver, tag)] = count
+    return Departure(int(issued), "failed" in words, sent)
 
 
 def _own_connection(store: dist.Store) -> dist.Store:
@@ -184,6 +256,45 @@ def wait_in_slices(work: Any, wait_slice: datetime.timedelta,
     except RuntimeError as failure:
         return failure
     return None
+
+
+def meet_in_store(store: dist.Store, rank: int, ranks: list[int], timeout: float,
+                  departure_error: Callable[[float], Exception | None]) -> list[int]:
+    """Sets ``rank``'s key in ``store`` and polls until those of every rank of ``ranks`` are set,
+    raising at once what ``departure_error(seconds waited)`` returns, asked every ``WAIT_SLICE``.
+    Returns the ranks still missing after ``timeout`` seconds ([] once all are there). Polls with
+    ``check``: each ``wait`` that times out, as one waiting in slices would, logs two warnings."""
+    store.set(str(rank), "1")
+    keys = [str(r) for r in ranks]
+    start = time.monotonic()
+    ask_at = start + WAIT_SLICE.total_seconds()
+    delay = 1e-3
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - start >= timeout:
+            return [r for r in ranks if not store.check([str(r)])]
+        if now >= ask_at:
+            error = departure_error(now - start)
+            if error is not None:
+                raise error
+            ask_at = now + WAIT_SLICE.total_seconds()
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    return []
+
+
+def wait_for_members(store: dist.Store, rank: int, world_size: int,
+                      timeout: datetime.timedelta) -> None:
+    """Returns once every member has built its process group.
+
+    [Note: a group is ready only when every member is] Gloo's rendezvous can return on one rank
+    while a peer is still finishing its side of their connection. A rank that then closes the
+    group at once (a group built and shut down unused) closes that connection under the peer,
+    whose construction fails with "Connection closed by peer". So construction ends with a
+    store barrier: each member sets its key and waits for everyone's.
+    """
+    store.set(str(rank), "1")
+    store.wait([str(r) for r in range(world_size)], timeout)
 
 
 def clear_departures(store: dist.Store, prefix: str) -> None:

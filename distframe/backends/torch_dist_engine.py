@@ -40,7 +40,8 @@ from distframe.backends.composed import read_scatter_header, scatter_header, sca
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import WAIT_SLICE, ProgressBoard, departures_key, wait_in_slices
+from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
+                                                 wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
@@ -95,15 +96,19 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
         self._my_progress_key = self._progress_keys[rank]
         self._peer_progress_keys = {r: k for r, k in self._progress_keys.items() if r != rank}
-        self._shared.board.register(self._my_progress_key)
+        self._p2p_counts: dict[tuple[str, int, int], int] = {}  # its departure announces the sends
+        self._shared.board.register(self._my_progress_key, self._p2p_counts)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
             dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
-        _wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank,
-                          world_size, timeout_delta)
+        wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank, world_size,
+                         timeout_delta)
         self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
-        self._p2p_counts: dict[tuple[str, int, int], int] = {}
         self._shared.groups.add(self)
+        # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
+        # departs after the last call it entered (shutdown departs and cancels this).
+        self._departs_when_gone = weakref.finalize(self, self._shared.board.depart, self._my_progress_key,
+                                                   {}, False)
 
     @property
     def has_failed(self) -> bool:
@@ -210,6 +215,15 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._arrive(call)
         if self._rank not in ranks:
             return None
+        # Torch's rendezvous in the process group's constructor cannot be interrupted: members meet
+        # in the store first, where a member that left without making this call is seen at once.
+        members = {r: self._progress_keys[r] for r in ranks if r != self._rank}
+        arrivals = dist.PrefixStore(f"{self._prefix}/group{call.seq}/arrived/", self._shared.store)
+        missing = meet_in_store(arrivals, self._rank, ranks, self.timeout,
+                                lambda s: self._departure_error(call.op, call.seq, s, peer_keys=members))
+        if missing:
+            self._shared.failed = True
+            raise CollectiveTimeoutError(call.op, call.seq, missing, self.timeout, "they never entered it")
         try:
             return type(self)(ranks.index(self._rank), len(ranks), self._shared.store,
                               timeout=self.timeout, debug=self.debug,
@@ -247,17 +261,16 @@ class TorchDistributedBackend(CommunicationBackendBase):
         in a call it has not issued stops at once (``distframe.backends.departures``).
         ``shutdown`` departs; launchers depart for a rank whose function has ended."""
         under = f"{self._prefix}/"  # this group's keys and those of the groups made from it
-        groups = [g for g in list(self._shared.groups) if g._my_progress_key.startswith(under)]
-        issued = {g._my_progress_key: g._seq for g in groups}
-        sent = {g._my_progress_key: {(peer, tag): n for (way, peer, tag), n in g._p2p_counts.items()
-                                     if way == "send"} for g in groups}
-        self._shared.board.depart(under, issued, failed, sent)
+        issued = {g._my_progress_key: g._seq for g in list(self._shared.groups)
+                  if g._my_progress_key.startswith(under)}
+        self._shared.board.depart(under, issued, failed)  # with the sends register() handed it
 
     def departures(self) -> dict[int, Departure]:
         """The peers that have departed (one store round trip while none has)."""
         return self._shared.board.departures(self._peer_progress_keys) or {}
 
     def _shutdown(self) -> None:
+        self._departs_when_gone.detach()
         self.depart()
         sends, self._unfinished_sends = self._unfinished_sends, []
         for work, _ in sends:
@@ -329,8 +342,10 @@ class TorchDistributedBackend(CommunicationBackendBase):
             raise exc
         raise error from exc
 
-    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0) -> Exception | None:
-        error = self._shared.board.departure_error(self._peer_progress_keys, op, seq, waited, settle)
+    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0,
+                         peer_keys: dict[int, str] | None = None) -> Exception | None:
+        keys = self._peer_progress_keys if peer_keys is None else peer_keys  # of the ranks waited for
+        error = self._shared.board.departure_error(keys, op, seq, waited, settle)
         if error is not None:
             self._shared.failed = True
         return error
@@ -377,18 +392,4 @@ class TorchDistributedBackend(CommunicationBackendBase):
             return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
-
-
-def _wait_for_members(store: dist.Store, rank: int, world_size: int,
-                      timeout: datetime.timedelta) -> None:
-    """Returns once every member has built its process group.
-
-    [Note: a group is ready only when every member is] Gloo's rendezvous can return on one rank
-    while a peer is still finishing its side of their connection. A rank that then closes the
-    group at once (a group built and shut down unused) closes that connection under the peer,
-    whose construction fails with "Connection closed by peer". So construction ends with a
-    store barrier: each member sets its key and waits for everyone's.
-    """
-    store.set(str(rank), "1")
-    store.wait([str(r) for r in range(world_size)], timeout)
 

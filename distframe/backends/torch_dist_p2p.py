@@ -1,5 +1,6 @@
 """A posted point-to-point receive of the torch.distributed engines (see ``torch_dist_engine``,
-[Note: point to point])."""
+[Note: point to point]). On Gloo, a receive from a rank that has left without sending the message
+stops at once (``torch_dist_board``, [Note: watching a receive])."""
 from __future__ import annotations
 
 import datetime
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distframe.backends.signature import ENCODED_LENGTH, Signature
+from distframe.backends.torch_dist_board import WatchedReceive
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
 from distframe.errors import CollectiveMismatchError
@@ -56,16 +58,30 @@ class RecvWork(Work):
         return self._done or (self._payload_work is not None and self._payload_work.is_completed())
 
     def _await(self, work: Any, timeout: float | None) -> None:
+        backend = self._backend
+        board = backend._shared.board
+        watched = None
+        if backend._wait_slice:  # not NCCL, whose waits are not sliced either
+            watched = WatchedReceive(work, self._src, backend._progress_keys[self._src], backend.rank,
+                                     self._tag, self._seq)
+            board.watch(watched)
         try:
             if timeout is None:
                 work.wait()
             else:
                 work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as exc:
-            error = self._backend._comm_error(exc, "recv", self._seq, [self._src], timeout)
+            error = watched.error if watched is not None else None
+            if error is not None:
+                backend._shared.failed = True
+                raise error from None
+            error = backend._comm_error(exc, "recv", self._seq, [self._src], timeout)
             if error is None:
                 raise
             raise error from exc
+        finally:
+            if watched is not None:
+                board.unwatch(watched)
 
     def _check_header(self) -> None:
         expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)

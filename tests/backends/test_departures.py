@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +102,34 @@ def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
     return expected, outcome
 
 
+def rank_leave_before_new_group(b):
+    """The last rank returns; the others call new_group over every rank, the leaver included."""
+    leaver = b.world_size - 1
+    b.barrier()
+    if b.rank == leaver:
+        return None
+    expected = ("new_group", b.stats.total_calls() + 1, [leaver])
+    return expected, _outcome(lambda: b.new_group(list(range(b.world_size))[::-1]))
+
+
+def rank_receive_from_one_that_left(b, call: str):
+    """The last rank sends rank 0 one message (tag 3) and returns. Rank 0, once it has left,
+    receives that message, then waits for a second one (``recv`` or ``irecv(...).wait()``) that
+    never comes. Rank 0 returns (what it received first, how its second wait ended)."""
+    leaver = b.world_size - 1
+    b.barrier()
+    if b.rank == leaver:
+        b.send(torch.full((3,), 7.0), 0, tag=3)
+        return None
+    if b.rank != 0:
+        return None
+    time.sleep(1.0)  # the leaver has returned (and departed) by now
+    first = b.recv(torch.zeros(3), leaver, tag=3).tolist()
+    second = {"recv": lambda: b.recv(torch.zeros(3), leaver, tag=3),
+              "irecv": lambda: b.irecv(torch.zeros(3), leaver, tag=3).wait()}[call]
+    return first, _outcome(second)
+
+
 def rank_depart_as_failed(b, signals: str):
     """The last rank announces that it failed and stays; its peers wait in an all_reduce."""
     leaver = b.world_size - 1
@@ -156,6 +185,26 @@ def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, 
         assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
 
 
+def test_new_group_stops_at_once_when_a_member_left_without_calling_it(pool):
+    results = pool.run(rank_leave_before_new_group)
+    assert results[-1] is None
+    for expected, outcome in results[:-1]:
+        assert outcome[:4] == ("timeout", *expected), outcome
+        elapsed, text = outcome[4:]
+        assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+
+
+@pytest.mark.parametrize("call", ["recv", "irecv"])
+def test_a_receive_from_a_rank_that_left_without_sending_stops_at_once(pool, call):
+    results = pool.run(rank_receive_from_one_that_left, call)
+    leaver = len(results) - 1
+    first, outcome = results[0]
+    assert first == [7.0] * 3  # sent before it left: still delivered
+    assert outcome[:4] == ("timeout", "recv", 2, [leaver]), outcome
+    elapsed, text = outcome[4:]
+    assert elapsed < PROMPT and f"rank {leaver} left" in text, text
+
+
 def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(pool, tmp_path):
     results = pool.run(rank_depart_as_failed, str(tmp_path))
     world = len(results)
@@ -188,29 +237,41 @@ def test_spawn_stops_ranks_waiting_for_one_that_returned(engine):
     assert any("raised on rank 2" in note for note in info.value.__notes__)
 
 
-# ---- torchrun -----------------------------------------------------------------------------------
+# ---- torchrun ----------------------------------------------------------------------------------
+_KEPT = []  # keeps the backend of torchrun_main alive to the end of the process
+
+
 def torchrun_main() -> None:
-    """Rank 1 shuts its backend down and stays until rank 0 has reported its all_reduce."""
+    """Rank 1 leaves while rank 0 waits in an all_reduce (DISTFRAME_TEST_LEAVE): it shuts its
+    backend down and stays until rank 0 has reported ("shutdown"), or returns from the script
+    without shutting down, the backend still referenced, while a thread keeps its process alive
+    until then ("linger") or not ("exit")."""
     backend = init_backend("gloo", timeout=TIMEOUT)
+    _KEPT.append(backend)
     backend.barrier()
-    signals = os.environ["DISTFRAME_TEST_SIGNALS"]
-    if backend.rank == 1:
-        backend.shutdown()
-    else:
+    signals, how = os.environ["DISTFRAME_TEST_SIGNALS"], os.environ["DISTFRAME_TEST_LEAVE"]
+    if backend.rank == 0:
         print("OUTCOME", repr(_outcome(lambda: backend.all_reduce(torch.ones(2)))[:5]), flush=True)
-    _signal_and_wait(signals, backend.rank, backend.world_size, 1)
-    backend.shutdown()
+        _signal_and_wait(signals, 0, 2, 1)
+        backend.shutdown()
+    elif how == "shutdown":
+        backend.shutdown()
+        _signal_and_wait(signals, 1, 2, 1)
+    elif how == "linger":
+        threading.Thread(target=_signal_and_wait, args=(signals, 1, 2, 1)).start()
 
 
 @pytest.mark.gloo
-def test_a_rank_that_shuts_down_under_torchrun_stops_its_waiting_peer(tmp_path):
+@pytest.mark.parametrize("how", ["shutdown", "linger", "exit"])
+def test_a_rank_that_leaves_under_torchrun_stops_its_waiting_peer(tmp_path, how):
     env = dict(os.environ, OMP_NUM_THREADS="1", DISTFRAME_TEST_SIGNALS=str(tmp_path),
+               DISTFRAME_TEST_LEAVE=how,
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "tests.backends.test_departures"]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = re.findall(r"OUTCOME \('(\w+)', '(\w+)', (\d+), \[(\d)\], ([\d.]+)\)", done.stdout)
+    found = re.findall(r"OUTCOME \('(\w+)', '?(\w+)'?, (\d+), \[(\d)\], ([\d.]+)\)", done.stdout)
     assert len(found) == 1, done.stdout[-3000:]
     kind, op, seq, missing, elapsed = found[0]
     assert (kind, op, seq, missing) == ("timeout", "all_reduce", "2", "1")

@@ -45,7 +45,8 @@ def rank_late_rank_two(b):
 
 
 def rank_recv_nobody_sends(b):
-    if b.rank == 0:
+    if b.rank == 0:  # stays past rank 1's timeout: a rank that left would stop its receive at once
+        time.sleep(2.0)
         return None
     try:
         b.irecv(torch.empty(2), 0, tag=3).wait(timeout=0.5)
