@@ -61,7 +61,7 @@ class RecvWork(Work):
         backend = self._backend
         board = backend._shared.board
         watched = None
-        if backend._wait_slice:  # not NCCL, whose waits are not sliced either
+        if backend._wait_slice and self.stop_on_departure:  # not NCCL: its waits are not sliced
             watched = WatchedReceive(work, self._src, backend._progress_keys[self._src], backend.rank,
                                      self._tag, self._seq)
             board.watch(watched)

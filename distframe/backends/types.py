@@ -63,7 +63,14 @@ def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
 
 class Work:
     """A pending operation. ``wait()`` blocks until it completes and returns its result
-    (the output tensor, list of tensors, or None), raising what the operation raised."""
+    (the output tensor, list of tensors, or None), raising what the operation raised.
+
+    ``stop_on_departure``: a receive whose sender left without sending its message stops at once
+    (``distframe.backends.departures``). On Gloo that takes closing the group's connections, so a
+    caller that checks departures itself and goes on using the group (the parameter server) sets
+    it False on its receives before waiting; they then wait for their timeout."""
+
+    stop_on_departure: bool = True
 
     def wait(self, timeout: float | None = None) -> Any:
         raise NotImplementedError

@@ -40,9 +40,12 @@ def send_header(backend: ICommunicationBackend, dst: int, kind: Kind, a: int = 0
 
 
 def post_header(backend: ICommunicationBackend, src: int) -> tuple[torch.Tensor, Work]:
-    """A posted receive of ``src``'s next header: (buffer, work)."""
+    """A posted receive of ``src``'s next header: (buffer, work). The server asks for departures
+    itself and serves the other workers on: the engine must not break the group to stop it."""
     header = torch.zeros(4, dtype=torch.int64)
-    return header, backend.irecv(header, src, HEADER_TAG)
+    work = backend.irecv(header, src, HEADER_TAG)
+    work.stop_on_departure = False
+    return header, work
 
 
 def send_text(backend: ICommunicationBackend, dst: int, text: str) -> None:
