@@ -167,6 +167,23 @@ def rank_shut_down_before_a_send_is_received(b):
     return None, [str(w.message) for w in caught]
 
 
+def rank_fail_after_sending(b, signals: str):
+    """The last rank sends rank 0 one message (tag 7), departs as failed and stays until rank 0
+    has its outcome. Rank 0 returns the message it received, and how its wait for a second ended."""
+    leaver = b.world_size - 1
+    b.barrier()
+    outcome = None
+    if b.rank == leaver:
+        b.send(torch.full((3,), 7.0), 0, tag=7)
+        b.depart(failed=True)
+    elif b.rank == 0:
+        time.sleep(1.0)  # the leaver has departed by now
+        outcome = b.recv(torch.zeros(3), leaver, tag=7).tolist(), _outcome(
+            lambda: b.recv(torch.zeros(3), leaver, tag=7))
+    _signal_and_wait(signals, b.rank, b.world_size, leaver)
+    return outcome
+
+
 def rank_depart_as_failed(b, signals: str):
     """The last rank announces that it failed and stays; its peers wait in an all_reduce."""
     leaver = b.world_size - 1
@@ -265,6 +282,14 @@ def test_a_send_received_after_the_sender_shut_down_raises_and_warns_nothing(poo
     results = pool.run(rank_shut_down_before_a_send_is_received)
     assert results[-1] == ([2.0] * 3, [])
     assert all(caught == [] for _, caught in results[:-1]), results
+
+
+def test_a_rank_that_fails_after_sending_delivers_the_message_then_stops_its_receiver(pool, tmp_path):
+    first, outcome = pool.run(rank_fail_after_sending, str(tmp_path))[0]
+    leaver = pool.world_size - 1
+    assert first == [7.0] * 3  # sent before it failed: still delivered
+    assert outcome[:2] == ("failed", leaver), outcome
+    assert outcome[2] < PROMPT and "recv (message 2 with tag 7" in outcome[3], outcome
 
 
 def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(pool, tmp_path):
