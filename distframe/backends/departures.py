@@ -23,7 +23,25 @@ whether a peer of the group has departed:
 A receive works the same way, counted per channel (sender, receiver, tag): a departure also
 records how many messages the rank had sent on each channel (``sent``), so a receive of message
 ``n`` from a rank that left having sent fewer stops at once (``receive_departure_error``), while
-a message it did send before leaving is still waited for and received.
+a message it did send before leaving is still waited for and received, even when it failed
+after sending it (the in-memory engine, whose mailbox holds it, delivers it too); the receive
+after that one then raises RankFailedError.
+
+[Note: sends to a rank that left] A departure also records how many receives the rank had posted
+on each channel (``received``): message ``n`` to a rank that left having posted fewer can never
+be received. What that costs the sender depends on how the engine sends, as in MPI, where a
+buffered send completes locally and a rendezvous send needs its receiver:
+
+* in-memory and Gloo sends are buffered: ``send``/``isend`` return at once whoever receives.
+  The in-memory engine's ``shutdown`` does not wait for sends; Gloo's waits for its unfinished
+  ones (the transport needs the receiver), but drops at once, with a ``RuntimeWarning`` naming
+  the channels, those to a rank that left without receiving them (``send_departure_error``),
+  and after its timeout those never received at all. A warning, not an error: a shutdown runs
+  as cleanup, often while another error propagates, and nothing is left to deliver to.
+* MPI sends small messages eagerly (complete at once) and large ones by rendezvous: a wait for
+  one whose receiver left without posting its receive raises at once what the timeout would
+  have (CollectiveTimeoutError naming ``send``, the message's number and the receiver;
+  RankFailedError when it failed). MPI's ``shutdown`` never waits for sends.
 
 Each engine marks the group unusable after such an error, as after a timeout: the call that was
 abandoned cannot be cancelled. Where the engines differ:
@@ -50,12 +68,14 @@ from distframe.errors import CollectiveTimeoutError, RankFailedError
 @dataclasses.dataclass(frozen=True)
 class Departure:
     """How a rank left a group: after issuing ``issued`` calls there; ``failed`` if it raised;
-    ``sent``: how many point-to-point messages it had sent, by (destination rank, tag), where the
-    engine records it (None where it does not: MPI)."""
+    ``sent``: how many point-to-point messages it had sent, by (destination rank, tag), and
+    ``received``: how many receives it had posted, by (source rank, tag); None when unknown (an
+    MPI rank with more channels than its progress page holds)."""
 
     issued: int
     failed: bool = False
     sent: Mapping[tuple[int, int], int] | None = None
+    received: Mapping[tuple[int, int], int] | None = None
 
     def sent_to(self, dst: int, tag: int) -> int | None:
         """Messages it sent to ``dst`` on ``tag`` before leaving; None when unknown."""
@@ -99,3 +119,24 @@ def receive_departure_error(departed: Departure | None, src: int, receiver: int,
         f"rank {src} left the group after sending {sent} messages with tag {tag} to rank {receiver}, "
         "so this receive stopped at once instead of waiting for the timeout; the group is unusable "
         "now, shut it down")
+
+
+def send_departure_error(departed: Departure | None, dst: int, sender: int, tag: int, seq: int,
+                         waited: float) -> Exception | None:
+    """The error for rank ``sender`` whose message ``seq`` to ``dst`` with ``tag`` has not been
+    received after ``waited`` seconds when ``dst`` left as ``departed``; None when ``dst`` has not
+    left, or did post the receive (it may still complete), or when what it received is unknown
+    ([Note: sends to a rank that left])."""
+    if departed is None or departed.received is None:
+        return None
+    received = departed.received.get((sender, tag), 0)
+    if received >= seq:
+        return None
+    what = f"send (message {seq} with tag {tag} to rank {dst})"
+    if departed.failed:
+        return RankFailedError(dst, f"{what}: it raised and left the group without receiving it")
+    return CollectiveTimeoutError(
+        "send", seq, [dst], round(waited, 1),
+        f"rank {dst} left the group after receiving {received} messages with tag {tag} from rank "
+        f"{sender}, so this send stopped at once instead of waiting for the timeout; the group is "
+        "unusable now, shut it down")

@@ -146,7 +146,8 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     # ---- point to point ------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         seq = self._next_p2p_seq("send", dst, tag)
-        # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once.
+        # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once,
+        # and neither this send nor shutdown waits for a receiver (one that left never takes it).
         self._rdv.post(self._rank, dst, tag, seq, tensor.clone())
         return CompletedWork(None)
 
@@ -158,8 +159,9 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _shutdown(self) -> None:
         # This rank makes no further call here (its function under spawn has returned, or raised).
         failed = self._rdv.world.failed_rank == self._rdv.global_ranks[self._rank]
-        sent = {(peer, tag): n for (way, peer, tag), n in self._p2p_seq.items() if way == "send"}
-        self._rdv.departures.setdefault(self._rank, Departure(self._seq, failed, sent))
+        sent, received = ({(peer, tag): n for (way, peer, tag), n in self._p2p_seq.items()
+                           if way == direction} for direction in ("send", "recv"))
+        self._rdv.departures.setdefault(self._rank, Departure(self._seq, failed, sent, received))
 
     def departures(self) -> dict[int, Departure]:
         return {r: d for r, d in list(self._rdv.departures.items()) if r != self._rank}

@@ -7,7 +7,9 @@ backend's timeout passes (see ``mpi_progress``); a timeout raises ``CollectiveTi
 naming the ranks that never entered the call, and a peer on this node that has departed without
 issuing the call (its function returned or raised, or it shut the backend down) stops the wait at
 once (``distframe.backends.departures``). Point-to-point uses Isend/Irecv of the tensor's
-bytes, and a receive whose message has another size raises ``CollectiveMismatchError``.
+bytes, and a receive whose message has another size raises ``CollectiveMismatchError``; a wait
+for a receive whose sender, or a send whose receiver, left without sending or receiving the
+message stops at once (``departures``, [Note: sends to a rank that left]).
 
 With ``debug=True`` the base class all-gathers a 16-integer signature before each collective, so
 ranks that disagree on op, shape, dtype or arguments all raise ``CollectiveMismatchError``. Cost:
@@ -29,7 +31,8 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure, departure_error, receive_departure_error
+from distframe.backends.departures import (Departure, departure_error, receive_departure_error,
+                                           send_departure_error)
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
                                             reduction_dtype, stage_back, stage_in, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
@@ -341,12 +344,11 @@ class _P2PWork(Work):
             f"{self._backend.rank} expects shape {tuple(t.shape)} {t.dtype} ({t.nbytes} bytes)")
 
     def _departed(self, waited: float) -> Exception | None:
-        """The error for a receive whose sender, on this node, left without sending the message."""
-        if self._op != "recv":
-            return None
+        """The error for a receive whose sender, or a send whose receiver (a rendezvous send, not
+        yet matched), on this node, left without sending or receiving the message."""
         departed = self._backend._board.departures().get(self._peer)
-        error = receive_departure_error(departed, self._peer, self._backend.rank, self._tag, self._seq,
-                                        waited)
+        left = receive_departure_error if self._op == "recv" else send_departure_error
+        error = left(departed, self._peer, self._backend.rank, self._tag, self._seq, waited)
         if error is not None:
             self._backend._abandoned.append((self._request, self._buffer))
         return error

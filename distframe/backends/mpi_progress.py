@@ -22,8 +22,9 @@ as every peer has mapped them, so a killed job leaves nothing behind. Ranks on o
 reported as unknown. A second word says whether the rank has departed: 0 while it has not, else
 the number of calls it had issued plus one, negated if it failed (one 8-byte store, so a peer
 never reads half of it). Departures of ranks on other nodes are not seen. Before that word, a
-departing rank writes the messages it had sent: word 2 holds how many channels follow (-1 when
-they do not fit in the page: unknown), then (receiver, tag, count) for each. x86 keeps stores
+departing rank writes the messages it had sent and the receives it had posted: word 2 holds how
+many channels follow (-1 when they do not fit in the page: unknown), then (direction, peer, tag,
+count) for each, direction 0 for messages sent to peer, 1 for receives posted from it. x86 keeps stores
 in order and so does a reader's loads, so a peer that sees the departure word sees the table.
 """
 from __future__ import annotations
@@ -98,16 +99,17 @@ class ProgressBoard:
         self._own[0] = seq
 
     def depart(self, issued: int, failed: bool, p2p_counts: dict[tuple[str, int, int], int]) -> None:
-        """Announces that this rank has left after issuing ``issued`` calls, and sending
-        ``p2p_counts[("send", receiver, tag)]`` messages on each channel; the first announcement
-        stands (a closed board announces nothing)."""
+        """Announces that this rank has left after issuing ``issued`` calls, sending
+        ``p2p_counts[("send", receiver, tag)]`` messages on each channel and posting
+        ``p2p_counts[("recv", sender, tag)]`` receives; the first announcement stands (a closed
+        board announces nothing)."""
         if self._own is None or self._own[1] != 0:
             return
-        sent = [(peer, tag, n) for (direction, peer, tag), n in list(p2p_counts.items())
-                if direction == "send"]
-        if 3 + 3 * len(sent) <= len(self._own):
-            self._own[3:3 + 3 * len(sent)] = np.array(sent, dtype=np.int64).reshape(-1)
-            self._own[2] = len(sent)
+        channels = [(int(direction == "recv"), peer, tag, n) for (direction, peer, tag), n
+                    in list(p2p_counts.items())]
+        if 3 + 4 * len(channels) <= len(self._own):
+            self._own[3:3 + 4 * len(channels)] = np.array(channels, dtype=np.int64).reshape(-1)
+            self._own[2] = len(channels)
         else:
             self._own[2] = -1
         self._own[1] = -(issued + 1) if failed else issued + 1
@@ -125,9 +127,11 @@ class ProgressBoard:
             word = int(view[1])
             if word:
                 count = int(view[2])
-                table = view[3:3 + 3 * max(count, 0)].reshape(-1, 3).tolist()
-                sent = None if count < 0 else {(receiver, tag): n for receiver, tag, n in table}
-                departed[rank] = Departure(abs(word) - 1, word < 0, sent)
+                table = view[3:3 + 4 * max(count, 0)].reshape(-1, 4).tolist()
+                sent, received = ({(peer, tag): n for way, peer, tag, n in table if way == direction}
+                                  for direction in (0, 1))
+                departed[rank] = (Departure(abs(word) - 1, word < 0, sent, received) if count >= 0
+                                  else Departure(abs(word) - 1, word < 0))
         return departed
 
     def read(self) -> dict[int, int]:

@@ -13,7 +13,8 @@ it leaves to the number of calls it issued there ("7", or "7 failed"), then appe
 names to one key per world (``departures_key``). A waiting rank reads that key, one round trip
 while nobody has left, and the ``left`` keys of its group's peers only when it lists them.
 The value also lists the messages the rank had sent on each channel of that group, as
-``receiver:tag:count`` words ("7 failed 0:3:1"). ProcessPool's workers keep their backends from
+``receiver:tag:count`` words, and the receives it had posted, as ``rsender:tag:count`` words
+("7 failed 0:3:1 r0:3:2"). ProcessPool's workers keep their backends from
 one run to the next: the pool clears the departures (``clear_departures``) before each run, when
 every rank has answered the last one.
 
@@ -64,8 +65,8 @@ class ProgressBoard:
 
     def register(self, key: str, p2p_counts: dict[tuple[str, int, int], int] | None = None) -> None:
         """Publishes 0 for ``key`` now, so peers can always read it, and starts the writer.
-        ``p2p_counts``: the group's live count of messages per ``("send", receiver, tag)``, which
-        its departure announces."""
+        ``p2p_counts``: the group's live count of messages per ``("send", receiver, tag)`` and
+        ``("recv", sender, tag)``, which its departure announces."""
         self._store.set(key, "0")
         self._p2p_counts[key] = {} if p2p_counts is None else p2p_counts
         self._written[key] = self._latest[key] = 0
@@ -97,15 +98,15 @@ class ProgressBoard:
         suffix = " failed" if failed else ""
         counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
                   if key.startswith(under)}
-        sent = {key: "".join(f" {peer}:{tag}:{n}" for (direction, peer, tag), n
-                             in list(self._p2p_counts.get(key, {}).items()) if direction == "send")
-                for key in counts}
+        channels = {key: "".join(f" {'' if direction == 'send' else 'r'}{peer}:{tag}:{n}"
+                                 for (direction, peer, tag), n in list(self._p2p_counts.get(key, {}).items()))
+                    for key in counts}
         for key in counts.keys() - issued.keys():
             self._latest.pop(key, None)
             self._p2p_counts.pop(key, None)
         try:
             for key, count in counts.items():
-                self._store.set(key + _LEFT, f"{count}{suffix}{sent[key]}")
+                self._store.set(key + _LEFT, f"{count}{suffix}{channels[key]}")
             self._store.append(self._departures_key, "".join(f"{key}{_LEFT}\n" for key in counts))
             self._store.check([self._departures_key])  # a round trip: every write has landed
         except RuntimeError:  # the store is gone: nobody is left to wait for this rank
@@ -217,14 +218,17 @@ class WatchedReceive:
 
 
 def _parse_departure(text: str) -> Departure:
-    """A ``left`` value: the calls issued, "failed" if so, then ``receiver:tag:count`` words."""
+    """A ``left`` value: the calls issued, "failed" if so, then ``receiver:tag:count`` words (sent)
+    and ``rsender:tag:count`` words (receives posted)."""
     issued, *words = text.split()
-    sent = {}
+    sent: dict[tuple[int, int], int] = {}
+    received: dict[tuple[int, int], int] = {}
     for word in words:
         if word != "failed":
-            receiver, tag, count = map(int, word.split(":"))
-            sent[(receiver, tag)] = count
-    return Departure(int(issued), "failed" in words, sent)
+            channels = received if word.startswith("r") else sent
+            peer, tag, count = map(int, word.lstrip("r").split(":"))
+            channels[(peer, tag)] = count
+    return Departure(int(issued), "failed" in words, sent, received)
 
 
 def _own_connection(store: dist.Store) -> dist.Store:

@@ -18,7 +18,9 @@ message a 128-byte header that the receiver checks before it posts the payload's
 
 [Note: point to point] ``send`` is buffered, as in the in-memory engine: the payload is copied
 and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
-receive. Unfinished sends are kept alive and finished at ``shutdown``. A receive whose tensor
+receive. Unfinished sends are kept alive and finished at ``shutdown``, which drops those to a
+rank that left without receiving them (``departures``, [Note: sends to a rank that left]). A
+receive whose tensor
 does not match the message aborts the Gloo process outside ``debug`` mode (Gloo checks sizes on
 a background thread); with ``debug=True`` it raises ``CollectiveMismatchError`` instead.
 """
@@ -44,7 +46,7 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
                                                  wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
-from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork
+from distframe.backends.torch_dist_p2p import HEADER_TAG, PendingSend, RecvWork, finish_sends
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
@@ -103,7 +105,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
         wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank, world_size,
                          timeout_delta)
-        self._unfinished_sends: list[tuple[Any, torch.Tensor]] = []
+        self._unfinished_sends: list[PendingSend] = []
         self._shared.groups.add(self)
         # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
         # departs after the last call it entered (shutdown departs and cancels this).
@@ -237,13 +239,14 @@ class TorchDistributedBackend(CommunicationBackendBase):
 
     # ---- point to point ----------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        self._unfinished_sends = [(w, t) for w, t in self._unfinished_sends if not w.is_completed()]
+        self._unfinished_sends = [s for s in self._unfinished_sends if not s[0].is_completed()]
         seq = self._count_p2p("send", dst, tag)
         payload = tensor.to(self._device, copy=True)  # buffered: the caller may reuse `tensor`
         if self.debug:
             header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
-            self._unfinished_sends.append((self._pg.send([header], dst, tag + HEADER_TAG), header))
-        self._unfinished_sends.append((self._pg.send([movable(payload)], dst, tag), payload))
+            self._unfinished_sends.append(
+                (self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
+        self._unfinished_sends.append((self._pg.send([movable(payload)], dst, tag), payload, dst, tag, seq))
         return CompletedWork(None)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
@@ -273,11 +276,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._departs_when_gone.detach()
         self.depart()
         sends, self._unfinished_sends = self._unfinished_sends, []
-        for work, _ in sends:
-            try:
-                work.wait()
-            except RuntimeError:  # the peer left without receiving; nothing left to deliver to
-                break
+        finish_sends(sends, self._rank, self.timeout, self.departures)
         self._pg = None
         if self._owns_shared:
             self._shared.board.close()

@@ -1,15 +1,22 @@
-"""A posted point-to-point receive of the torch.distributed engines (see ``torch_dist_engine``,
-[Note: point to point]). On Gloo, a receive from a rank that has left without sending the message
-stops at once (``torch_dist_board``, [Note: watching a receive])."""
+"""Point to point on the torch.distributed engines (see ``torch_dist_engine``, [Note: point to
+point]): a posted receive, and the unfinished sends a shutdown waits for. On Gloo, a receive from
+a rank that has left without sending the message stops at once (``torch_dist_board``, [Note:
+watching a receive]), and a shutdown drops the sends to a rank that left without receiving them
+(``departures``, [Note: sends to a rank that left])."""
 from __future__ import annotations
 
 import datetime
+import threading
+import time
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from distframe.backends.departures import Departure, send_departure_error
 from distframe.backends.signature import ENCODED_LENGTH, Signature
-from distframe.backends.torch_dist_board import WatchedReceive
+from distframe.backends.torch_dist_board import _CUT, WAIT_SLICE, WatchedReceive
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
 from distframe.errors import CollectiveMismatchError
@@ -90,3 +97,83 @@ class RecvWork(Work):
             raise CollectiveMismatchError(
                 "recv", self._seq, f"rank {self._src} sent {Signature.decode(got)} with tag "
                 f"{self._tag}; rank {self._backend.rank} expects {expected.describe()}")
+
+
+#: An unfinished send: (work, the buffer it reads, receiver, user tag, message number on the channel).
+PendingSend = tuple[Any, torch.Tensor, int, int, int]
+
+
+def finish_sends(sends: list[PendingSend], sender: int, timeout: float,
+                 departures: Callable[[], dict[int, Departure]]) -> None:
+    """Waits up to ``timeout`` seconds for the unfinished ``sends`` of rank ``sender``'s group that
+    shuts down. Drops with a RuntimeWarning those to a rank that left without posting their
+    receive (``departures()`` is asked every ``WAIT_SLICE`` once the wait has lasted that long)
+    and those still unfinished at the timeout. A Gloo wait that times out aborts every operation
+    of the group, so the sends are waited for on a thread of their own (``_SendWaiter``), and the
+    dropped ones are cut only once no other send is waited for."""
+    start = time.monotonic()
+    waiter = _SendWaiter(sends)
+    dropped: list[PendingSend] = []
+    while True:
+        waiter.join(WAIT_SLICE.total_seconds())
+        if not waiter.is_alive():
+            break
+        now = time.monotonic()
+        pending = waiter.remaining()
+        if now - start >= timeout:
+            dropped += _warn(pending, f"did not receive them within the timeout ({timeout:g} s)")
+            break
+        departed = departures()
+        lost = [send for send in pending if send_departure_error(
+            departed.get(send[2]), send[2], sender, send[3], send[4], now - start) is not None]
+        if not lost:
+            continue
+        dropped += _warn(lost, "left the group without receiving them")
+        lost_ids = {id(send) for send in lost}
+        waiter.dropped |= lost_ids
+        if id(pending[0]) in lost_ids:  # the waiter is stuck on it until the cut: go on without it
+            waiter.stopped = True
+            waiter = _SendWaiter([send for send in pending if id(send) not in lost_ids])
+    for work, *_ in dropped:  # abandoned as a timed-out wait would abandon it
+        try:
+            work.wait(_CUT)
+        except RuntimeError:
+            pass
+
+
+class _SendWaiter(threading.Thread):
+    """Waits for ``sends`` one after another, skipping those ``dropped`` meanwhile: a wait is the
+    only way to see that a Gloo send has completed (its ``is_completed`` stays False until one)."""
+
+    def __init__(self, sends: list[PendingSend]) -> None:
+        super().__init__(name="distframe-sends", daemon=True)
+        self.sends, self.current, self.dropped, self.stopped = sends, 0, set(), False
+        self.start()
+
+    def run(self) -> None:
+        for index, send in enumerate(self.sends):
+            if self.stopped:
+                return
+            self.current = index
+            if id(send) not in self.dropped:
+                try:
+                    send[0].wait()
+                except RuntimeError:  # the receiver's connections closed: nothing to deliver to
+                    pass
+        self.current = len(self.sends)
+
+    def remaining(self) -> list[PendingSend]:
+        """The send waited for now and those after it, less those dropped."""
+        return [send for send in self.sends[self.current:] if id(send) not in self.dropped]
+
+
+def _warn(sends: list[PendingSend], why: str) -> list[PendingSend]:
+    """Says which messages of ``sends`` a shutdown drops, by channel; returns ``sends``."""
+    messages: dict[tuple[int, int], set[int]] = {}
+    for _, _, dst, tag, seq in sends:
+        messages.setdefault((dst, tag), set()).add(seq)
+    for (dst, tag), seqs in sorted(messages.items()):
+        count = f"{len(seqs)} message{'s' if len(seqs) > 1 else ''}"
+        warnings.warn(f"shutdown dropped {count} with tag {tag} to rank {dst} (numbers {sorted(seqs)} on "
+                      f"that channel): rank {dst} {why}", RuntimeWarning, stacklevel=5)
+    return sends

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,59 @@ def rank_receive_from_one_that_left(b, call: str):
     return first, _outcome(second)
 
 
+def rank_send_to_one_that_left(b, numel: int, signals: str):
+    """On a subgroup of every rank, the last rank receives one message (tag 5) of ``numel``
+    float32 from rank 0, departs, and stays until rank 0 has its outcome. Rank 0 sends it that
+    message and a second one, then shuts the subgroup down. Rank 0 returns its engine, how its
+    second send, and then its shutdown, ended, and the warnings they raised."""
+    leaver = b.world_size - 1
+    group = b.new_group(list(range(b.world_size)))
+    outcome = None
+    if b.rank == leaver:
+        group.recv(torch.zeros(numel), 0, tag=5)
+        group.depart()
+    elif b.rank == 0:
+        group.send(torch.ones(numel), leaver, tag=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outcome = _outcome(lambda: group.send(torch.ones(numel), leaver, tag=5)), _outcome(group.shutdown)
+        outcome = (b.engine, *outcome, [str(w.message) for w in caught])
+    _signal_and_wait(signals, b.rank, b.world_size, leaver)
+    return outcome
+
+
+def rank_shut_down_before_a_send_is_received(b):
+    """Rank 0 sends the last rank a message on a subgroup and shuts it down at once; the last
+    rank receives it late and returns. Returns (what was received, the warnings raised)."""
+    group = b.new_group(list(range(b.world_size)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if b.rank == 0:
+            group.send(torch.full((3,), 2.0), b.world_size - 1, tag=6)
+            group.shutdown()
+        elif b.rank == b.world_size - 1:
+            time.sleep(0.6)
+            return group.recv(torch.zeros(3), 0, tag=6).tolist(), [str(w.message) for w in caught]
+    return None, [str(w.message) for w in caught]
+
+
+def rank_fail_after_sending(b, signals: str):
+    """The last rank sends rank 0 one message (tag 7), departs as failed and stays until rank 0
+    has its outcome. Rank 0 returns the message it received, and how its wait for a second ended."""
+    leaver = b.world_size - 1
+    b.barrier()
+    outcome = None
+    if b.rank == leaver:
+        b.send(torch.full((3,), 7.0), 0, tag=7)
+        b.depart(failed=True)
+    elif b.rank == 0:
+        time.sleep(1.0)  # the leaver has departed by now
+        outcome = b.recv(torch.zeros(3), leaver, tag=7).tolist(), _outcome(
+            lambda: b.recv(torch.zeros(3), leaver, tag=7))
+    _signal_and_wait(signals, b.rank, b.world_size, leaver)
+    return outcome
+
+
 def rank_depart_as_failed(b, signals: str):
     """The last rank announces that it failed and stays; its peers wait in an all_reduce."""
     leaver = b.world_size - 1
@@ -203,6 +257,39 @@ def test_a_receive_from_a_rank_that_left_without_sending_stops_at_once(pool, cal
     assert outcome[:4] == ("timeout", "recv", 2, [leaver]), outcome
     elapsed, text = outcome[4:]
     assert elapsed < PROMPT and f"rank {leaver} left" in text, text
+
+
+@pytest.mark.parametrize("numel", [3, 2**20])
+def test_a_send_to_a_rank_that_left_without_receiving_it_waits_for_no_timeout(pool, tmp_path, numel):
+    """Gloo's sends are buffered: the send returns, and shutdown drops it at once with a warning.
+    MPI's small sends are buffered; a large one (rendezvous) needs the receiver and stops at once."""
+    engine, send, shutdown, caught = pool.run(rank_send_to_one_that_left, numel, str(tmp_path))[0]
+    leaver = pool.world_size - 1
+    assert shutdown[0] == "completed" and shutdown[-1] < PROMPT, shutdown
+    if engine == "mpi" and numel > 3:
+        assert send[:4] == ("timeout", "send", 2, [leaver]), send
+        assert send[4] < PROMPT and f"rank {leaver} left" in send[5], send
+        assert caught == []
+        return
+    assert send[0] == "completed" and send[1] < PROMPT, send
+    if engine == "gloo":
+        assert len(caught) == 1 and f"1 message with tag 5 to rank {leaver}" in caught[0], caught
+    else:
+        assert caught == []
+
+
+def test_a_send_received_after_the_sender_shut_down_raises_and_warns_nothing(pool):
+    results = pool.run(rank_shut_down_before_a_send_is_received)
+    assert results[-1] == ([2.0] * 3, [])
+    assert all(caught == [] for _, caught in results[:-1]), results
+
+
+def test_a_rank_that_fails_after_sending_delivers_the_message_then_stops_its_receiver(pool, tmp_path):
+    first, outcome = pool.run(rank_fail_after_sending, str(tmp_path))[0]
+    leaver = pool.world_size - 1
+    assert first == [7.0] * 3  # sent before it failed: still delivered
+    assert outcome[:2] == ("failed", leaver), outcome
+    assert outcome[2] < PROMPT and "recv (message 2 with tag 7" in outcome[3], outcome
 
 
 def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(pool, tmp_path):

@@ -335,3 +335,22 @@ def test_a_returned_rank_whose_asynchronous_calls_are_still_queued_is_waited_for
         time.sleep(0.3)
         return sub.all_reduce(torch.ones(1)).item(), sub.all_reduce(torch.full((1,), 2.0)).item()
     assert spawn(fn, 2, timeout=60) == [(2.0, 4.0), None]
+
+
+def test_a_departure_records_the_messages_sent_and_the_receives_posted():
+    """Per channel, so that a sender can tell whether a message to a rank that left can still be
+    received (distframe/backends/departures.py, [Note: sends to a rank that left])."""
+    def fn(b):
+        if b.rank == 1:
+            b.recv(torch.zeros(1), 0, tag=2)
+            b.send(torch.zeros(1), 0, tag=3)
+            return None
+        b.send(torch.ones(1), 1, tag=2)
+        b.send(torch.ones(1), 1, tag=2)  # never received: the send returned anyway (buffered)
+        b.recv(torch.zeros(1), 1, tag=3)
+        deadline = time.monotonic() + 10
+        while 1 not in b.departures() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return b.departures().get(1)
+    left = spawn(fn, 2, timeout=60)[0]
+    assert (left.sent, left.received) == ({(0, 3): 1}, {(0, 2): 1})
