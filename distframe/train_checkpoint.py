@@ -61,20 +61,29 @@ def remove_checkpoints(out_dir: str) -> None:
     shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)
 
 
-def save(out_dir: str, step: int, model: Any, optimizer: Any) -> str:
-    """Collective: every rank writes its shard of ``OUT/checkpoints/step-N``."""
+def save(out_dir: str, step: int, model: Any, optimizer: Any, rng: Any = None) -> str:
+    """Collective: every rank writes its shard of ``OUT/checkpoints/step-N``, with its generator
+    states when given ``rng`` (a ``train_rng.RankRandomState``)."""
     from distframe import checkpoint
     path = step_path(out_dir, step)
-    checkpoint.save(path, model, optimizer, step=step)
+    checkpoint.save(path, model, optimizer, step=step, rank_state=None if rng is None else rng.state(),
+                    rank_state_info=None if rng is None else rng.info())
     return path
 
 
-def load(path: str, model: Any, optimizer: Any) -> int:
-    """Collective: loads ``path`` into ``model`` and ``optimizer`` (re-sharding as needed);
-    returns the step it was saved at."""
+def load(path: str, model: Any, optimizer: Any, rng: Any = None) -> tuple[int, str | None]:
+    """Collective: loads ``path`` into ``model`` and ``optimizer`` (re-sharding as needed) and,
+    given ``rng``, this rank's generator states (or new streams where the checkpoint's cannot
+    continue: see ``train_rng``); returns the step it was saved at and a note for the user, or
+    None."""
     from distframe import checkpoint
-    metadata = checkpoint.load(path, model, optimizer)
-    return int(metadata["step"])
+    if rng is None:
+        return int(checkpoint.load(path, model, optimizer)["step"]), None
+    # The job restores a tensor-parallel model's dropout generators itself, with the others.
+    metadata = checkpoint.load(path, model, optimizer, restore_dropout_rng=False,
+                               read_rank_state=rng.read)
+    step = int(metadata["step"])
+    return step, rng.continue_from(step)
 
 
 def config_json_path(path: str) -> str:

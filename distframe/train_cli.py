@@ -63,6 +63,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="dilated attention segment lengths, each at most --seq-len")
     add("--dilation-rates", group=model, metavar="R1,R2,...",
         help="one dilation rate per segment length")
+    add("--dropout", group=model, type=float, metavar="P", help="dropout probability, 0 <= P < 1 "
+        "(residual stream, MLP, attention probabilities); each rank draws its masks from its own "
+        "generator, seeded from --seed and saved with each checkpoint, so --resume continues them "
+        "exactly (at another world size or strategy: new masks, seeded from --seed and the step)"
+        + _default("dropout"))
     add("--dtype", group=model, metavar="{" + ",".join(DTYPES) + "}", help="parameter dtype" + _default("dtype"))
     opt = parser.add_argument_group("optimisation")
     add("--steps", group=opt, type=int, help="optimizer steps" + _default("steps"))
@@ -74,7 +79,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
-    add("--seed", group=opt, type=int, help="seed of the initial model and the batches" + _default("seed"))
+    add("--seed", group=opt, type=int, help="seed of the initial model, the batches and the dropout "
+        "masks" + _default("seed"))
     data = parser.add_argument_group("data and outputs")
     add("--data", group=data, metavar="PATH", help="a text file, a directory of text files or a "
         "flat .bin token file (default: the Python standard library's sources)")

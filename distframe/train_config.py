@@ -49,7 +49,9 @@ class TrainConfig:
     """The resolved settings of one training run (written to ``OUT/config.json``).
 
     Model shape: ``preset`` gives every field; ``layers``, ``d_model``, ``heads``, ``seq_len``,
-    ``segment_lengths`` and ``dilation_rates`` override it when not None. ``batch_size`` is the
+    ``segment_lengths`` and ``dilation_rates`` override it when not None; ``dropout`` is the LM's
+    (residual stream, MLP and attention probabilities; each rank draws its own masks, see
+    ``train_rng``). ``batch_size`` is the
     global batch in sequences; each data-parallel rank trains on ``batch_size / world size`` of
     them; ``world_size`` None means DEFAULT_WORLD_SIZE when ranks are spawned and the launcher's
     world under mpiexec or torchrun. The learning rate warms up linearly over ``warmup_steps``
@@ -79,6 +81,7 @@ class TrainConfig:
     seq_len: int | None = None
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
+    dropout: float = 0.0
     steps: int = 200
     batch_size: int = 4
     lr: float = 3e-3
@@ -165,6 +168,10 @@ class TrainConfig:
                     not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
+                not 0 <= self.dropout < 1:  # (NaN fails the comparison too)
+            raise ConfigError(f"--dropout {self.dropout!r}: use a probability with 0 <= P < 1, for "
+                              "example 0.1 (0 turns dropout off)")
         if not isinstance(self.round_robin, bool):
             raise ConfigError(f"--round-robin {self.round_robin!r}: use true or false")
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or \
@@ -210,6 +217,9 @@ class TrainConfig:
 
     def _check_parallel(self) -> None:
         _check_unused(self, PARALLEL_SETTINGS, "strategy")
+        if self.dropout and self.cp > 1:
+            raise ConfigError(f"--dropout {self.dropout} does not run with --cp {self.cp} (ring "
+                              "attention has no attention dropout); use --cp 1 or --dropout 0")
         check_schedule(self)
         if self.world_size is None:
             return
@@ -275,7 +285,7 @@ class TrainConfig:
         """The DilatedTransformerConfig of the preset with this run's overrides applied."""
         overrides = {MODEL_FLAGS[k]: getattr(self, k) for k in MODEL_FLAGS
                      if getattr(self, k) is not None}
-        overrides["vocab_size"] = vocab_size
+        overrides["vocab_size"], overrides["dropout"] = vocab_size, self.dropout
         if not checked:  # only the fields, for messages that name them before validation
             preset = DilatedTransformerConfig.preset(self.preset)
             return _Shape(**{f: overrides.get(f, getattr(preset, f))

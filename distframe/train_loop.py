@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.model import DilatedTransformerLM
-from distframe import train_checkpoint
+from distframe import train_checkpoint, train_rng
 from distframe.backends.types import ReduceOp
 from distframe.data import BatchSampler, TokenCorpus, load_corpus, validation_offsets
 from distframe.errors import ConfigError, DistFrameError
@@ -108,6 +108,7 @@ def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: Tra
     ``make_optimizer(config.optimizer, ...)`` around ``--base-optimizer``; collective.
     ``optimizer_settings`` go to make_optimizer (the elastic run passes its member)."""
     strategy = STRATEGIES[config.strategy]
+    train_rng.use_rank_generators(module, config, backend.world_size, backend.rank)
     optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
     kwargs = settings(config.lr, config.weight_decay)
     if config.optimizer == "none":
@@ -170,6 +171,7 @@ class Job:
         self.is_writer = backend.rank == 0
         self.log = MetricsLog(config.out)
         self.notes: list[str] = []
+        self.rng = train_rng.RankRandomState(config, backend, model, device)
 
     def run(self) -> TrainResult:
         start_step, history = self._start()
@@ -196,7 +198,7 @@ class Job:
                 bar.update(last)
                 if self._due(step, self.config.checkpoint_every):
                     checkpoint = train_checkpoint.save(self.config.out, step, self.model,
-                                                       self.optimizer)
+                                                       self.optimizer, self.rng)
         finally:
             bar.close()
         self._finish()
@@ -216,7 +218,9 @@ class Job:
         start_step, history = 0, []
         if self.config.resume:
             found = train_checkpoint.agreed_latest_checkpoint(out, self.backend)
-            start_step = train_checkpoint.load(found[0], self.model, self.optimizer)
+            start_step, note = train_checkpoint.load(found[0], self.model, self.optimizer, self.rng)
+            if note and self.is_writer:
+                print(note, file=sys.stderr)
             history = self.log.keep_until(start_step) if self.is_writer else self.log.records()
         self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT
         if self.is_writer:

@@ -86,9 +86,11 @@ def _sharded_optimizer(optimizer_class: str) -> BuildOptimizer:
 def _model_parallel(strategy: str) -> Wrap:
     def wrap(module: nn.Module, backend: Any, config: Any) -> Any:
         from distframe.models import build_model_parallel
+        from distframe.train_rng import dropout_seed
         return build_model_parallel(strategy, module, backend, dp=config.dp, tp=config.tp,
                                     pp=config.pp, cp=config.cp, micro_batches=config.micro_batches,
-                                    schedule=config.schedule, virtual_stages=config.virtual_stages)
+                                    schedule=config.schedule, virtual_stages=config.virtual_stages,
+                                    dropout_seed=dropout_seed(config.seed))
     return wrap
 
 

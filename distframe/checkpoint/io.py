@@ -23,6 +23,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,21 @@ from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointErr
                                          verify_files)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
+from distframe.models.sharded_state import RangeReader, piece_key
 from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_pieces,
                                                 optimizer_pieces)
 
+RANK_STATE = "rank_state"
 
-def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None) -> Path:
+
+def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
+         rank_state: Mapping[str, torch.Tensor] | None = None,
+         rank_state_info: Any = None) -> Path:
     """Writes ``model`` (and ``optimizer``'s) sharded state to directory ``path``; collective.
     If any rank's part fails, every rank raises (naming it) and ``path``'s previous checkpoint,
-    if any, stays."""
+    if any, stays. ``rank_state``: tensors of this rank's own (a training job's generator
+    states), stored whole as ``rank_state/<name>@0``, so names must differ between ranks;
+    ``rank_state_info`` (rank 0's, JSON) goes into the metadata under ``rank_state``."""
     _check_model(model)
     backend, path = model.backend, Path(path)
     tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
@@ -53,7 +61,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     error: Exception | None = None
     opt_state: dict[str, Any] = {}
     try:
-        table, opt_state = _write_shard(tmp, model, optimizer)
+        table, opt_state = _write_shard(tmp, model, optimizer, rank_state or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
         error = exc
     # The file tables' all_gather tells every rank whether every rank wrote its file.
@@ -68,6 +76,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     try:
         if backend.rank == 0:
             meta = _metadata(model, optimizer, opt_state, tables, step)
+            meta["rank_state"] = rank_state_info
             (tmp / METADATA).write_text(json.dumps(meta, indent=1))
             fsync_path(tmp / METADATA)
             _rename_into_place(tmp, path)
@@ -78,13 +87,15 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     return path
 
 
-def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
+                 rank_state: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's safetensors file in ``tmp`` (made by whichever rank comes first); its file
     table for the metadata, and the optimizer state the metadata takes from rank 0's."""
     tensors = dict(model.state_dict())
     opt_state = _optimizer_state(model, optimizer)
     tensors.update(opt_state.pop("tensors", {}))
     tensors.update(dropout_rng.pieces(model))
+    tensors.update({piece_key(RANK_STATE, name, 0): value.reshape(-1) for name, value in rank_state.items()})
     tmp.mkdir(parents=True, exist_ok=True)
     file = tmp / shard_file_name(model.backend.rank, model.backend.world_size)
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
@@ -96,17 +107,20 @@ def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any) -> tuple[di
 
 
 def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
-         restore_dropout_rng: bool = True) -> dict[str, Any]:
+         restore_dropout_rng: bool = True,
+         read_rank_state: Callable[[dict[str, Any], RangeReader], None] | None = None) -> dict[str, Any]:
     """Loads a checkpoint saved under any data-parallel strategy and world size into ``model``
     (and ``optimizer``); returns its metadata (``meta["step"]``). Collective. If any rank's
     part fails, every rank raises (naming it); the model's state is then undefined: load again.
     A tensor-parallel model also gets its dropout generators back (``checkpoint.dropout_rng``;
-    ``restore_dropout_rng=False`` keeps its own)."""
+    ``restore_dropout_rng=False`` keeps its own). ``read_rank_state(meta, reader)`` is called on
+    every rank before the ranks agree, so its errors stop every rank; it reads what ``save``'s
+    ``rank_state`` stored with ``reader.whole("rank_state", name)``."""
     _check_model(model)
     meta: dict[str, Any] = {}
     error: Exception | None = None
     try:
-        meta = _load_locally(Path(path), model, optimizer, restore_dropout_rng)
+        meta = _load_locally(Path(path), model, optimizer, restore_dropout_rng, read_rank_state)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(model.backend, error, f"loading checkpoint {path}", meta if error is None else None)
@@ -114,8 +128,8 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
     return meta
 
 
-def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any,
-                  restore_dropout_rng: bool) -> dict[str, Any]:
+def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_dropout_rng: bool,
+                  read_rank_state: Callable[[dict[str, Any], RangeReader], None] | None) -> dict[str, Any]:
     """Every step of ``load`` that needs no communication: checks, then this rank's reads."""
     path = _existing(path)
     meta = read_metadata(path)
@@ -138,6 +152,8 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any,
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
     dropout_rng.restore(path, meta, reader, model, enabled=restore_dropout_rng)
+    if read_rank_state is not None:
+        read_rank_state(meta, reader)
     return meta
 
 

@@ -20,7 +20,7 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
                          dp: int | None = None, tp: int | None = None, pp: int | None = None,
                          cp: int = 1, micro_batches: int = 1, schedule: str = "1f1b", data_parallel: str = "ddp",
                          tp_plan: Mapping[str, str] | None = None, split_points: Sequence[int] | None = None,
-                         virtual_stages: int = 1) -> HybridShardedModel:
+                         virtual_stages: int = 1, dropout_seed: int | None = None) -> HybridShardedModel:
     """Wraps ``model`` for ``strategy`` over ``backend`` (collective on every rank).
 
     Degrees left as None are filled in: ``pipeline`` uses ``pp = world / dp`` (tp 1), ``tensor``
@@ -30,7 +30,8 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     rank needs ``pp > 1``. ``pipeline`` or ``tensor`` with ``dp == 1`` give a
     PipelineParallelModel or a TensorParallelModel; anything else a HybridShardedModel. Each
     takes a plain torch.optim optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
-    ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``.
+    ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``. ``dropout_seed``:
+    the seed of the tensor-parallel dropout generators (HybridShardedModel's).
     """
     world = backend.world_size
     if strategy not in MODEL_PARALLEL_STRATEGIES:
@@ -53,12 +54,13 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     dims.validate(world)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "pipeline":
         return PipelineParallelModel(model, backend, num_microbatches=micro_batches, schedule=schedule,
-                                     split_points=split_points, virtual_stages=virtual_stages)
+                                     split_points=split_points, virtual_stages=virtual_stages,
+                                     dropout_seed=dropout_seed)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "tensor":
-        return TensorParallelModel(model, backend, plan=tp_plan)
+        return TensorParallelModel(model, backend, plan=tp_plan, dropout_seed=dropout_seed)
     return HybridShardedModel(model, backend, dims=dims, tp_plan=tp_plan, num_microbatches=micro_batches,
                               schedule=schedule, data_parallel=data_parallel, split_points=split_points,
-                              virtual_stages=virtual_stages)
+                              virtual_stages=virtual_stages, dropout_seed=dropout_seed)
 
 
 def _quotient(world: int, divisor: int, axis: str) -> int:

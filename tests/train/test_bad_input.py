@@ -45,6 +45,12 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--lr", "inf"], ["--lr inf", "positive number"]),
     (["--weight-decay", "nan"], ["--weight-decay nan"]),
     (["--seed", str(2 ** 64)], ["--seed", "2**63"]),
+    (["--dropout", "1"], ["--dropout 1.0", "0 <= P < 1"]),
+    (["--dropout", "-0.1"], ["--dropout -0.1", "0 <= P < 1"]),
+    (["--dropout", "nan"], ["--dropout nan", "0 <= P < 1"]),
+    (["--dropout", "lots"], ["--dropout", "invalid float"]),
+    (["--dropout", "0.1", "--strategy", "hybrid", "--world-size", "2", "--cp", "2"],
+     ["--dropout 0.1", "--cp 2", "--cp 1 or --dropout 0"]),
 ])
 def test_bad_flags(capsys, tmp_path, flags, needles):
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)
@@ -60,6 +66,14 @@ def test_mpi_without_mpi4py(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py now raises ImportError
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--backend", "mpi"],
                 "mpi4py", "pip install")
+
+
+@pytest.mark.parametrize("value", ["true", '"0.1"', "1.5"])
+def test_dropout_in_a_config_file(capsys, tmp_path, value):
+    config = tmp_path / "run.toml"
+    config.write_text(f"dropout = {value}\n")
+    _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), "--config", str(config)],
+                "--dropout", "0 <= P < 1")
 
 
 def test_config_file_errors(capsys, tmp_path):

@@ -1,0 +1,163 @@
+"""Each rank's random streams in ``distframe train``: where its dropout masks come from, and the
+generator states every checkpoint keeps so that ``--resume`` continues them.
+
+[Note: dropout in the main job]
+In-memory ranks are threads of one process, and torch's global generator is shared by them: masks
+drawn from it interleave between ranks in whatever order the threads run, so two runs with one
+seed differ. So with ``--dropout P > 0`` every dropout draws from generators of its own rank:
+
+* tensor-parallel models (``--tp`` above 1) bring theirs: HybridShardedModel's TensorParallelRNG
+  (``distframe.models.tensor_parallel_rng``), seeded with ``dropout_seed(--seed)``;
+* otherwise ``use_rank_generators`` replaces, before the strategy wraps the model, each
+  ``nn.Dropout`` by a ReplicatedDropout and each ``DilatedAttention`` by a RankDilatedAttention,
+  both drawing from one TensorParallelRNG of this rank alone, seeded from ``--seed`` and the rank.
+
+With ``--dropout 0`` nothing draws and the model stays as built.
+
+[Note: generator states in checkpoints]
+``RankRandomState.state()`` is what each rank saves with a checkpoint (``rank_state`` of
+``distframe.checkpoint.save``): torch's CPU generator state, the CUDA one of its device when it
+trains on a GPU, and its dropout generators' ``state_dict()``, keyed
+``<layout>/rank<r>/<entry>``; the metadata records the layout (strategy, world size, dp, tp, pp,
+cp). A resume with the same layout gives every rank its states back, so the resumed run draws the
+masks the uninterrupted run drew. Under another layout the saved streams have no counterpart (which
+rank's stream would a new rank take?), and a checkpoint written before distframe kept them has
+none: the dropout generators then start new streams seeded from their seeds (a function of
+``--seed`` and the rank's coordinates) and the step, and the run says so in a note.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.dilated import DilatedAttention
+from distframe.models.tensor_parallel_rng import (ReplicatedDropout, TensorParallelRNG, derive_seed,
+                                                  replace_dropouts)
+from distframe.train_strategies import STRATEGIES
+
+_DROPOUT = "dropout."
+
+
+def dropout_seed(seed: int) -> int:
+    """The base seed of a tensor-parallel model's dropout generators for ``--seed``."""
+    return derive_seed(seed, "dropout")
+
+
+def layout(config: Any, world_size: int) -> dict[str, Any]:
+    """What decides which stream each rank draws: the strategy, the world and its degrees."""
+    if STRATEGIES[config.strategy].model_parallel:
+        dp, tp, pp = config.parallel_degrees(world_size)
+        cp = config.cp
+    else:
+        dp, tp, pp, cp = world_size, 1, 1, 1
+    return {"strategy": config.strategy, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
+            "cp": cp}
+
+
+class RankDilatedAttention(DilatedAttention):
+    """``DilatedAttention`` whose attention-dropout decisions come from ``rng.split_generator``
+    (this rank's own) instead of torch's global generator."""
+
+    def __init__(self, dense: DilatedAttention, rng: TensorParallelRNG) -> None:
+        super().__init__(dense.segment_lengths, dense.dilation_rates,
+                         softmax_scale=dense.softmax_scale, attention_dropout=dense.attention_dropout)
+        self.rng = rng
+        self.train(dense.training)
+
+    def dropout_generator(self, device: torch.device) -> torch.Generator | None:
+        return self.rng.split_generator(device)
+
+
+def use_rank_generators(module: nn.Module, config: Any, world_size: int, rank: int) -> None:
+    """Points every dropout of ``module`` (the unwrapped LM) at a generator of this rank alone;
+    nothing when ``--dropout`` is 0 or the strategy's tensor-parallel model brings its own."""
+    if not config.dropout or layout(config, world_size)["tp"] > 1:
+        return
+    rng = TensorParallelRNG(derive_seed(config.seed, "rank dropout", "replicated", rank),
+                            derive_seed(config.seed, "rank dropout", "split", rank))
+    replace_dropouts(module, rng)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is DilatedAttention:
+                setattr(parent, name, RankDilatedAttention(child, rng))
+
+
+def dropout_generators(model: nn.Module) -> TensorParallelRNG | None:
+    """The wrapped ``model``'s dropout generators: a tensor-parallel model's, else those
+    ``use_rank_generators`` installed, else None."""
+    found = getattr(model, "dropout_rng", None)
+    if found is not None:
+        return found
+    return next((m.rng for m in model.modules() if isinstance(m, (ReplicatedDropout, RankDilatedAttention))),
+                None)
+
+
+class RankRandomState:
+    """This rank's generators in the main job (see the module notes): ``state()`` and ``info()``
+    for a checkpoint's save, ``read(meta, reader)`` for its load, then ``continue_from(step)``."""
+
+    def __init__(self, config: Any, backend: Any, model: nn.Module, device: torch.device) -> None:
+        self.config, self.rank, self.device = config, backend.rank, device
+        self.layout = layout(config, backend.world_size)
+        self.dropout = dropout_generators(model)
+        self.saved_layout: dict[str, Any] | None = None
+        self.restored = False
+
+    def _prefix(self) -> str:
+        where = ".".join(f"{k}{v}" for k, v in self.layout.items() if k != "strategy")
+        return f"{self.layout['strategy']}.{where}/rank{self.rank}/"
+
+    def info(self) -> dict[str, Any]:
+        return {"layout": self.layout}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's generator states, keyed by layout and rank."""
+        state = {"torch.cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["torch.cuda"] = torch.cuda.get_rng_state(self.device)
+        if self.dropout is not None:
+            state.update({_DROPOUT + k: v for k, v in self.dropout.state_dict().items()})
+        return {self._prefix() + k: v for k, v in state.items()}
+
+    def read(self, meta: dict[str, Any], reader: Any) -> None:
+        """Restores the states this rank saved, when the checkpoint was saved in this layout."""
+        saved = meta.get("rank_state")
+        self.saved_layout = saved.get("layout") if isinstance(saved, dict) else None
+        self.restored = self.saved_layout == self.layout
+        if not self.restored:
+            return
+        prefix = f"rank_state/{self._prefix()}"
+        names = {key[len(prefix):].rsplit("@", 1)[0] for key in reader.keys if key.startswith(prefix)}
+        state = {name: reader.whole("rank_state", self._prefix() + name).clone() for name in names}
+        if "torch.cpu" not in state:
+            raise ValueError(f"the checkpoint lists generator states of layout {self.layout} but "
+                             f"holds none for rank {self.rank}: it is incomplete; load an earlier one")
+        torch.set_rng_state(state["torch.cpu"])
+        if "torch.cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["torch.cuda"], self.device)
+        dropout = {k[len(_DROPOUT):]: v for k, v in state.items() if k.startswith(_DROPOUT)}
+        if self.dropout is not None and dropout:
+            self.dropout.load_state_dict(dropout)
+
+    def continue_from(self, step: int) -> str | None:
+        """After a load: where ``read`` restored nothing, new dropout streams seeded from the
+        generators' seeds and ``step``; returns a note saying so when dropout is on, else None."""
+        if self.restored or self.dropout is None:
+            return None
+        seeds = [derive_seed(self.dropout.replicated_seed, "resume", step),
+                 derive_seed(self.dropout.split_seed, "resume", step)]
+        self.dropout.load_state_dict({"seeds": torch.tensor(seeds, dtype=torch.int64)})
+        if self.saved_layout is None:
+            why = "the checkpoint holds no generator states (saved before distframe kept them)"
+        else:
+            why = (f"the checkpoint was saved by {_describe(self.saved_layout)}, not this layout; "
+                   "resume with that one to continue its masks exactly")
+        return (f"distframe train: dropout masks from step {step + 1} on are new, seeded from --seed "
+                f"and the step: {why}")
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return (f"--strategy {layout.get('strategy')} --world-size {layout.get('world_size')} ("
+            + " ".join(f"{k}={layout.get(k)}" for k in ("dp", "tp", "pp", "cp")) + ")")
