@@ -106,19 +106,8 @@ def receive_departure_error(departed: Departure | None, src: int, receiver: int,
     """The error for rank ``receiver`` that has waited ``waited`` seconds for message ``seq`` from
     ``src`` with ``tag`` when ``src`` left as ``departed``; None when ``src`` has not left, or did
     send that message (it may still arrive), or when what it sent is unknown."""
-    if departed is None or departed.sent is None:
-        return None
-    sent = departed.sent.get((receiver, tag), 0)
-    if sent >= seq:
-        return None
-    what = f"recv (message {seq} with tag {tag} from rank {src})"
-    if departed.failed:
-        return RankFailedError(src, f"{what}: it raised and left the group without sending it")
-    return CollectiveTimeoutError(
-        "recv", seq, [src], round(waited, 1),
-        f"rank {src} left the group after sending {sent} messages with tag {tag} to rank {receiver}, "
-        "so this receive stopped at once instead of waiting for the timeout; the group is unusable "
-        "now, shut it down")
+    return _p2p_departure_error("recv", None if departed is None else departed.sent, departed,
+                                src, receiver, tag, seq, waited)
 
 
 def send_departure_error(departed: Departure | None, dst: int, sender: int, tag: int, seq: int,
@@ -127,16 +116,26 @@ def send_departure_error(departed: Departure | None, dst: int, sender: int, tag:
     received after ``waited`` seconds when ``dst`` left as ``departed``; None when ``dst`` has not
     left, or did post the receive (it may still complete), or when what it received is unknown
     ([Note: sends to a rank that left])."""
-    if departed is None or departed.received is None:
+    return _p2p_departure_error("send", None if departed is None else departed.received, departed,
+                                dst, sender, tag, seq, waited)
+
+
+def _p2p_departure_error(op: str, counts: Mapping[tuple[int, int], int] | None,
+                         departed: Departure | None, peer: int, me: int, tag: int, seq: int,
+                         waited: float) -> Exception | None:
+    """What ``op`` of message ``seq`` (``tag``) between this rank, ``me``, and ``peer`` raises when
+    ``peer`` left having done ``counts[(me, tag)]`` of its side of that channel."""
+    if departed is None or counts is None:
         return None
-    received = departed.received.get((sender, tag), 0)
-    if received >= seq:
+    done = counts.get((me, tag), 0)
+    if done >= seq:
         return None
-    what = f"send (message {seq} with tag {tag} to rank {dst})"
+    verb, way = ("sending", "from") if op == "recv" else ("receiving", "to")
+    what = f"{op} (message {seq} with tag {tag} {way} rank {peer})"
     if departed.failed:
-        return RankFailedError(dst, f"{what}: it raised and left the group without receiving it")
+        return RankFailedError(peer, f"{what}: it raised and left the group without {verb} it")
     return CollectiveTimeoutError(
-        "send", seq, [dst], round(waited, 1),
-        f"rank {dst} left the group after receiving {received} messages with tag {tag} from rank "
-        f"{sender}, so this send stopped at once instead of waiting for the timeout; the group is "
-        "unusable now, shut it down")
+        op, seq, [peer], round(waited, 1),
+        f"rank {peer} left the group after {verb} {done} messages with tag {tag} "
+        f"{'to' if op == 'recv' else 'from'} rank {me}, so this {op} stopped at once instead of "
+        "waiting for the timeout; the group is unusable now, shut it down")

@@ -11,17 +11,7 @@ from torch import nn
 from distframe import spawn
 from distframe.models import DDPModel
 from distframe.optimizers.async_sgd import AsyncSGDOptimizer
-
-torch.manual_seed(7)
-MLP = nn.Sequential(nn.Linear(5, 10), nn.Tanh(), nn.Linear(10, 2)).double()
-LR = 0.05
-
-
-def _batch(worker, k):
-    g = torch.Generator().manual_seed(1000 * worker + k)
-    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
-    return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], dim=1)
-
+from tests.optimizers.test_async_sgd import LR, MLP, _batch
 
 def _run(world, worker_fn, **settings):
     """The server's report; workers run ``worker_fn(backend, optimizer)``."""

@@ -211,6 +211,15 @@ def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule(
             scheduler.step()
         return opt.param_groups[0]["lr"], model.gather_full_parameters()
     generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
+    reference = _scheduled_reference(decay, total)
+    assert [len(g.members) for g in generations] == [2, 3]
+    for lr, params in generations[-1].results:
+        assert lr == pytest.approx(LR * decay(total), rel=1e-15)
+        assert _max_diff(params, reference.state_dict()) <= 1e-10
+
+
+def _scheduled_reference(decay, total: int) -> nn.Module:
+    """MLP after ``total`` single-process Adam steps on the global batches under LambdaLR(decay)."""
     reference = copy.deepcopy(MLP)
     opt = torch.optim.Adam(reference.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
@@ -220,10 +229,7 @@ def test_a_scheduler_resumed_with_last_epoch_follows_the_uninterrupted_schedule(
         nn.functional.mse_loss(reference(x), y).backward()
         opt.step()
         scheduler.step()
-    assert [len(g.members) for g in generations] == [2, 3]
-    for lr, params in generations[-1].results:
-        assert lr == pytest.approx(LR * decay(total), rel=1e-15)
-        assert _max_diff(params, reference.state_dict()) <= 1e-10
+    return reference
 
 
 def test_an_lr_scheduler_owned_by_the_optimizer_is_restored_from_commits():
@@ -247,15 +253,7 @@ def test_an_lr_scheduler_owned_by_the_optimizer_is_restored_from_commits():
     generations = ElasticController(worker, initial_world=2, schedule={3: 3}, timeout=30).run()
     assert [(len(g.members), g.start_step, g.end) for g in generations] == [
         (2, 0, "clean"), (3, 3, "failed"), (2, 4, "finished")]
-    reference = copy.deepcopy(MLP)
-    opt = torch.optim.Adam(reference.parameters(), lr=LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, decay)
-    for step in range(total):
-        x, y = _global_batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(reference(x), y).backward()
-        opt.step()
-        scheduler.step()
+    reference = _scheduled_reference(decay, total)
     for last_epoch, lr, params in generations[-1].results:
         assert last_epoch == total and lr == pytest.approx(LR * decay(total), rel=1e-15)
         assert _max_diff(params, reference.state_dict()) <= 1e-10
