@@ -63,3 +63,12 @@ class PeakStorage(TorchDispatchMode):
                 self._add(t)
         self.peak = max(self.peak, self.current)
         return out
+
+
+def live_peak(step) -> int:
+    """Peak bytes of live tensor storage over ``step()``, everything reachable when it starts
+    counted too (run it after any timed steps: counting slows every op)."""
+    gc.collect()
+    with PeakStorage(include_existing=True) as mode:
+        step()
+    return mode.peak

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import importlib.util
 import os
 import resource
@@ -133,14 +132,10 @@ def reset_peak() -> float:
 
 
 def live_peak_mib(step) -> float:
-    """Peak live tensor storage (MiB) over one more ``step()``, everything reachable counted
-    (bench/_storage.py; after the timed steps, since counting slows the step)."""
+    """Peak live tensor storage (MiB) over one more ``step()`` (bench/_storage.py)."""
     sys.path.append(_HERE)  # after the packages: this folder's attention.py must not shadow one
-    from _storage import PeakStorage
-    gc.collect()
-    with PeakStorage(include_existing=True) as mode:
-        step()
-    return mode.peak / 2**20
+    from _storage import live_peak
+    return live_peak(step) / 2**20
 
 
 def peak_rss_mib() -> float:
