@@ -137,23 +137,24 @@ class ProgressBoard:
             if not self._store.check([self._departures_key]):
                 return {}
             listed = set(self._store.get(self._departures_key).decode().split())
-            departed = {}
-            for rank, key in keys.items():
-                if key + _LEFT in listed and self._store.check([key + _LEFT]):
-                    departed[rank] = _parse_departure(self._store.get(key + _LEFT).decode())
+            departed = {rank: self._left(key) for rank, key in keys.items() if key + _LEFT in listed}
         except (RuntimeError, ValueError):
             return None
-        return departed
+        return {rank: left for rank, left in departed.items() if left is not None}
 
     def departure(self, key: str) -> Departure | None:
         """How the rank whose progress key is ``key`` left its group; None while it has not (or
         when the store cannot be read)."""
         try:
-            if not self._store.check([key + _LEFT]):
-                return None
-            return _parse_departure(self._store.get(key + _LEFT).decode())
+            return self._left(key)
         except (RuntimeError, ValueError):
             return None
+
+    def _left(self, key: str) -> Departure | None:
+        """The departure the rank of progress key ``key`` announced, or None (store errors raise)."""
+        if not self._store.check([key + _LEFT]):
+            return None
+        return _parse_departure(self._store.get(key + _LEFT).decode())
 
     def watch(self, receive: WatchedReceive) -> None:
         """[Note: watching a receive]; ``unwatch`` once its wait has returned or raised."""
