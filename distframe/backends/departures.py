@@ -77,10 +77,6 @@ class Departure:
     sent: Mapping[tuple[int, int], int] | None = None
     received: Mapping[tuple[int, int], int] | None = None
 
-    def sent_to(self, dst: int, tag: int) -> int | None:
-        """Messages it sent to ``dst`` on ``tag`` before leaving; None when unknown."""
-        return None if self.sent is None else self.sent.get((dst, tag), 0)
-
 
 def departure_error(departed: dict[int, Departure], op: str, seq: int,
                     waited: float) -> Exception | None:

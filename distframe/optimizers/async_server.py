@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from distframe.backends.departures import receive_departure_error
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import CollectiveTimeoutError
 from distframe.optimizers.async_protocol import (
@@ -161,8 +162,10 @@ class ParameterServer:
         departures = getattr(self.backend, "departures", dict)()
         for w in workers:
             left = departures.get(w)
-            sent = None if left is None else left.sent_to(self.backend.rank, HEADER_TAG)
-            if left is not None and (received_all or sent is not None and sent <= self._headers[w]):
+            # The receive rule of the engines: is header number _headers[w] + 1 never coming?
+            never = left is not None and receive_departure_error(
+                left, w, self.backend.rank, HEADER_TAG, self._headers[w] + 1, 0.0) is not None
+            if left is not None and (received_all or never):
                 how = "raised" if left.failed else "returned without calling finish()"
                 return w, (f"its function {how} and it left the group while computing on "
                            f"parameters of version {self.pulled.get(w)}, with no gradient on its way")
