@@ -128,9 +128,7 @@ class RankRandomState:
         self.restored = self.saved_layout == self.layout
         if not self.restored:
             return
-        prefix = f"rank_state/{self._prefix()}"
-        names = {key[len(prefix):].rsplit("@", 1)[0] for key in reader.keys if key.startswith(prefix)}
-        state = {name: reader.whole("rank_state", self._prefix() + name).clone() for name in names}
+        state = {name: value.clone() for name, value in reader.wholes("rank_state", self._prefix()).items()}
         if "torch.cpu" not in state:
             raise ValueError(f"the checkpoint lists generator states of layout {self.layout} but "
                              f"holds none for rank {self.rank}: it is incomplete; load an earlier one")

@@ -68,12 +68,11 @@ def restore(path: Path, meta: dict[str, Any], reader: RangeReader, model: Sharde
                 "restore_dropout_rng=False to checkpoint.load to draw new masks from this model's seed")
         return
     where = _coordinates(model)
-    names = {key.split("/", 1)[1].rsplit("@", 1)[0] for key in reader.keys
-             if key.startswith(f"{KIND}/{where}/")}
-    if f"{where}/{_SEEDS}" not in names:
+    state = reader.wholes(KIND, f"{where}/")
+    if _SEEDS not in state:
         raise CheckpointError(f"{path} lists the dropout generators of layout {_layout(saved)} but holds "
                               f"none for {where}: the checkpoint is incomplete; load an earlier one")
-    rng.load_state_dict({name.rsplit("/", 1)[1]: reader.whole(KIND, name) for name in names})
+    rng.load_state_dict(state)
 
 
 def _generators(model: ShardedModelBase) -> TensorParallelRNG | None:

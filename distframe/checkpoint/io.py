@@ -115,7 +115,7 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
     A tensor-parallel model also gets its dropout generators back (``checkpoint.dropout_rng``;
     ``restore_dropout_rng=False`` keeps its own). ``read_rank_state(meta, reader)`` is called on
     every rank before the ranks agree, so its errors stop every rank; it reads what ``save``'s
-    ``rank_state`` stored with ``reader.whole("rank_state", name)``."""
+    ``rank_state`` stored with ``reader.whole("rank_state", name)`` (or ``reader.wholes``)."""
     _check_model(model)
     meta: dict[str, Any] = {}
     error: Exception | None = None

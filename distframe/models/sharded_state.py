@@ -128,6 +128,12 @@ class RangeReader:
             raise KeyError(f"no single stored {kind} piece for {name!r}")
         return self._fetch(runs[0][2], 0, None)
 
+    def wholes(self, kind: str, prefix: str) -> dict[str, torch.Tensor]:
+        """``whole(kind, prefix + rest)`` of every piece of ``kind`` stored under ``prefix``, by
+        ``rest``."""
+        return {name[len(prefix):]: self.whole(kind, name) for k, name in self._index
+                if k == kind and name.startswith(prefix)}
+
     def buffer(self, name: str) -> torch.Tensor:
         key = f"buffer/{name}"
         if key not in self.keys:
