@@ -105,6 +105,12 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         empty where the engine cannot tell."""
         return {}
 
+    def peers_sharing_autograd_thread(self) -> list[int]:
+        """The peers (ranks of this group) whose backward runs on the calling thread, so that
+        a wait here for them can never end: in-memory ranks sharing a GPU, asked on that GPU's
+        autograd thread. Empty on every other engine and thread."""
+        return []
+
     # ---- collectives -----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                    async_op: bool = False) -> torch.Tensor | Work:

@@ -15,7 +15,7 @@ import torch
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
-from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World
+from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World, autograd_device
 from distframe.backends.types import CompletedWork, ReduceOp, Work
 from distframe.errors import CollectiveMismatchError
 
@@ -59,6 +59,14 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def global_ranks(self) -> list[int]:
         """The ranks of the top-level group that this group's ranks 0..k-1 are."""
         return list(self._rdv.global_ranks)
+
+    def peers_sharing_autograd_thread(self) -> list[int]:
+        device = autograd_device()
+        if device is None:
+            return []
+        me = self._rdv.global_ranks[self._rank]
+        shared = set(self._rdv.world.ranks_on_gpu(device, self._rdv.global_ranks)) - {me}
+        return [r for r, g in enumerate(self._rdv.global_ranks) if g in shared]
 
     # ---- the meeting pattern -------------------------------------------------------------------
     def _collective(self, call: Call, payload: Any, body: Callable[[Slot], Any]) -> Any:

@@ -56,9 +56,10 @@ class DDPModel(ShardedModelBase):
                 group, first_cap_bytes=self.config.first_bucket_cap_bytes,
                 cap_bytes=self.config.bucket_cap_bytes)]
         self._comm_hook: CommHook = allreduce_hook
-        self.gradient_buckets = GradientBuckets(spaces, grad_dtype=None, launch=self._launch,
-                                                complete=self._complete, keep_buffers=True,
-                                                usage=self._parameter_usage)
+        self.gradient_buckets = GradientBuckets(
+            spaces, grad_dtype=None, launch=self._launch, complete=self._complete, keep_buffers=True,
+            usage=self._parameter_usage,
+            peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None))
 
     def _check_config(self, config: ShardingConfig) -> None:
         if config.mixed_precision is not None:

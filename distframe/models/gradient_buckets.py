@@ -7,6 +7,8 @@ accumulated, the bucket's collective is started asynchronously (``launch(bucket)
 ``finish()`` waits for them in bucket order and hands each result to ``complete(bucket, result)``;
 a synchronising backward runs it as its last act (as torch DDP does), so gradients are averaged
 when ``backward()`` returns, whoever steps: a plain torch.optim optimizer, clipping, a user.
+Where that wait would stop peers from arriving (in-memory ranks sharing a GPU's autograd thread)
+it moves to the rank's next optimizer step instead (``distframe.models.deferred_finish``).
 
 [Note: launch order] Buckets are launched strictly in index order (a ready bucket waits for its
 predecessors), and ``finish()`` launches whatever has not been launched yet, so every rank issues
@@ -16,6 +18,7 @@ their slots of the buffer hold zeros and are reduced as zeros. No rank can hang 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from distframe.backends.types import Work
+from distframe.models import deferred_finish
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.flat import FlatSpace
 from distframe.models.parameter_usage import ParameterUsage
@@ -53,11 +57,14 @@ class GradientBuckets:
     bucket's buffer (and its parameters' ``.grad``) once its collective completes (ZeRO-2).
     ``usage`` (built by ``usage_for``) records which parameters hold a gradient: see
     ``ParameterUsage`` for what ``find_unused_parameters`` does with it.
+    ``peers_on_thread``: the backend's ``peers_sharing_autograd_thread`` (the peers a wait on
+    the calling thread would keep from arriving); None for a backend that has none.
     """
 
     def __init__(self, spaces: list[FlatSpace], *, grad_dtype: torch.dtype | None, launch: LaunchFn,
                  complete: CompleteFn, keep_buffers: bool,
-                 usage: Callable[[list[str], list[nn.Parameter]], ParameterUsage]) -> None:
+                 usage: Callable[[list[str], list[nn.Parameter]], ParameterUsage],
+                 peers_on_thread: Callable[[], list[int]] | None = None) -> None:
         self.buckets = [GradBucket(i, s) for i, s in enumerate(spaces)]
         self.grad_dtype = grad_dtype
         self.launch_fn = launch
@@ -76,6 +83,8 @@ class GradientBuckets:
         self._next_launch = 0
         self._backward_end = BackwardEnd(self._finish_backward)
         self._backward_finished = False
+        self._peers_on_thread = peers_on_thread
+        self._owner_thread = threading.current_thread()  # the rank's: the one that runs forward
         self._pending: list[tuple[GradBucket, Work]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient_accumulated)
                          for bucket in self.buckets for p in bucket.parameters]
@@ -84,8 +93,9 @@ class GradientBuckets:
     def prepare_for_backward(self, synchronize: bool) -> None:
         """Called before each forward that may be followed by backward: attaches each
         parameter's ``.grad`` to its slot of the bucket buffer; ``synchronize`` arms the hooks."""
-        if self._next_launch:
+        if self._next_launch or self._armed and self._backward_finished:
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
+        self._owner_thread = threading.current_thread()
         for bucket in self.buckets:
             self._attach(bucket)
         self._armed = synchronize
@@ -102,6 +112,7 @@ class GradientBuckets:
     def finish(self) -> None:
         """Launches the buckets that have not been launched (in order), waits for all of them and
         completes each; a no-op when nothing was armed. Runs the same collectives on every rank."""
+        deferred_finish.discard(self._owner_thread, id(self))
         if not self._armed and not self._next_launch:
             return
         while self._next_launch < len(self.buckets):
@@ -172,9 +183,14 @@ class GradientBuckets:
             self._launch_next()
 
     def _finish_backward(self) -> None:
-        if self._armed:
+        if not self._armed:
+            return
+        peers = self._peers_on_thread() if self._peers_on_thread is not None else []
+        if peers:
+            deferred_finish.defer(self._owner_thread, id(self), self.finish, peers)
+        else:
             self.finish()
-            self._backward_finished = True
+        self._backward_finished = True
 
     def _complete_leading(self, *, block: bool) -> None:
         """Completes launched buckets in order: all of them (``block``), or those whose

@@ -68,7 +68,8 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
             self.masters.append(nn.Parameter(master))
         self.gradient_buckets = GradientBuckets(
             self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
-            complete=self._complete, keep_buffers=not self.free_gradients, usage=self._parameter_usage)
+            complete=self._complete, keep_buffers=not self.free_gradients, usage=self._parameter_usage,
+            peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None))
         self._reduced_buckets: set[int] = set()  # kept buffers already reduced (ZeRO-1)
 
     def _launch(self, bucket: GradBucket) -> Work:
