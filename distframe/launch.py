@@ -109,16 +109,18 @@ def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
 def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **backend_kwargs: Any):
     """The backend of a process that a launcher started.
 
-    ``auto``: MPI under mpirun/mpiexec; under torchrun NCCL when CUDA is available, else Gloo;
-    otherwise a single-rank in-memory group. ``mpi``, ``gloo``, ``nccl`` and ``inmemory`` force one.
+    ``auto``: MPI under mpirun/mpiexec; under torchrun NCCL when every process on this node can
+    have a GPU of its own (NCCL refuses two ranks on one GPU), else Gloo; otherwise a single-rank
+    in-memory group. ``mpi``, ``gloo``, ``nccl`` and ``inmemory`` force one.
     """
     launcher = detect_launcher()
     if name == "auto":
         if launcher == "mpi":
             name = "mpi"
         elif launcher == "torchrun":
-            import torch
-            name = "nccl" if torch.cuda.is_available() else "gloo"
+            from distframe.backends.torch_dist import visible_gpus
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            name = "nccl" if visible_gpus() >= local_ranks else "gloo"
         else:
             name = "inmemory"
     if name == "inmemory":

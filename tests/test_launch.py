@@ -46,3 +46,21 @@ def test_gloo_outside_torchrun_says_how_to_start(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(BackendUnavailableError, match="torchrun"):
         init_backend("gloo")
+
+
+@pytest.mark.parametrize("gpus,local_ranks,expected", [
+    (0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl"), (1, 1, "nccl")])
+def test_auto_under_torchrun_picks_nccl_only_with_a_gpu_per_local_rank(monkeypatch, gpus, local_ranks,
+                                                                      expected):
+    # NCCL refuses two ranks on one GPU: with fewer GPUs than processes on the node, Gloo.
+    from distframe.backends import torch_dist
+    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(local_ranks))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.setattr(torch_dist, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(torch_dist, "from_environment", lambda name, **kw: name)
+    monkeypatch.setattr("distframe.launch._departs_with_script", lambda backend: backend)
+    assert init_backend("auto") == expected
