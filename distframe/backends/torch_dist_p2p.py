@@ -5,6 +5,7 @@ watching a receive]), and a shutdown drops the sends to a rank that left without
 (``departures``, [Note: sends to a rank that left])."""
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import time
@@ -103,16 +104,17 @@ class RecvWork(Work):
 PendingSend = tuple[Any, torch.Tensor, int, int, int]
 
 
-def finish_sends(sends: list[PendingSend], sender: int, timeout: float,
+def finish_sends(waiter: SendWaiter, sender: int, timeout: float,
                  departures: Callable[[], dict[int, Departure]]) -> None:
-    """Waits up to ``timeout`` seconds for the unfinished ``sends`` of rank ``sender``'s group that
-    shuts down. Drops with a RuntimeWarning those to a rank that left without posting their
-    receive (``departures()`` is asked every ``WAIT_SLICE`` once the wait has lasted that long)
-    and those still unfinished at the timeout. A Gloo wait that times out aborts every operation
-    of the group, so the sends are waited for on a thread of their own (``_SendWaiter``), and the
-    dropped ones are cut only once no other send is waited for."""
+    """Waits up to ``timeout`` seconds for the unfinished sends of rank ``sender``'s group that
+    shuts down (those ``waiter`` has not seen complete; it takes no more). Drops with a
+    RuntimeWarning those to a rank that left without posting their receive (``departures()`` is
+    asked every ``WAIT_SLICE`` once the wait has lasted that long) and those still unfinished at
+    the timeout. A Gloo wait that times out aborts every operation of the group, so the sends are
+    waited for on a thread of their own (``SendWaiter``), and the dropped ones are cut only once
+    no other send is waited for."""
+    waiter.close()
     start = time.monotonic()
-    waiter = _SendWaiter(sends)
     dropped: list[PendingSend] = []
     while True:
         waiter.join(WAIT_SLICE.total_seconds())
@@ -133,7 +135,8 @@ def finish_sends(sends: list[PendingSend], sender: int, timeout: float,
         waiter.dropped |= lost_ids
         if id(pending[0]) in lost_ids:  # the waiter is stuck on it until the cut: go on without it
             waiter.stopped = True
-            waiter = _SendWaiter([send for send in pending if id(send) not in lost_ids])
+            waiter = SendWaiter([send for send in pending if id(send) not in lost_ids])
+            waiter.close()
     for work, *_ in dropped:  # abandoned as a timed-out wait would abandon it
         try:
             work.wait(_CUT)
@@ -141,30 +144,53 @@ def finish_sends(sends: list[PendingSend], sender: int, timeout: float,
             pass
 
 
-class _SendWaiter(threading.Thread):
-    """Waits for ``sends`` one after another, skipping those ``dropped`` meanwhile: a wait is the
-    only way to see that a Gloo send has completed (its ``is_completed`` stays False until one)."""
+class SendWaiter(threading.Thread):
+    """Waits for the sends queued to it (``add``) one after another, skipping those ``dropped``
+    meanwhile, and forgets each, with the buffer it holds, once complete: a wait is the only way
+    to see that a Gloo send has completed (its ``is_completed`` stays False until one), so
+    without this thread every payload a rank sent stayed in memory until its shutdown. It must be
+    a send's only waiter (a second wait on a completed Gloo send never returns). ``close()``: no
+    more sends come; the thread ends once it has waited for those it holds."""
 
-    def __init__(self, sends: list[PendingSend]) -> None:
+    def __init__(self, sends: list[PendingSend] = ()) -> None:
         super().__init__(name="distframe-sends", daemon=True)
-        self.sends, self.current, self.dropped, self.stopped = sends, 0, set(), False
+        self._cond = threading.Condition()
+        self._sends: collections.deque[PendingSend] = collections.deque(sends)
+        self._closed = False
+        self.dropped: set[int] = set()
+        self.stopped = False
         self.start()
 
+    def add(self, send: PendingSend) -> None:
+        with self._cond:
+            self._sends.append(send)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
     def run(self) -> None:
-        for index, send in enumerate(self.sends):
-            if self.stopped:
-                return
-            self.current = index
+        while True:
+            with self._cond:
+                while not self._sends and not self._closed:
+                    self._cond.wait()
+                if self.stopped or not self._sends:
+                    return
+                send = self._sends[0]
             if id(send) not in self.dropped:
                 try:
                     send[0].wait()
                 except RuntimeError:  # the receiver's connections closed: nothing to deliver to
                     pass
-        self.current = len(self.sends)
+            with self._cond:
+                self._sends.popleft()
 
     def remaining(self) -> list[PendingSend]:
         """The send waited for now and those after it, less those dropped."""
-        return [send for send in self.sends[self.current:] if id(send) not in self.dropped]
+        with self._cond:
+            return [send for send in self._sends if id(send) not in self.dropped]
 
 
 def _warn(sends: list[PendingSend], why: str) -> list[PendingSend]:
