@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.dilated import validate_inputs, validate_softmax_scale
+from attention.dilated import validate_inputs, validate_is_causal, validate_softmax_scale
 
 
 def local_window_layout(num_blocks: int, window: int) -> torch.Tensor:
@@ -106,6 +106,7 @@ class BlockSparseDilatedAttention(nn.Module):
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, H, D)`` -> ``(B, T, H, D)``; T must be a multiple of ``block_size``."""
+        validate_is_causal(is_causal)
         validate_inputs(query, key, value, key_padding_mask)
         batch, seq_len, heads, head_dim = query.shape
         self._check_whole_blocks(seq_len)
