@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import BlockSparseDilatedAttention, DilatedAttention, MultiheadDilatedAttention
-from attention_helpers import random_qkv
+from attention import (BlockSparseDilatedAttention, DilatedAttention, MultiheadDilatedAttention,
+                       dense_dilated_attention)
+from attention.pair_dropout import draw_seed
+from attention.reference import dense_keep_mask
+from attention_helpers import max_error, outputs_and_grads, random_qkv
+
+TOL64 = 1e-10
 
 
 @pytest.mark.parametrize("mask_shape", [(1, 1), (2, 8)])
@@ -34,3 +39,28 @@ def test_multihead_mask_passed_positionally_is_refused():
     x = torch.randn(2, 8, 8)
     with pytest.raises(ValueError, match="key_padding_mask="):
         mha(x, x, x, torch.zeros(2, 8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("seq", [16, 13])  # whole segments (strided views), ragged (index gathers)
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_after_an_inference_mode_pass_equals_the_reference(seq, causal):
+    """Index layouts are cached per shape; built during an evaluation under
+    ``torch.inference_mode()`` they were inference tensors, and the next training forward with
+    attention dropout raised "Inference tensors cannot be saved for backward". Training after
+    such a pass equals the dense reference with the same dropout mask (float64, 1e-10)."""
+    segments, rates, p, heads = [4, 8], [1, 2], 0.3, 4
+    module = DilatedAttention(segments, rates, attention_dropout=p)
+    q, k, v = random_qkv(2, seq, heads, 4, seed=seq)
+    with torch.inference_mode():
+        module.eval()(q, k, v, is_causal=causal)
+    module.train()
+    grad_out = torch.randn(2, seq, heads, 4, dtype=torch.float64)
+    torch.manual_seed(5)
+    keep = dense_keep_mask(draw_seed(None, q.device), 2, heads, seq, p)
+    torch.manual_seed(5)  # the module draws the same seed
+    out, grads = outputs_and_grads(lambda *t: module(*t, is_causal=causal), (q, k, v), grad_out)
+    ref, ref_grads = outputs_and_grads(
+        lambda *t: dense_dilated_attention(*t, segments, rates, is_causal=causal,
+                                           dropout_keep=keep, dropout=p), (q, k, v), grad_out)
+    assert max_error(out, ref) < TOL64
+    assert max_error(grads, ref_grads) < TOL64
