@@ -94,6 +94,9 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              f"got {tuple(key_padding_mask.shape)}")
         if key_padding_mask.dtype != torch.bool:
             raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
+        if key_padding_mask.device != query.device:
+            raise ValueError(f"key_padding_mask device {key_padding_mask.device} differs from query "
+                             f"device {query.device}: move the mask to the query's device")
 
 
 class KeySourceCache(OrderedDict):

@@ -64,3 +64,15 @@ def test_training_after_an_inference_mode_pass_equals_the_reference(seq, causal)
                                            dropout_keep=keep, dropout=p), (q, k, v), grad_out)
     assert max_error(out, ref) < TOL64
     assert max_error(grads, ref_grads) < TOL64
+
+
+@pytest.mark.parametrize("module", [DilatedAttention([4, 8], [1, 2]),
+                                    BlockSparseDilatedAttention(4, local_window=1)])
+def test_a_mask_on_another_device_is_an_error_naming_it(module):
+    """As q, k and v: a mask elsewhere failed deep inside ("Tensor on device cpu is not on the
+    expected device meta!") or, on a GPU with whole segments, was copied in silently."""
+    q, k, v = random_qkv(2, 8, 2, 4)
+    mask = torch.zeros(2, 8, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="key_padding_mask device meta differs from query device "
+                                         "cpu: move the mask"):
+        module(q, k, v, key_padding_mask=mask)
