@@ -9,11 +9,13 @@ Rows are normalised over their active keys only; a row with no active key gives 
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.dilated import validate_inputs, validate_softmax_scale
+from attention.dilated import validate_inputs, validate_is_causal, validate_softmax_scale
 
 
 def local_window_layout(num_blocks: int, window: int) -> torch.Tensor:
@@ -35,6 +37,23 @@ def global_layout(num_blocks: int, global_blocks: int) -> torch.Tensor:
     return (idx[:, None] < global_blocks) | (idx[None, :] < global_blocks)
 
 
+def _block_count(name: str, value, *, minimum: int, optional: bool = False) -> int | None:
+    """``value`` as an ``int`` if it is an integer of at least ``minimum`` (None stays None where
+    ``optional``).
+    Floats were taken as they came: ``dilation=1.5`` silently kept blocks three apart,
+    ``global_blocks=0.5`` made one block global, ``block_size=4.0`` failed inside torch."""
+    if value is None and optional:
+        return None
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name} must be {kind} integer (a number of blocks), got {value!r}")
+    return number
+
+
 class BlockSparseDilatedAttention(nn.Module):
     """Attention over ``(B, T, H, D)`` restricted to an active-block layout, on one device."""
 
@@ -43,15 +62,12 @@ class BlockSparseDilatedAttention(nn.Module):
                  block_layout: torch.Tensor | None = None,
                  softmax_scale: float | None = None) -> None:
         super().__init__()
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        for name, value in (("local_window", local_window), ("segment_blocks", segment_blocks)):
-            if value is not None and value < 0 or (name == "segment_blocks" and value == 0):
-                raise ValueError(f"{name} must be non-negative (segment_blocks positive), "
-                                 f"got {value}")
-        if dilation <= 0 or global_blocks < 0:
-            raise ValueError(f"dilation must be positive and global_blocks non-negative, got "
-                             f"{dilation}, {global_blocks}")
+        block_size = _block_count("block_size", block_size, minimum=1)
+        local_window = _block_count("local_window", local_window, minimum=0, optional=True)
+        segment_blocks = _block_count("segment_blocks", segment_blocks, minimum=1,
+                                      optional=True)
+        dilation = _block_count("dilation", dilation, minimum=1)
+        global_blocks = _block_count("global_blocks", global_blocks, minimum=0)
         if block_layout is not None and (block_layout.dtype != torch.bool
                                          or block_layout.dim() not in (2, 3)):
             raise ValueError("block_layout must be a bool (nb, nb) or (heads, nb, nb) tensor")
@@ -106,6 +122,7 @@ class BlockSparseDilatedAttention(nn.Module):
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, H, D)`` -> ``(B, T, H, D)``; T must be a multiple of ``block_size``."""
+        validate_is_causal(is_causal)
         validate_inputs(query, key, value, key_padding_mask)
         batch, seq_len, heads, head_dim = query.shape
         self._check_whole_blocks(seq_len)

@@ -61,6 +61,17 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
     return segments, rates
 
 
+def validate_is_causal(is_causal) -> None:
+    """``is_causal`` is a Python bool. A caller used to ``nn.MultiheadAttention`` may pass the
+    key padding mask as the fourth positional argument, which here is ``is_causal``: a mask of one
+    element was taken for True without a word, a longer one failed on an ambiguous truth value."""
+    if not isinstance(is_causal, bool):
+        what = (f"a tensor of shape {tuple(is_causal.shape)}" if isinstance(is_causal, torch.Tensor)
+                else repr(is_causal))
+        raise ValueError(f"is_causal must be True or False, got {what}; the argument after q, k, v "
+                         "is is_causal: pass a padding mask as key_padding_mask=...")
+
+
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
     """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype and device; mask ``(B, T)`` bool."""
@@ -83,6 +94,9 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              f"got {tuple(key_padding_mask.shape)}")
         if key_padding_mask.dtype != torch.bool:
             raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
+        if key_padding_mask.device != query.device:
+            raise ValueError(f"key_padding_mask device {key_padding_mask.device} differs from query "
+                             f"device {query.device}: move the mask to the query's device")
 
 
 class KeySourceCache(OrderedDict):
@@ -150,6 +164,7 @@ class DilatedAttention(nn.Module):
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, H, D)`` q, k, v -> ``(B, T, H, D)``."""
+        validate_is_causal(is_causal)
         validate_inputs(query, key, value, key_padding_mask)
         if query.numel() == 0:  # an empty batch or sequence: no segments, nothing to attend to
             return (query + key + value) * 0.0  # (B, T, H, D), in the graph of q, k and v

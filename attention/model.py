@@ -8,6 +8,9 @@ Layout (names are a contract for the pipeline splitter and tensor-parallel plans
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +23,19 @@ try:  # the project's error type when it is there; a ValueError either way
     from distframe.errors import ConfigError
 except ImportError:  # pragma: no cover - attention also works on its own
     ConfigError = ValueError  # type: ignore[misc,assignment]
+
+
+def _positive_int(name: str, value, *, entry: bool = False) -> int:
+    """``value`` as an ``int`` if it is a positive integer (numpy integers too; not a bool);
+    ``entry``: it is one entry of the field ``name``."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number <= 0:
+        what = "hold positive integers" if entry else "be a positive integer"
+        raise ConfigError(f"{name} must {what}, got {value!r}")
+    return number
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +55,18 @@ class DilatedTransformerConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths))
-        object.__setattr__(self, "dilation_rates", tuple(self.dilation_rates))
+        # Integers are checked as integers: a float seq_len failed inside nn.Embedding, and
+        # num_layers=True built one layer.
+        for name in ("segment_lengths", "dilation_rates"):
+            object.__setattr__(self, name, tuple(_positive_int(name, v, entry=True)
+                                                for v in getattr(self, name)))
         for name in ("vocab_size", "seq_len", "embed_dim", "num_heads", "num_layers",
                      "mlp_ratio"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+            # eps <= 0 or NaN gave NaN logits without an error
+            raise ConfigError(f"layer_norm_eps must be a positive finite number, got {eps!r}")
         if self.embed_dim % self.num_heads != 0:
             raise ConfigError(f"embed_dim ({self.embed_dim}) must be divisible by num_heads "
                               f"({self.num_heads})")
@@ -57,8 +79,6 @@ class DilatedTransformerConfig:
             raise ConfigError("segment_lengths and dilation_rates must be non-empty and of equal "
                               f"length, got {self.segment_lengths} and {self.dilation_rates}")
         for w, r in zip(self.segment_lengths, self.dilation_rates):
-            if w <= 0 or r <= 0:
-                raise ConfigError(f"segment_lengths/dilation_rates must be positive, got ({w}, {r})")
             if w > self.seq_len:
                 raise ConfigError(f"segment_lengths: {w} exceeds seq_len {self.seq_len}; use "
                                   f"segments no longer than the sequence")

@@ -17,9 +17,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, wraps
 
 import torch
+
+
+def layout_property(build):
+    """A ``cached_property`` built outside inference mode. Plans are cached across calls, and a
+    layout first built under ``torch.inference_mode()`` (an evaluation pass) was an inference
+    tensor, which autograd refuses to save: the next training forward that indexes with it (the
+    attention-dropout path) raised "Inference tensors cannot be saved for backward"."""
+    @wraps(build)
+    def outside_inference_mode(self):
+        with torch.inference_mode(False):
+            return build(self)
+    return cached_property(outside_inference_mode)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +56,7 @@ class SlotPlan:
     def group_heads(self) -> int:
         return self.head_stop - self.head_start
 
-    @cached_property
+    @layout_property
     def slot_positions(self) -> torch.Tensor:
         """``(nseg, hg, M)`` global position of every slot (may exceed the sequence)."""
         seg = (torch.arange(self.num_segments, device=self.device) + self.first_segment)
@@ -57,7 +69,7 @@ class SlotPlan:
         w = self.segment_length
         return (self.start % w == 0 and self.stop % w == 0 and w % self.dilation_rate == 0)
 
-    @cached_property
+    @layout_property
     def local_slots(self) -> torch.Tensor:
         """Flat slot indices whose position lies in ``[start, stop)`` (valid query rows)."""
         pos = self.slot_positions.reshape(-1)
@@ -69,18 +81,18 @@ class SlotPlan:
         heads = heads.view(1, -1, 1).expand_as(self.slot_positions).reshape(-1)[slots]
         return (positions - self.start) * self.num_heads + heads
 
-    @cached_property
+    @layout_property
     def local_targets(self) -> torch.Tensor:
         return self.flat_index(self.slot_positions.reshape(-1)[self.local_slots],
                                self.local_slots)
 
-    @cached_property
+    @layout_property
     def gather_index(self) -> torch.Tensor:
         """Flat local index for every slot; slots outside the slice are clamped (rows unused)."""
         pos = self.slot_positions.clamp(self.start, self.stop - 1).reshape(-1)
         return self.flat_index(pos, torch.arange(pos.numel(), device=self.device))
 
-    @cached_property
+    @layout_property
     def outside_rows(self) -> torch.Tensor | None:
         """``(nseg, hg, M)`` bool of slots that are not this slice's queries (None: none)."""
         if self.regular:
@@ -92,7 +104,8 @@ class SlotPlan:
         """``(nseg, hg, M)`` bool of slots beyond the sequence that causality does not hide."""
         if is_causal or self.regular:
             return None  # under causality such slots follow every valid query of their segment
-        missing = self.slot_positions >= self.seq_len
+        with torch.inference_mode(False):  # kept by the key sources: see layout_property
+            missing = self.slot_positions >= self.seq_len
         return missing if bool(missing.any()) else None
 
     # -- access: compressed kernel tensors <-> rows of the local (B, T_local, H, X) tensor --

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from attention.dilated import DilatedAttention
+from attention.dilated import DilatedAttention, validate_inputs, validate_is_causal
 from attention.function import compressed_key_mask
 from attention.plan import SlotPlan, make_slot_plans
 from attention.ring_exchange import Routes, exchange_keys, make_routes, return_key_grads
@@ -80,9 +80,9 @@ class RingDilatedAttention(DilatedAttention):
 
     Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
-    and two in backward (keys again, then key gradients); none otherwise; and one
-    ``all_gather`` of the slice lengths (8 bytes a rank) the first time a shape is seen. Counted
-    in ``backend.stats``. Attention dropout is not supported here.
+    and two in backward (keys again, then key gradients); none otherwise; and per forward one
+    ``all_gather`` of 6 integers (48 bytes a rank) that checks the ranks' calls agree. Counted in
+    ``backend.stats``. Attention dropout is not supported here.
 
     ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
     parallelism split by heads): the ``H`` heads it passes are heads ``[head_start,
@@ -106,15 +106,41 @@ class RingDilatedAttention(DilatedAttention):
         # [head_start, head_start + H) of total_heads, and read what those heads read.
         self.head_start, self.total_heads = head_start, total_heads
 
-    def _check_equal_slices(self, local_len: int, device) -> None:
-        """One ``all_gather`` of the slice lengths, when a new shape's sources are built: slices
-        of unequal lengths would be placed at ``rank * local_len`` and give wrong results."""
-        lengths = self.backend.all_gather(torch.tensor([local_len], device=device)).tolist()
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                is_causal: bool = False,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's ``(B, T / P, H, D)`` slices -> its slice of the output."""
+        validate_is_causal(is_causal)
+        validate_inputs(query, key, value, key_padding_mask)
+        self._check_ranks_agree(query, is_causal, key_padding_mask)
+        return super().forward(query, key, value, is_causal, key_padding_mask)
+
+    def _check_ranks_agree(self, query: torch.Tensor, is_causal: bool,
+                           key_padding_mask: torch.Tensor | None) -> None:
+        """One ``all_gather`` of 6 integers per forward: every rank must pass slices of one
+        shape, and agree on ``is_causal`` and on having a mask, as every rank derives every
+        route from its own call. Checked on every call, not once per shape: a rank whose shape
+        was cached skipped the check while a rank with a new one made it, so slices of unequal
+        lengths after equal ones (the last, shorter batch cut by ``torch.chunk``) mismatched the
+        collectives: Gloo aborted the process ("Received data size doesn't match")."""
+        batch, local_len, heads, head_dim = query.shape
+        mine = torch.tensor([batch, local_len, heads, head_dim, int(is_causal),
+                             int(key_padding_mask is not None)], device=query.device)
+        calls = self.backend.all_gather(mine).view(-1, mine.numel()).tolist()
+        lengths = [call[1] for call in calls]
         if len(set(lengths)) > 1:
             raise ValueError(f"RingDilatedAttention needs slices of one length on every rank, got "
                              f"{lengths} on ranks 0..{len(lengths) - 1}: pad the sequence to a "
                              "multiple of the world size (masking the padding with "
                              "key_padding_mask) and split it into equal slices")
+        if any(call != calls[0] for call in calls):
+            described = "; ".join(
+                f"rank {rank}: (batch, heads, head_dim) = {tuple(call[0:1] + call[2:4])}, "
+                f"is_causal={bool(call[4])}, key_padding_mask {'given' if call[5] else 'None'}"
+                for rank, call in enumerate(calls))
+            raise ValueError("RingDilatedAttention needs every rank to pass the same batch, heads "
+                             "and head_dim, the same is_causal, and a key_padding_mask on all "
+                             f"ranks or none; got {described}")
 
     def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
         """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it
@@ -123,7 +149,6 @@ class RingDilatedAttention(DilatedAttention):
         cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
         if cache_key in self._sources:
             return self._sources[cache_key]
-        self._check_equal_slices(local_len, device)
         total, heads = num_heads, None
         if self.total_heads is not None:  # make_slot_plans checks that the heads fit
             total, heads = self.total_heads, (self.head_start, self.head_start + num_heads)

@@ -1,0 +1,78 @@
+"""How the modules are called: argument kinds a torch user passes by habit, and autograd modes
+(inference_mode, no_grad) mixed across calls of one module."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention import (BlockSparseDilatedAttention, DilatedAttention, MultiheadDilatedAttention,
+                       dense_dilated_attention)
+from attention.pair_dropout import draw_seed
+from attention.reference import dense_keep_mask
+from attention_helpers import max_error, outputs_and_grads, random_qkv
+
+TOL64 = 1e-10
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1), (2, 8)])
+@pytest.mark.parametrize("module", [
+    DilatedAttention([4, 8], [1, 2]),
+    BlockSparseDilatedAttention(4, local_window=1),
+])
+def test_a_mask_passed_as_is_causal_is_refused_naming_key_padding_mask(module, mask_shape):
+    """``nn.MultiheadAttention`` takes the padding mask fourth; here that place is is_causal. A
+    one-element mask was read as ``is_causal=True`` (a causal result, no error); a longer one
+    failed with "Boolean value of Tensor ... is ambiguous"."""
+    batch, seq = mask_shape[0], 8
+    q, k, v = random_qkv(batch, seq, 2, 4)
+    mask = torch.zeros(mask_shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"is_causal must be True or False, got a tensor of shape "
+                                         r".*key_padding_mask="):
+        module(q, k, v, mask)
+    for not_bool in (1, None, "yes"):
+        with pytest.raises(ValueError, match="is_causal must be True or False"):
+            module(q, k, v, is_causal=not_bool)
+
+
+def test_multihead_mask_passed_positionally_is_refused():
+    mha = MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1])
+    x = torch.randn(2, 8, 8)
+    with pytest.raises(ValueError, match="key_padding_mask="):
+        mha(x, x, x, torch.zeros(2, 8, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("seq", [16, 13])  # whole segments (strided views), ragged (index gathers)
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_after_an_inference_mode_pass_equals_the_reference(seq, causal):
+    """Index layouts are cached per shape; built during an evaluation under
+    ``torch.inference_mode()`` they were inference tensors, and the next training forward with
+    attention dropout raised "Inference tensors cannot be saved for backward". Training after
+    such a pass equals the dense reference with the same dropout mask (float64, 1e-10)."""
+    segments, rates, p, heads = [4, 8], [1, 2], 0.3, 4
+    module = DilatedAttention(segments, rates, attention_dropout=p)
+    q, k, v = random_qkv(2, seq, heads, 4, seed=seq)
+    with torch.inference_mode():
+        module.eval()(q, k, v, is_causal=causal)
+    module.train()
+    grad_out = torch.randn(2, seq, heads, 4, dtype=torch.float64)
+    torch.manual_seed(5)
+    keep = dense_keep_mask(draw_seed(None, q.device), 2, heads, seq, p)
+    torch.manual_seed(5)  # the module draws the same seed
+    out, grads = outputs_and_grads(lambda *t: module(*t, is_causal=causal), (q, k, v), grad_out)
+    ref, ref_grads = outputs_and_grads(
+        lambda *t: dense_dilated_attention(*t, segments, rates, is_causal=causal,
+                                           dropout_keep=keep, dropout=p), (q, k, v), grad_out)
+    assert max_error(out, ref) < TOL64
+    assert max_error(grads, ref_grads) < TOL64
+
+
+@pytest.mark.parametrize("module", [DilatedAttention([4, 8], [1, 2]),
+                                    BlockSparseDilatedAttention(4, local_window=1)])
+def test_a_mask_on_another_device_is_an_error_naming_it(module):
+    """As q, k and v: a mask elsewhere failed deep inside ("Tensor on device cpu is not on the
+    expected device meta!") or, on a GPU with whole segments, was copied in silently."""
+    q, k, v = random_qkv(2, 8, 2, 4)
+    mask = torch.zeros(2, 8, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="key_padding_mask device meta differs from query device "
+                                         "cpu: move the mask"):
+        module(q, k, v, key_padding_mask=mask)
