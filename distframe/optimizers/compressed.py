@@ -101,6 +101,13 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
+        # With find_unused_parameters=True a parameter no rank used keeps .grad None and the
+        # optimizer skips it, so what its residual sent this step was never applied: it keeps
+        # the residual it had (every rank agrees which parameters those are).
+        for name, param in self.model.wrapped_model.named_parameters():
+            if param.grad is None:
+                self._staged_residuals.pop(name, None)
+                self._staged_warm.pop(name, None)
         self._make_current()
         self.iteration += 1
         return loss
