@@ -25,11 +25,8 @@ from typing import Any
 import torch
 
 from distframe import train_checkpoint
-from distframe.backends.objects import broadcast_bytes
 from distframe.data import TokenCorpus
 from distframe.errors import DistFrameError
-from distframe.optimizers.elastic import Commit
-from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 from distframe.train_config import TrainConfig
 from distframe.train_loop import Job, TrainResult, next_token_loss
 from distframe.train_metrics import ProgressBar, peak_memory_bytes
@@ -118,17 +115,8 @@ class AsyncJob(Job):
     def _share_server_state(self) -> None:
         """The server's parameters and optimizer state onto every rank (broadcasts), so every
         rank holds the trained model for validation and the checkpoint."""
-        for p in self.model.local_parameter_shard():
-            self.backend.broadcast(p.data, SERVER_RANK)
-        blob = b""
-        if self.backend.rank == SERVER_RANK:
-            wrapped = self.optimizer.wrapped_optimizer
-            tensors, scalars = optimizer_pieces(self.model.shard_layout(), wrapped, 0, 1)
-            state = {"tensors": tensors, "scalars": scalars,
-                     "param_groups": hyperparameters(wrapped)}
-            blob = Commit(0, {}, state, 1).to_bytes()
-        shared = Commit.from_bytes(broadcast_bytes(self.backend, blob, SERVER_RANK))
-        self.optimizer.load_state_dict(shared.optimizer)
+        self.optimizer.synchronize_parameters()
+        self.optimizer.synchronize_optimizer_state()
 
     def _server_validate(self) -> float:
         """Mean validation loss of the server's model over every validation batch, computed on

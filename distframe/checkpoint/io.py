@@ -143,8 +143,8 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
-        state = {"tensors": {}, "scalars": meta["optimizer"]["scalars"],
-                 "param_groups": meta["optimizer"]["param_groups"]}
+        state = {**meta["optimizer"].get("extra", {}), "tensors": {},
+                 "scalars": meta["optimizer"]["scalars"], "param_groups": meta["optimizer"]["param_groups"]}
         if hasattr(optimizer, "wrapped_optimizer"):
             model.check_optimizer(optimizer)
             optimizer.load_state_dict(state, reader)
@@ -226,7 +226,10 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
         "dropout_rng": dropout_rng.layout(model),
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
-            "param_groups": opt_state.get("param_groups", []), "scalars": scalars},
+            "param_groups": opt_state.get("param_groups", []), "scalars": scalars,
+            # What else the optimizer's state_dict holds (JSON, the same on every rank: an
+            # ElasticOptimizer's scheduler state and step count), handed back to its load.
+            "extra": {k: v for k, v in opt_state.items() if k != "param_groups"}},
     }
 
 

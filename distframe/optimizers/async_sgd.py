@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.objects import broadcast_bytes
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.ddp import DDPModel
@@ -27,7 +28,9 @@ from distframe.optimizers.async_protocol import (
     send_text,
 )
 from distframe.optimizers.async_server import AsyncReport, ParameterServer
+from distframe.optimizers.async_state import decode_state, encode_state
 from distframe.optimizers.base import ShardedOptimizerBase
+from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 
 FAILURE_POLICIES = ("continue", "stop")
 
@@ -90,6 +93,14 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
 
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
     parameters (recv). Do not use ``model.train_step`` (it all-reduces the loss, a collective).
+
+    Checkpoints: the server's parameters and optimizer state are the trained ones; workers hold
+    the parameters they last pulled and no optimizer state. ``state_dict()`` on the server holds
+    all of the optimizer state, on a worker none. Once ``serve()`` has returned and the workers
+    have called ``finish()``, every rank calls ``synchronize_parameters()`` (a broadcast from
+    the server), then ``distframe.checkpoint.save``; a worker's ``state_dict()`` refuses before
+    that, as the checkpoint would hold part of its stale parameters (each rank writes a slice).
+    ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
     """
 
     model_class = DDPModel
@@ -119,6 +130,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self.stopped = False
         self._has_parameters = False
         self._finished = False
+        # Whether this worker holds the server's parameters (see state_dict).
+        self._parameters_replicated = True
 
     @property
     def is_server(self) -> bool:
@@ -195,6 +208,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self.flat.load_values(values)
         self.version = int(header[1])
         self._has_parameters = True
+        self._parameters_replicated = False  # the server steps on without this worker seeing it
 
     def finish(self) -> None:
         """Tells the server this worker is done (a no-op after a stop or a second call)."""
@@ -216,6 +230,44 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         send_header(backend, server, Kind.FAILED, self.clock)
         send_text(backend, server, f"{type(exc).__name__}: {exc}")
         self._finished = True
+
+    # ---- replicas and checkpoints -----------------------------------------------------------------
+    def synchronize_parameters(self) -> None:
+        """Every rank gets the server's parameters (one broadcast); collective, after training."""
+        self._require_session_over("synchronize_parameters")
+        values = self.flat.values() if self.is_server else self.flat.empty()
+        self.model.backend.broadcast(values, self.config.server_rank)
+        self.flat.load_values(values)
+        self._parameters_replicated = True
+
+    def synchronize_optimizer_state(self) -> None:
+        """Every rank gets the server's optimizer state and hyperparameters (two broadcasts);
+        collective, after training."""
+        self._require_session_over("synchronize_optimizer_state")
+        layout, optimizer = self.model.shard_layout(), self.wrapped_optimizer
+        blob = encode_state(layout, optimizer) if self.is_server else b""
+        blob = broadcast_bytes(self.model.backend, blob, self.config.server_rank)
+        if not self.is_server:
+            decode_state(layout, optimizer, blob)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server's: all of the optimizer state (it alone steps; the replicated layout would
+        give it a 1/world_size slice); a worker's: only the hyperparameters."""
+        groups = hyperparameters(self.wrapped_optimizer)
+        if self.is_server:
+            tensors, scalars = optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, 0, 1)
+            return {"tensors": tensors, "scalars": scalars, "param_groups": groups}
+        if not self._parameters_replicated:
+            raise ConfigError(
+                "AsyncSGDOptimizer: this worker holds stale parameters (the server holds the trained "
+                "ones); after serve() and the workers' finish(), call opt.synchronize_parameters() on "
+                "every rank, then save")
+        return {"tensors": {}, "scalars": {}, "param_groups": groups}
+
+    def _require_session_over(self, what: str) -> None:
+        if not self.is_server and self._has_parameters and not (self._finished or self.stopped):
+            raise ConfigError(f"AsyncSGDOptimizer.{what} is collective and the server is still serving "
+                              "this worker: call finish() first (after serve() returned on the server)")
 
     def should_early_stop(self, local_flag: bool) -> bool:
         """No consensus collective here (workers never meet): this worker's flag, or a stop."""

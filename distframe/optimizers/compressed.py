@@ -101,6 +101,13 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def step(self, closure: Any = None) -> Any:
         loss = super().step(closure)
+        # With find_unused_parameters=True a parameter no rank used keeps .grad None and the
+        # optimizer skips it, so what its residual sent this step was never applied: it keeps
+        # the residual it had (every rank agrees which parameters those are).
+        for name, param in self.model.wrapped_model.named_parameters():
+            if param.grad is None:
+                self._staged_residuals.pop(name, None)
+                self._staged_warm.pop(name, None)
         self._make_current()
         self.iteration += 1
         return loss
@@ -242,19 +249,15 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         return {**state, "tensors": tensors}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
-        """Loads the optimizer pieces, then this rank's residuals (none saved for this rank,
-        e.g. after growing the world: it starts from zero), the warm-start factors and the step."""
+        """Loads the optimizer pieces, then this rank's residuals (under another world size see
+        [Note: residuals across world sizes]), the warm-start factors and the step."""
         reader = reader or RangeReader.from_tensors(state["tensors"])
         super().load_state_dict(state, reader)
         kinds = reader.kinds()
         if _ITERATION in kinds:
             self.iteration = int(reader.read(_ITERATION, "step", 0, 1)[0])
-        mine = _RESIDUAL.format(rank=self.model.backend.rank)
-        self.residuals = {}
         params = dict(self.model.wrapped_model.named_parameters())
-        for name, param in params.items():
-            if reader.holds(mine, name):
-                self.residuals[name] = reader.read(mine, name, 0, param.numel()).view(param.shape).clone()
+        self._load_residuals(reader, kinds, params)
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
             warm = {}
             for name, param in params.items():
@@ -265,6 +268,34 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             self.compressor.load_state_dict(warm)
         elif not isinstance(self.compressor, PowerSGDCompressor):
             self._load_own_compressor_state(reader)
+
+    def _load_residuals(self, reader: RangeReader, kinds: set[str],
+                        params: dict[str, torch.nn.Parameter]) -> None:
+        """This rank's residuals; saved under another world size, re-dealt so that their mean
+        over ranks, the part of the averaged gradient still to be sent, stays what it was.
+
+        [Note: residuals across world sizes] The averaged gradient carries (1/W) * sum of the
+        W residuals. Loaded at W' ranks, rank j takes the sum of saved ranks r = j (mod W')
+        times W'/W: the W' new residuals then carry the same mean. (Before, ranks beyond W'
+        were dropped, and growing the world diluted the old ones by W/W'.)"""
+        prefix = _RESIDUAL.format(rank="")
+        saved = sorted(int(k.removeprefix(prefix)) for k in kinds
+                       if k.startswith(prefix) and k.removeprefix(prefix).isdigit())
+        backend = self.model.backend
+        saved_world = saved[-1] + 1 if saved else backend.world_size
+        sources = [_RESIDUAL.format(rank=r) for r in saved if r % backend.world_size == backend.rank]
+        self.residuals = {}
+        for name, param in params.items():
+            parts = [reader.read(kind, name, 0, param.numel())
+                     for kind in sources if reader.holds(kind, name)]
+            if not parts:
+                continue
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            if saved_world != backend.world_size:
+                total *= backend.world_size / saved_world
+            self.residuals[name] = total.view(param.shape)
 
     def _load_own_compressor_state(self, reader: RangeReader) -> None:
         """This rank's saved compressor state, where it was saved (else it stays as built)."""

@@ -122,7 +122,7 @@ class Int8Compressor(Compressor):
             raise ConfigError("Int8Compressor.stochastic must be True (unbiased) or False (nearest)")
         self.chunk_size = chunk_size
         self.stochastic = stochastic
-        self.seed = int(seed)
+        self.seed = _checked_seed("Int8Compressor", seed)
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def bind(self, rank: int) -> None:
@@ -231,7 +231,7 @@ class PowerSGDCompressor(Compressor):
                               "(optimizer steps of plain all-reduce before compressing)")
         self.rank = rank
         self.start_iter = start_iter
-        self.seed = int(seed)
+        self.seed = _checked_seed("PowerSGDCompressor", seed)
         self._warm: dict[str, torch.Tensor] = {}
 
     # ---- which tensors, when --------------------------------------------------------------
@@ -366,6 +366,13 @@ def make_compressor(name: str, **settings: Any) -> Compressor:
         return classes[name](**settings)
     except TypeError as exc:
         raise ConfigError(f"compressor {name!r} does not take {sorted(settings)}: {exc}") from None
+
+
+def _checked_seed(owner: str, seed: Any) -> int:
+    # int() would take 1.7 as 1 and "7" as 7, and fail on "x" without naming the setting.
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"{owner}.seed={seed!r}: use an int (every rank passes the same one)")
+    return seed
 
 
 def _mixed_seed(seed: int, salt: int) -> int:

@@ -87,9 +87,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``step()`` steps it after each optimizer step and before the commit, so every commit holds
     the scheduler's state (``state_dict``, JSON) consistent with the optimizer's, and survivors
     and joiners get it back (as Horovod's elastic State restores the objects it holds); do not
-    step it yourself. It is built after the restore: a restart from a checkpoint, which holds
-    no scheduler state, gets what the function builds there (pass ``last_epoch=opt.step_count
-    - 1`` to resume a schedule).
+    step it yourself. Checkpoints hold it too (``state_dict()`` adds the scheduler's state and
+    ``step_count``), so a restart from one resumes the schedule where it was. It is built after
+    the restore, then given the restored state.
 
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
     one all_gather of committed steps and, when some member holds a commit, two broadcasts.
@@ -119,11 +119,19 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.member = member or ElasticMember(model.backend.rank)
         self.step_count = 0
         self.lr_scheduler = None
+        self._loaded_scheduler: dict[str, Any] | None = None  # loaded before the scheduler existed
         self.restored_from = self._restore()
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self)
-            if self.member.commit.lr_scheduler is not None:
-                self._load_scheduler(self.member.commit.lr_scheduler)
+            saved = self.member.commit.lr_scheduler or self._loaded_scheduler
+            if saved is not None:
+                self._load_scheduler(saved)
+            # The commit made while restoring (from a checkpoint, or the initial one) predates
+            # the scheduler: survivors rolled back to it must get the scheduler's state too.
+            # Every rank built and loaded the same scheduler, so this needs no collective.
+            self.member.commit = dataclasses.replace(self.member.commit,
+                                                     lr_scheduler=self._scheduler_state())
+        self._loaded_scheduler = None
 
     # ---- training ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> Any:
@@ -195,8 +203,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
         checkpoint = latest_checkpoint(self.checkpoint_dir)
         if checkpoint is not None:
             from distframe.checkpoint import load
-            meta = load(checkpoint, self.model, self)
-            self.step_count = int(meta["step"])
+            meta = load(checkpoint, self.model, self)  # sets step_count (and the scheduler's state)
+            if meta["optimizer"].get("extra", {}).get("step_count") is None:  # older checkpoints
+                self.step_count = int(meta["step"])
             self.commit()
             return f"checkpoint {checkpoint}"
         self.commit()
@@ -211,6 +220,22 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.member.commit = commit
         if self.lr_scheduler is not None and commit.lr_scheduler is not None:
             self._load_scheduler(commit.lr_scheduler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's sharded state plus ``step_count`` and the owned scheduler's state
+        (JSON, the same on every rank), so a checkpoint resumes the schedule where it was."""
+        return {**super().state_dict(), "step_count": self.step_count,
+                "lr_scheduler": self._scheduler_state()}
+
+    def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        super().load_state_dict(state, reader)
+        if state.get("step_count") is not None:
+            self.step_count = int(state["step_count"])
+        saved = state.get("lr_scheduler")
+        if saved is not None and self.lr_scheduler is not None:
+            self._load_scheduler(saved)
+        elif saved is not None:  # restoring in the constructor: the scheduler is built after
+            self._loaded_scheduler = saved
 
     def _scheduler_state(self) -> dict[str, Any] | None:
         if self.lr_scheduler is None:
