@@ -29,6 +29,13 @@ records whether its forward ran since its masters last changed (``forward_ran``,
 ``mark_stale``), and a gradient reaching a unit that has not is ``misuse_error``, at the first
 step; the model turns the crash in forward into the same error (``UnitShardedModelBase.forward``).
 Hooking every submodule instead would cost a hook call per submodule call on every step.
+
+[Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
+that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
+moves it (weight decay, momentum) where one process would leave it alone. Each parameter's
+gradient hook marks it in ``usage`` (a list write, no communication); a synchronising ``finish``
+has ``usage`` warn once per rank, naming those without one; ``begin_forward`` forgets the marks
+of gradients that were cleared since (ParameterUsage, as DDP and ZeRO-1/2 have it).
 """
 from __future__ import annotations
 
@@ -40,13 +47,19 @@ import torch
 from distframe.backends.types import Work
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
+from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
 
 
 class UnitLifecycle:
     def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool,
-                 misuse_error: Callable[[ShardedUnit, str], Exception]) -> None:
+                 misuse_error: Callable[[ShardedUnit, str], Exception],
+                 usage: Callable[[list[str], list[torch.nn.Parameter]], ParameterUsage]) -> None:
         self.units = units
+        # Which parameters hold a gradient (units' parameters in unit order), so a synchronisation
+        # that averages some as zeros says so: see [Note: parameters without a gradient].
+        entries = [e for unit in units for e in unit.space.entries]
+        self.usage = usage([e.name for e in entries], [e.param for e in entries])
         self.misuse_error = misuse_error  # (unit, what went wrong) -> the error to raise
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
@@ -57,6 +70,7 @@ class UnitLifecycle:
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
         self._handles = []
+        index = 0
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda module, args, unit=unit: self.pre_forward(unit)))
@@ -65,7 +79,8 @@ class UnitLifecycle:
             for param in unit.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(
-                        lambda p, unit=unit: self._on_gradient_accumulated(unit, p)))
+                        lambda p, unit=unit, i=index: self._on_gradient_accumulated(unit, p, i)))
+                index += 1
 
     def begin_forward(self, synchronize: bool) -> None:
         """Called by the model before the wrapped forward."""
@@ -81,6 +96,7 @@ class UnitLifecycle:
             # No backward follows this forward (an evaluation, perhaps between a training
             # forward and its backward): that backward must still find its own settings.
             return
+        self._forget_cleared_gradients()
         if self._order:
             self._last_order = self._order
         self._order = []
@@ -134,10 +150,11 @@ class UnitLifecycle:
         if self.prefetch:
             self._prefetch_after(unit.index, self._order[::-1])
 
-    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter, index: int) -> None:
         if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
             raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
                                           "did not run")
+        self.usage.has_gradient[index] = True
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
         if len(unit.ready) == sum(p.requires_grad for p in unit.params):
@@ -156,6 +173,7 @@ class UnitLifecycle:
 
     def finish(self) -> None:
         """Completes this step's gradient reductions (see the module docstring); collective."""
+        synchronising = self._armed
         if self._armed:
             for unit in self.units:
                 if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
@@ -169,6 +187,19 @@ class UnitLifecycle:
             unit.state = TrainingState.IDLE
             unit.reshard()
         self._armed = False
+        if synchronising:
+            self.usage.finish(None)  # warns once if a parameter was averaged as zeros
+
+    def _forget_cleared_gradients(self) -> None:
+        """A parameter holds a gradient from its first gradient hook until it is cleared: its own
+        ``.grad`` (local, under no_sync) and its unit's master ``.grad`` (zero_grad) both None."""
+        has_gradient, index = self.usage.has_gradient, 0
+        for unit in self.units:
+            if unit.master.grad is None:
+                for i, param in enumerate(unit.params, index):
+                    if param.grad is None:
+                        has_gradient[i] = False
+            index += len(unit.params)
 
     def _backward_running(self, *_: Any) -> None:
         """A backward over a synchronising forward is running (again, after a retain_graph

@@ -1,0 +1,112 @@
+"""Parameters that get no gradient under ZeRO-3 and FSDP: their flat shards cannot skip one (so
+``find_unused_parameters`` is refused), and such a parameter is averaged as zeros, which weight
+decay and momentum then move where one process would not. Each rank that sees one at a
+synchronisation warns once, naming it, as DDP, ZeRO-1 and ZeRO-2 do."""
+import contextlib
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from distframe.launch import spawn
+from tests.models.common import SEED_LOCK, STRATEGIES
+from tests.models.test_unused_parameters import batches, micro_batches
+
+class GatedHead(nn.Module):
+    """``extra`` is used on the rows whose first feature is positive (none of rank 1's). ZeRO-3
+    and FSDP need every rank to run the same modules (their gathers are collectives), so the
+    gate is inside one module, which runs on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(7, 3)
+        self.extra = nn.Parameter(torch.randn(3, 7) / 3)
+
+    def forward(self, h, mask):
+        out = self.head(h)
+        if bool(mask.any()):
+            out = out.index_add(0, mask.nonzero()[:, 0], h[mask] @ self.extra.T)
+        return out
+
+
+class Gated(nn.Module):
+    """``spare`` runs only when asked (on no rank in some steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(5, 7)
+        self.gated = GatedHead()
+        self.spare = nn.Linear(7, 3)
+
+    def forward(self, x, use_spare=False):
+        h = torch.tanh(self.trunk(x))
+        out = self.gated(h, x[:, 0] > 0)
+        return out + self.spare(h) if use_spare else out
+
+
+def make_model():
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        return Gated().double()
+
+
+# FSDP units: one per Linear (the unused ones alone in theirs), or everything in the root unit.
+SHARDED = {"zero3": {}, "fsdp-per-layer": {"auto_wrap_min_params": 1}, "fsdp-root": {}}
+
+
+def run(backend, strategy, data, spare_steps, micro=1, open_gate=False):
+    """Trains ``Gated`` with AdamW; ``spare`` runs in the micro-batches ``spare_steps`` names
+    ((step, k) pairs); ``open_gate`` opens the gate on every row of every rank."""
+    model_cls, optimizer_cls = STRATEGIES[strategy.split("-")[0]]
+    model = model_cls(make_model(), backend, **SHARDED[strategy])
+    opt = optimizer_cls(model, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        if open_gate:
+            x = x.clone()
+            x[:, 0] = x[:, 0].abs()
+        pieces = micro_batches(x, y, backend.world_size, micro, backend.rank)
+        for k, (xm, ym) in enumerate(pieces):
+            with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                out = model(xm, use_spare=(step, k) in spare_steps)
+                (nn.functional.mse_loss(out, ym) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def warnings_of(fn, world=2):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spawn(fn, world)
+    return [str(w.message) for w in caught if "got no gradient" in str(w.message)]
+
+
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_each_rank_warns_once_naming_the_parameters(strategy):
+    # No rank runs `spare` in steps 0 and 2.
+    messages = warnings_of(functools.partial(run, strategy=strategy, data=batches(3, 12),
+                                             spare_steps={(1, 0)}, open_gate=True))
+    assert len(messages) == 2, messages
+    owner = "ZeRO3Model" if strategy == "zero3" else "FSDPModel"
+    assert all(m.startswith(f"{owner}: 2 parameter(s) got no gradient") for m in messages), messages
+    assert all("('spare.weight', 'spare.bias')" in m for m in messages), messages
+    assert {m.split(" on rank ")[1][0] for m in messages} == {"0", "1"}, messages
+    assert all("DDPModel with find_unused_parameters=True" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_a_parameter_unused_only_after_zero_grad_is_seen(strategy):
+    # `spare` runs in step 0 only: zero_grad clears its gradient, so step 1 must see it unused.
+    messages = warnings_of(functools.partial(run, strategy=strategy, data=batches(2, 12),
+                                             spare_steps={(0, 0)}, open_gate=True))
+    assert len(messages) == 2 and all("'spare.weight'" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_no_warning_when_every_parameter_gets_a_gradient(strategy):
+    # `spare` runs in the first (no_sync) micro-batch of each step only: that gradient counts.
+    spare_steps = {(step, 0) for step in range(2)}
+    messages = warnings_of(functools.partial(run, strategy=strategy, data=batches(2, 12),
+                                             spare_steps=spare_steps, micro=2, open_gate=True), world=3)
+    assert messages == []
