@@ -30,6 +30,18 @@ records whether its forward ran since its masters last changed (``forward_ran``,
 step; the model turns the crash in forward into the same error (``UnitShardedModelBase.forward``).
 Hooking every submodule instead would cost a hook call per submodule call on every step.
 
+[Note: where a unit's backward ends] It must end at the same point on every rank, among the
+other units' gathers and reductions, or the ranks' collectives no longer pair up. The moment its
+last parameter gets its gradient is not such a point: a parameter that gets none on some ranks
+only (a gate closed for their rows) leaves them to reduce the unit in ``finish``, and a unit's
+own parameters can complete before or after a nested unit's backward depending on the data. So
+the tensors that require grad among the inputs of the unit's first call in a forward pass
+through ``after_inputs_backward``, whose backward runs after every node of the unit's forward
+(the engine runs a device's nodes in reverse creation order), and that ends the unit's backward
+on every rank, as FSDP2's post-backward does. A unit whose inputs need no gradient (the first
+one), or whose forward ran without grad (reentrant activation checkpointing), ends when its
+parameters' gradients are all accumulated, or in ``finish``.
+
 [Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
 that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
 moves it (weight decay, momentum) where one process would leave it alone. Each parameter's
@@ -49,6 +61,7 @@ from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
+from distframe.models.unit_inputs import after_inputs_backward
 
 
 class UnitLifecycle:
@@ -67,13 +80,15 @@ class UnitLifecycle:
         self._armed = False
         self._backward_end = BackwardEnd(self.finish)
         self._order: list[int] = []          # forward order of this step
+        self._ends_at_inputs: set[int] = set()  # units whose inputs' backward ends their backward
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
         self._handles = []
         index = 0
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self.pre_forward(unit)))
+                lambda module, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs),
+                with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self.post_forward(unit, output)))
             for param in unit.params:
@@ -100,6 +115,7 @@ class UnitLifecycle:
         if self._order:
             self._last_order = self._order
         self._order = []
+        self._ends_at_inputs.clear()
         self.synchronize = synchronize
         self._armed = synchronize
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -118,19 +134,26 @@ class UnitLifecycle:
             self._backward_end.watch(output, self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
-    def pre_forward(self, unit: ShardedUnit) -> None:
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         unit.forward_ran = True
         if unit.state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes the forward inside the unit's backward: its
             # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
             unit.unshard()
-            return
-        if unit.index not in self._order:
+            return None
+        first_call = unit.index not in self._order
+        if first_call:
             self._order.append(unit.index)
         unit.state = TrainingState.FORWARD
         unit.unshard()
         if self.prefetch:
             self._prefetch_after(unit.index, self._last_order)
+        if not (first_call and torch.is_grad_enabled()):
+            return None  # a unit called again: the first call's inputs' backward comes last
+        routed = after_inputs_backward(args, kwargs, lambda: self._inputs_backward(unit))
+        if routed is not None:
+            self._ends_at_inputs.add(unit.index)
+        return routed
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
@@ -157,7 +180,13 @@ class UnitLifecycle:
         self.usage.has_gradient[index] = True
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
-        if len(unit.ready) == sum(p.requires_grad for p in unit.params):
+        if (unit.index not in self._ends_at_inputs
+                and len(unit.ready) == sum(p.requires_grad for p in unit.params)):
+            self.post_backward(unit)
+
+    def _inputs_backward(self, unit: ShardedUnit) -> None:
+        """The unit's backward is over on this rank (see [Note: where a unit's backward ends])."""
+        if unit.state is TrainingState.PRE_BACKWARD:
             self.post_backward(unit)
 
     def post_backward(self, unit: ShardedUnit) -> None:

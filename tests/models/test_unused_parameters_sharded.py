@@ -28,7 +28,9 @@ class GatedHead(nn.Module):
         out = self.head(h)
         if bool(mask.any()):
             out = out.index_add(0, mask.nonzero()[:, 0], h[mask] @ self.extra.T)
-        return out
+        # Not `head`'s output itself on some ranks: a unit's output hooks would then run in
+        # another order there than where `out` is a new tensor (the inner unit's first).
+        return torch.tanh(out)
 
 
 class Gated(nn.Module):
@@ -110,3 +112,45 @@ def test_no_warning_when_every_parameter_gets_a_gradient(strategy):
     messages = warnings_of(functools.partial(run, strategy=strategy, data=batches(2, 12),
                                              spare_steps=spare_steps, micro=2, open_gate=True), world=3)
     assert messages == []
+
+
+def reference_without_spare(data):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for x, y in data:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: t for n, t in model.state_dict().items() if not n.startswith("spare.")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_a_parameter_some_ranks_leave_unused_trains_as_one_process(strategy, world):
+    # `gated.extra` gets a gradient from the rows whose gate is open: all of rank 0's, none of
+    # the last rank's. Its unit's backward then completed on some ranks only, and each rank
+    # reduced it at another point among the other units' gathers (CollectiveMismatchError on
+    # the in-memory engine). Averaged with the closed ranks' zeros, its gradient is the global
+    # batch's, so every parameter `spare` aside (which no rank uses) matches one process.
+    data = batches(3, 12)
+
+    def train(backend):
+        model_cls, optimizer_cls = STRATEGIES[strategy.split("-")[0]]
+        model = model_cls(make_model(), backend, **SHARDED[strategy])
+        opt = optimizer_cls(model, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+        for x, y in data:
+            piece = micro_batches(x, y, backend.world_size, 1, backend.rank)[0]
+            nn.functional.mse_loss(model(piece[0]), piece[1]).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.gather_full_parameters()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = spawn(train, world)
+    expected = reference_without_spare(data)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
+    closed = [str(w.message) for w in caught if f"on rank {world - 1} " in str(w.message)]
+    assert len(closed) == 1 and "'gated.extra'" in closed[0], closed
