@@ -121,6 +121,14 @@ class UnitShardedModelBase(ShardedModelBase):
     def _after_load(self) -> None:
         self.lifecycle.mark_stale()
 
+    def _zero_grad(self) -> None:
+        """Gradients accumulated under no_sync wait on the units' parameters, not the masters:
+        they are cleared too, or the next synchronisation would reduce them with its own."""
+        for unit in self.units:
+            for param in unit.params:
+                param.grad = None
+            unit.ready.clear()
+
     def local_parameter_shard(self) -> list[torch.Tensor]:
         return [u.master for u in self.units]
 
