@@ -35,12 +35,12 @@ other units' gathers and reductions, or the ranks' collectives no longer pair up
 last parameter gets its gradient is not such a point: a parameter that gets none on some ranks
 only (a gate closed for their rows) leaves them to reduce the unit in ``finish``, and a unit's
 own parameters can complete before or after a nested unit's backward depending on the data. So
-the tensors that require grad among the inputs of the unit's first call in a forward pass
-through ``after_inputs_backward``, whose backward runs after every node of the unit's forward
-(the engine runs a device's nodes in reverse creation order), and that ends the unit's backward
-on every rank, as FSDP2's post-backward does. A unit whose inputs need no gradient (the first
-one), or whose forward ran without grad (reentrant activation checkpointing), ends when its
-parameters' gradients are all accumulated, or in ``finish``.
+the tensors that require grad among the inputs of the unit's first call in a forward get
+gradient hooks (``after_inputs_backward``); the last of them runs after every node of the unit's
+forward (the engine runs a device's nodes in reverse creation order) and ends the unit's
+backward there on every rank, where FSDP2's post-backward ends it. A unit whose inputs need no
+gradient (the first one), or whose forward ran without grad (reentrant activation
+checkpointing), ends when its parameters' gradients are all accumulated, or in ``finish``.
 
 [Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
 that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
@@ -134,13 +134,13 @@ class UnitLifecycle:
             self._backward_end.watch(output, self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
-    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> None:
         unit.forward_ran = True
         if unit.state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes the forward inside the unit's backward: its
             # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
             unit.unshard()
-            return None
+            return
         first_call = unit.index not in self._order
         if first_call:
             self._order.append(unit.index)
@@ -148,12 +148,10 @@ class UnitLifecycle:
         unit.unshard()
         if self.prefetch:
             self._prefetch_after(unit.index, self._last_order)
-        if not (first_call and torch.is_grad_enabled()):
-            return None  # a unit called again: the first call's inputs' backward comes last
-        routed = after_inputs_backward(args, kwargs, lambda: self._inputs_backward(unit))
-        if routed is not None:
+        # A unit called again in this forward: its first call's inputs get their gradients last.
+        if first_call and torch.is_grad_enabled() and after_inputs_backward(
+                args, kwargs, lambda: self._inputs_backward(unit)):
             self._ends_at_inputs.add(unit.index)
-        return routed
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:

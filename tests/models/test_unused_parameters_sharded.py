@@ -154,3 +154,48 @@ def test_a_parameter_some_ranks_leave_unused_trains_as_one_process(strategy, wor
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
     closed = [str(w.message) for w in caught if f"on rank {world - 1} " in str(w.message)]
     assert len(closed) == 1 and "'gated.extra'" in closed[0], closed
+
+
+class InPlaceStart(nn.Module):
+    """A unit whose forward modifies its input in place (nn.ReLU(inplace=True) first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.ones(3))  # so that ZeRO-3 makes a unit of this module too
+
+    def forward(self, h):
+        return self.fc(self.act(h)) * self.scale
+
+
+@pytest.mark.parametrize("strategy", sorted(SHARDED))
+def test_a_unit_that_modifies_its_input_in_place_trains_as_one_process(strategy):
+    # Ending a unit's backward at its inputs must leave them ordinary tensors: an identity
+    # autograd Function in front of the unit made them views that autograd refuses to modify.
+    def build():
+        with SEED_LOCK:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(5, 7), InPlaceStart()).double()
+
+    data = batches(2, 12)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for x, y in data:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = model.state_dict()
+
+    def train(backend):
+        model_cls, optimizer_cls = STRATEGIES[strategy.split("-")[0]]
+        model = model_cls(build(), backend, **SHARDED[strategy])
+        opt = optimizer_cls(model, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+        for x, y in data:
+            piece = micro_batches(x, y, backend.world_size, 1, backend.rank)[0]
+            model.train_step(piece, nn.functional.mse_loss, opt)
+        return model.gather_full_parameters()
+
+    for params in spawn(train, 2):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
