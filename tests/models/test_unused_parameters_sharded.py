@@ -124,6 +124,26 @@ def reference_without_spare(data):
     return {n: t for n, t in model.state_dict().items() if not n.startswith("spare.")}
 
 
+def assert_matches_without_spare(results, data):
+    expected = reference_without_spare(data)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+def train_gated(backend, strategy, data):
+    """AdamW steps of ``Gated`` (``spare`` unused) on this rank's slices; the full parameters."""
+    model_cls, optimizer_cls = STRATEGIES[strategy.split("-")[0]]
+    model = model_cls(make_model(), backend, **SHARDED[strategy])
+    opt = optimizer_cls(model, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    for x, y in data:
+        piece = micro_batches(x, y, backend.world_size, 1, backend.rank)[0]
+        nn.functional.mse_loss(model(piece[0]), piece[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.gather_full_parameters()
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("strategy", sorted(SHARDED))
 def test_a_parameter_some_ranks_leave_unused_trains_as_one_process(strategy, world):
@@ -133,25 +153,10 @@ def test_a_parameter_some_ranks_leave_unused_trains_as_one_process(strategy, wor
     # the in-memory engine). Averaged with the closed ranks' zeros, its gradient is the global
     # batch's, so every parameter `spare` aside (which no rank uses) matches one process.
     data = batches(3, 12)
-
-    def train(backend):
-        model_cls, optimizer_cls = STRATEGIES[strategy.split("-")[0]]
-        model = model_cls(make_model(), backend, **SHARDED[strategy])
-        opt = optimizer_cls(model, torch.optim.AdamW, lr=0.05, weight_decay=0.1)
-        for x, y in data:
-            piece = micro_batches(x, y, backend.world_size, 1, backend.rank)[0]
-            nn.functional.mse_loss(model(piece[0]), piece[1]).backward()
-            opt.step()
-            opt.zero_grad()
-        return model.gather_full_parameters()
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = spawn(train, world)
-    expected = reference_without_spare(data)
-    for params in results:
-        for name, value in expected.items():
-            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
+        results = spawn(functools.partial(train_gated, strategy=strategy, data=data), world)
+    assert_matches_without_spare(results, data)
     closed = [str(w.message) for w in caught if f"on rank {world - 1} " in str(w.message)]
     assert len(closed) == 1 and "'gated.extra'" in closed[0], closed
 
