@@ -209,8 +209,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._optimizer = optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients. ``set_to_none=False`` keeps them as zeros, as torch does, where the
+        optimizer sees each parameter (DDP): it then still steps them (weight decay, momentum).
+        A flat shard gets a whole new gradient at each synchronisation, so there it changes
+        nothing, and zeros kept there could alias the buffers the next reduction writes."""
+        keep = not set_to_none and self.skips_unused_parameters
         for shard in self.local_parameter_shard():
-            shard.grad = None
+            if keep and shard.grad is not None:
+                shard.grad.zero_()
+            else:
+                shard.grad = None
         self._zero_grad()
         cleared = getattr(self._optimizer, "gradients_cleared", None)
         if cleared is not None:  # what the optimizer derived from these gradients goes with them

@@ -44,7 +44,7 @@ class ShardingConfig:
         data_parallel="ddp": a parameter that no rank gave a gradient keeps ``.grad = None``
         after synchronisation, so the optimizer skips it as it would in one process (one small
         all_reduce per synchronisation; see ParameterUsage). False averages it as zeros (and
-        DDPModel, ZeRO-1 and ZeRO-2 warn once on a rank that sees one).
+        every data-parallel model warns once on a rank that sees one).
     """
 
     bucket_cap_mb: float = 25.0

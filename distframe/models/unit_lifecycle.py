@@ -29,6 +29,25 @@ records whether its forward ran since its masters last changed (``forward_ran``,
 ``mark_stale``), and a gradient reaching a unit that has not is ``misuse_error``, at the first
 step; the model turns the crash in forward into the same error (``UnitShardedModelBase.forward``).
 Hooking every submodule instead would cost a hook call per submodule call on every step.
+
+[Note: where a unit's backward ends] It must end at the same point on every rank, among the
+other units' gathers and reductions, or the ranks' collectives no longer pair up. The moment its
+last parameter gets its gradient is not such a point: a parameter that gets none on some ranks
+only (a gate closed for their rows) leaves them to reduce the unit in ``finish``, and a unit's
+own parameters can complete before or after a nested unit's backward depending on the data. So
+the tensors that require grad among the inputs of the unit's first call in a forward get
+gradient hooks (``after_inputs_backward``); the last of them runs after every node of the unit's
+forward (the engine runs a device's nodes in reverse creation order) and ends the unit's
+backward there on every rank, where FSDP2's post-backward ends it. A unit whose inputs need no
+gradient (the first one), or whose forward ran without grad (reentrant activation
+checkpointing), ends when its parameters' gradients are all accumulated, or in ``finish``.
+
+[Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
+that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
+moves it (weight decay, momentum) where one process would leave it alone. Each parameter's
+gradient hook marks it in ``usage`` (a list write, no communication); a synchronising ``finish``
+has ``usage`` warn once per rank, naming those without one; ``begin_forward`` forgets the marks
+of gradients that were cleared since (ParameterUsage, as DDP and ZeRO-1/2 have it).
 """
 from __future__ import annotations
 
@@ -40,13 +59,20 @@ import torch
 from distframe.backends.types import Work
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
+from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
+from distframe.models.unit_inputs import after_inputs_backward
 
 
 class UnitLifecycle:
     def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool,
-                 misuse_error: Callable[[ShardedUnit, str], Exception]) -> None:
+                 misuse_error: Callable[[ShardedUnit, str], Exception],
+                 usage: Callable[[list[str], list[torch.nn.Parameter]], ParameterUsage]) -> None:
         self.units = units
+        # Which parameters hold a gradient (units' parameters in unit order), so a synchronisation
+        # that averages some as zeros says so: see [Note: parameters without a gradient].
+        entries = [e for unit in units for e in unit.space.entries]
+        self.usage = usage([e.name for e in entries], [e.param for e in entries])
         self.misuse_error = misuse_error  # (unit, what went wrong) -> the error to raise
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
@@ -54,18 +80,22 @@ class UnitLifecycle:
         self._armed = False
         self._backward_end = BackwardEnd(self.finish)
         self._order: list[int] = []          # forward order of this step
+        self._ends_at_inputs: set[int] = set()  # units whose inputs' backward ends their backward
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._pending: list[tuple[ShardedUnit, Work]] = []
         self._handles = []
+        index = 0
         for unit in units:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self.pre_forward(unit)))
+                lambda module, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs),
+                with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self.post_forward(unit, output)))
             for param in unit.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(
-                        lambda p, unit=unit: self._on_gradient_accumulated(unit, p)))
+                        lambda p, unit=unit, i=index: self._on_gradient_accumulated(unit, p, i)))
+                index += 1
 
     def begin_forward(self, synchronize: bool) -> None:
         """Called by the model before the wrapped forward."""
@@ -81,9 +111,11 @@ class UnitLifecycle:
             # No backward follows this forward (an evaluation, perhaps between a training
             # forward and its backward): that backward must still find its own settings.
             return
+        self._forget_cleared_gradients()
         if self._order:
             self._last_order = self._order
         self._order = []
+        self._ends_at_inputs.clear()
         self.synchronize = synchronize
         self._armed = synchronize
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -102,19 +134,24 @@ class UnitLifecycle:
             self._backward_end.watch(output, self._backward_running)
 
     # ---- forward -----------------------------------------------------------------------------
-    def pre_forward(self, unit: ShardedUnit) -> None:
+    def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> None:
         unit.forward_ran = True
         if unit.state is TrainingState.PRE_BACKWARD:
             # Activation checkpointing recomputes the forward inside the unit's backward: its
             # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
             unit.unshard()
             return
-        if unit.index not in self._order:
+        first_call = unit.index not in self._order
+        if first_call:
             self._order.append(unit.index)
         unit.state = TrainingState.FORWARD
         unit.unshard()
         if self.prefetch:
             self._prefetch_after(unit.index, self._last_order)
+        # A unit called again in this forward: its first call's inputs get their gradients last.
+        if first_call and torch.is_grad_enabled() and after_inputs_backward(
+                args, kwargs, lambda: self._inputs_backward(unit)):
+            self._ends_at_inputs.add(unit.index)
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
@@ -134,13 +171,20 @@ class UnitLifecycle:
         if self.prefetch:
             self._prefetch_after(unit.index, self._order[::-1])
 
-    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter) -> None:
+    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter, index: int) -> None:
         if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
             raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
                                           "did not run")
+        self.usage.has_gradient[index] = True
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
-        if len(unit.ready) == sum(p.requires_grad for p in unit.params):
+        if (unit.index not in self._ends_at_inputs
+                and len(unit.ready) == sum(p.requires_grad for p in unit.params)):
+            self.post_backward(unit)
+
+    def _inputs_backward(self, unit: ShardedUnit) -> None:
+        """The unit's backward is over on this rank (see [Note: where a unit's backward ends])."""
+        if unit.state is TrainingState.PRE_BACKWARD:
             self.post_backward(unit)
 
     def post_backward(self, unit: ShardedUnit) -> None:
@@ -156,6 +200,7 @@ class UnitLifecycle:
 
     def finish(self) -> None:
         """Completes this step's gradient reductions (see the module docstring); collective."""
+        synchronising = self._armed
         if self._armed:
             for unit in self.units:
                 if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
@@ -169,6 +214,19 @@ class UnitLifecycle:
             unit.state = TrainingState.IDLE
             unit.reshard()
         self._armed = False
+        if synchronising:
+            self.usage.finish(None)  # warns once if a parameter was averaged as zeros
+
+    def _forget_cleared_gradients(self) -> None:
+        """A parameter holds a gradient from its first gradient hook until it is cleared: its own
+        ``.grad`` (local, under no_sync) and its unit's master ``.grad`` (zero_grad) both None."""
+        has_gradient, index = self.usage.has_gradient, 0
+        for unit in self.units:
+            if unit.master.grad is None:
+                for i, param in enumerate(unit.params, index):
+                    if param.grad is None:
+                        has_gradient[i] = False
+            index += len(unit.params)
 
     def _backward_running(self, *_: Any) -> None:
         """A backward over a synchronising forward is running (again, after a retain_graph

@@ -49,7 +49,8 @@ class UnitShardedModelBase(ShardedModelBase):
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
             for i, (owner, params) in enumerate(self._choose_units(module))]
         self.lifecycle = UnitLifecycle(self.units, reshard_after_forward=self.config.reshard_after_forward,
-                                       prefetch=self.config.prefetch, misuse_error=self._misused_unit_error)
+                                       prefetch=self.config.prefetch, misuse_error=self._misused_unit_error,
+                                       usage=self._parameter_usage)
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""
@@ -119,6 +120,14 @@ class UnitShardedModelBase(ShardedModelBase):
 
     def _after_load(self) -> None:
         self.lifecycle.mark_stale()
+
+    def _zero_grad(self) -> None:
+        """Gradients accumulated under no_sync wait on the units' parameters, not the masters:
+        they are cleared too, or the next synchronisation would reduce them with its own."""
+        for unit in self.units:
+            for param in unit.params:
+                param.grad = None
+            unit.ready.clear()
 
     def local_parameter_shard(self) -> list[torch.Tensor]:
         return [u.master for u in self.units]

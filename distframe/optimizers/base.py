@@ -123,7 +123,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped_optimizer.zero_grad(set_to_none=set_to_none)
-        self.model.zero_grad()
+        self.model.zero_grad(set_to_none=set_to_none)
 
     def gradients_cleared(self) -> None:
         """Called by the model's ``zero_grad``, whoever calls it: drop what was derived from the

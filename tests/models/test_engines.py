@@ -46,3 +46,12 @@ def test_find_unused_parameters_on_process_engines(pool):
     from tests.models.test_unused_parameters import assert_matches, batches, reference, run_ddp
     data = batches(3, 12)
     assert_matches(pool.run(run_ddp, data), reference(data, 2))
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp-per-layer"])
+def test_a_parameter_some_ranks_leave_unused_on_process_engines(pool, strategy):
+    # Rank 1 gives `gated.extra` no gradient: its units must still reduce where rank 0's do.
+    from tests.models.test_unused_parameters import batches
+    from tests.models.test_unused_parameters_sharded import assert_matches_without_spare, train_gated
+    data = batches(3, 12)
+    assert_matches_without_spare(pool.run(train_gated, strategy, data), data)
