@@ -28,15 +28,18 @@ __all__ = ["TrainConfig", "TrainResult", "run"]
 
 
 def run(config: TrainConfig) -> TrainResult:
-    """Trains as ``config`` says and returns rank 0's result."""
-    if config.resume:
-        train_checkpoint.resume_step(config.out, config.steps)  # --steps below it: ConfigError
+    """Trains as ``config`` says and returns rank 0's result (under a launcher, this rank's).
+    With ``--resume`` and a run already at ``--steps``: a result with ``already_finished``."""
     launcher = detect_launcher()
     if launcher is not None:
         if config.optimizer == "elastic":
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
                               f"workers; run it without {launcher}")
         return _run_launched(config, launcher)
+    # This one process sees OUT for every rank it starts: checked before any rank starts
+    # (--steps below the checkpoint's step: ConfigError).
+    if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
+        return _already_finished(config, rank=0)
     config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
@@ -65,9 +68,21 @@ def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
         config = dataclasses.replace(config, world_size=backend.world_size)
+        # Each launched process sees its own file system (node-local disks): the ranks agree
+        # on the checkpoint and the verdict, or every rank raises the same ConfigError.
+        if config.resume and train_checkpoint.agreed_resume_step(
+                config.out, config.steps, backend) == config.steps:
+            return _already_finished(config, rank=backend.rank)
         return train_on_rank(backend, config, backend_name=name)
     finally:
         backend.shutdown()
+
+
+def _already_finished(config: TrainConfig, rank: int) -> TrainResult:
+    found = train_checkpoint.latest_checkpoint(config.out)
+    return TrainResult(step=config.steps, train_loss=None, val_loss=None, tokens_per_s=0.0,
+                       peak_memory_bytes=0, wall_s=0.0, out=config.out,
+                       checkpoint=found[0] if found else None, rank=rank, already_finished=True)
 
 
 def check_backend_available(name: str, world_size: int) -> None:
