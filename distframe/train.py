@@ -13,11 +13,13 @@ import contextlib
 import dataclasses
 import functools
 import os
+import tempfile
 from collections.abc import Iterator
 
 import torch
 
 from distframe import train_checkpoint
+from distframe.checkpoint.agreement import agree
 from distframe.data import load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import detect_launcher, init_backend, spawn
@@ -44,6 +46,7 @@ def run(config: TrainConfig) -> TrainResult:
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    check_out_writable(config.out)
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
         with _threads_per_rank(config.world_size):
@@ -68,6 +71,12 @@ def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
         config = dataclasses.replace(config, world_size=backend.world_size)
+        try:  # every rank writes its checkpoint shards into OUT
+            check_out_writable(config.out)
+            error = None
+        except ConfigError as exc:
+            error = exc
+        agree(backend, error, f"--out {config.out}")
         # Each launched process sees its own file system (node-local disks): the ranks agree
         # on the checkpoint and the verdict, or every rank raises the same ConfigError.
         if config.resume and train_checkpoint.agreed_resume_step(
@@ -100,6 +109,20 @@ def check_backend_available(name: str, world_size: int) -> None:
     elif name == "gloo" and not torch.distributed.is_available():
         raise BackendUnavailableError("--backend gloo needs a torch build with torch.distributed; "
                                       "use --backend inmemory or mpi")
+
+
+def check_out_writable(out: str) -> None:
+    """ConfigError naming ``--out`` unless this process can create OUT and write a file there
+    (checked before the ranks train: a rank that cannot write its first checkpoint would fail
+    with an OSError's traceback after the run's first interval)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=out, prefix=".distframe-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); pass a "
+                          "directory you can write to") from None
 
 
 @contextlib.contextmanager
