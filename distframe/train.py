@@ -22,7 +22,7 @@ from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
 from distframe.data import load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
-from distframe.launch import detect_launcher, init_backend, spawn
+from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
@@ -61,9 +61,8 @@ def run(config: TrainConfig) -> TrainResult:
 
 
 def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
-    name = config.backend
-    if name == "auto":
-        name = "mpi" if launcher == "mpi" else ("nccl" if torch.cuda.is_available() else "gloo")
+    # auto: the engine init_backend picks (under torchrun, NCCL only with a GPU per process)
+    name = auto_backend_name(launcher) if config.backend == "auto" else config.backend
     backend = init_backend(name)
     try:
         if config.world_size is not None and config.world_size != backend.world_size:

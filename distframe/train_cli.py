@@ -31,7 +31,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model is distributed: " + "; ".join(f"{k}: {s.help}"
                                                           for k, s in STRATEGIES.items()) + _default("strategy"))
     add("--backend", group=run, metavar="{" + ",".join(BACKENDS) + "}",
-        help="communication engine; auto: mpi under mpiexec, gloo (nccl with GPUs) under "
+        help="communication engine; auto: mpi under mpiexec, gloo (nccl with a GPU per process) under "
              "torchrun, else in-memory threads" + _default("backend"))
     add("--world-size", group=run, type=int, metavar="N",
         help=f"ranks to start: in-memory threads or spawned processes (default: {DEFAULT_WORLD_SIZE}); "

@@ -22,3 +22,35 @@ def test_out_that_cannot_be_written(capsys, corpus_file, root):
                              "--world-size", world], f"--out {out}", "cannot write there",
                     "directory you can write to")
     assert not os.path.exists(out)
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("gpus", "local_ranks", "expected"), [(1, 2, "gloo"), (2, 2, "nccl"),
+                                                                (0, 1, "gloo")])
+def test_auto_backend_under_torchrun(monkeypatch, tmp_path, gpus, local_ranks, expected):
+    """``torchrun --nproc-per-node 2 -m distframe train`` on a one-GPU machine picked NCCL (CUDA
+    is there), which refuses two ranks on one GPU; it now picks what init_backend("auto") picks."""
+    import torch
+
+    from distframe import train
+    from distframe.backends import torch_dist
+    from distframe.train_config import TrainConfig
+    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {"RANK": "0", "WORLD_SIZE": str(local_ranks), "MASTER_ADDR": "127.0.0.1",
+                       "LOCAL_WORLD_SIZE": str(local_ranks)}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch_dist, "visible_gpus", lambda: gpus)
+    started = []
+
+    def init_backend(name):
+        started.append(name)
+        raise _Started
+    monkeypatch.setattr(train, "init_backend", init_backend)
+    with pytest.raises(_Started):
+        train.run(TrainConfig(out=str(tmp_path)))
+    assert started == [expected]
