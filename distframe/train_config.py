@@ -181,6 +181,14 @@ class TrainConfig:
 
     def _check_model(self) -> None:
         shape = self.model_config(vocab_size=256, checked=False)
+        if len(shape.segment_lengths) != len(shape.dilation_rates):
+            rates = _csv(shape.dilation_rates) + ("" if self.dilation_rates else
+                                                  f" (--preset {self.preset}'s)")
+            example = (tuple(shape.dilation_rates) + (1,) * len(shape.segment_lengths))[
+                :len(shape.segment_lengths)]
+            raise ConfigError(f"--segment-lengths {_csv(shape.segment_lengths)} and --dilation-rates "
+                              f"{rates} differ in length: pass one dilation rate per segment length, "
+                              f"for example --dilation-rates {_csv(example)}")
         too_long = [w for w in shape.segment_lengths if w > shape.seq_len]
         if too_long:
             raise ConfigError(

@@ -34,7 +34,11 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--backend", "pigeon"], ["--backend", "inmemory"]),
     (["--world-size", "3", "--batch-size", "8"], ["--world-size 3", "--batch-size 8"]),
     (["--seq-len", "32", "--segment-lengths", "8,16,64"], ["--segment-lengths", "--seq-len 32"]),
-    (["--segment-lengths", "8,16", "--dilation-rates", "1,2,4"], ["segment_lengths"]),
+    (["--segment-lengths", "8,16", "--dilation-rates", "1,2,4"],
+     ["--segment-lengths 8,16 and --dilation-rates 1,2,4 differ", "--dilation-rates 1,2"]),
+    # The preset's three rates with two segment lengths: the message named internal fields
+    (["--seq-len", "16", "--segment-lengths", "8,16"],
+     ["--dilation-rates 1,2,4 (--preset tiny's)", "one dilation rate per segment length"]),
     (["--data", "/no/such/corpus.txt"], ["--data /no/such/corpus.txt"]),
     (["--steps", "0"], ["--steps"]),
     (["--steps", "many"], ["--steps", "invalid int"]),
