@@ -129,6 +129,13 @@ class TrainConfig:
         if self.data is not None and not isinstance(self.data, str):
             raise ConfigError(f"--data {self.data!r}: use the path of a text file, a directory of "
                               "text files or a .bin token file")
+        if self.token_dtype != TrainConfig.token_dtype and not str(self.data).endswith(".bin"):
+            # Any other file is read as text, one byte a token: a token file under another name
+            # would train on its raw bytes without a word.
+            source = self.data or "the default corpus"
+            raise ConfigError(f"--token-dtype {self.token_dtype} applies to a flat token file, "
+                              f"which --data names by its .bin suffix (--data is {source}); rename "
+                              "the token file to end in .bin, or drop --token-dtype for text")
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory; pass a text file, "
                               "a directory of text files or a .bin token file (or leave --data out "

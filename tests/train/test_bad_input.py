@@ -53,6 +53,8 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--dropout", "-0.1"], ["--dropout -0.1", "0 <= P < 1"]),
     (["--dropout", "nan"], ["--dropout nan", "0 <= P < 1"]),
     (["--dropout", "lots"], ["--dropout", "invalid float"]),
+    # read as text, a token file not named .bin trained on its raw bytes without a word
+    (["--token-dtype", "uint16"], ["--token-dtype uint16", ".bin", "default corpus"]),
     (["--dropout", "0.1", "--strategy", "hybrid", "--world-size", "2", "--cp", "2"],
      ["--dropout 0.1", "--cp 2", "--cp 1 or --dropout 0"]),
 ])

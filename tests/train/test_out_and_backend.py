@@ -54,3 +54,11 @@ def test_auto_backend_under_torchrun(monkeypatch, tmp_path, gpus, local_ranks, e
     with pytest.raises(_Started):
         train.run(TrainConfig(out=str(tmp_path)))
     assert started == [expected]
+
+
+def test_token_dtype_of_a_file_not_named_bin(capsys, tmp_path):
+    tokens = tmp_path / "tokens.u16"
+    tokens.write_bytes(bytes(range(256)) * 8)
+    _fails_with(capsys, ["train", *TINY, "--data", str(tokens), "--token-dtype", "uint16",
+                         "--out", str(tmp_path / "run")],
+                "--token-dtype uint16", f"--data is {tokens}", "end in .bin")
