@@ -115,14 +115,7 @@ def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **back
     """
     launcher = detect_launcher()
     if name == "auto":
-        if launcher == "mpi":
-            name = "mpi"
-        elif launcher == "torchrun":
-            from distframe.backends.torch_dist import visible_gpus
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            name = "nccl" if visible_gpus() >= local_ranks else "gloo"
-        else:
-            name = "inmemory"
+        name = auto_backend_name(launcher)
     if name == "inmemory":
         return InMemoryCommunicationBackend(0, 1, timeout=timeout, **backend_kwargs)
     if name == "mpi":
@@ -136,6 +129,19 @@ def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **back
         from distframe.backends.torch_dist import from_environment
         return _departs_with_script(from_environment(name, timeout=timeout, **backend_kwargs))
     raise ConfigError(f"unknown backend {name!r}; choose auto or one of {', '.join(ENGINES)}")
+
+
+def auto_backend_name(launcher: str | None) -> str:
+    """The engine ``init_backend("auto")`` builds under ``launcher`` (``detect_launcher()``):
+    MPI under mpirun/mpiexec; under torchrun NCCL when every process on this node can have a GPU
+    of its own (NCCL refuses two ranks on one GPU), else Gloo; in-memory without a launcher."""
+    if launcher == "mpi":
+        return "mpi"
+    if launcher == "torchrun":
+        from distframe.backends.torch_dist import visible_gpus
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return "nccl" if visible_gpus() >= local_ranks else "gloo"
+    return "inmemory"
 
 
 _script_backends: weakref.WeakSet = weakref.WeakSet()

@@ -13,14 +13,16 @@ import contextlib
 import dataclasses
 import functools
 import os
+import tempfile
 from collections.abc import Iterator
 
 import torch
 
 from distframe import train_checkpoint
+from distframe.checkpoint.agreement import agree
 from distframe.data import load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
-from distframe.launch import detect_launcher, init_backend, spawn
+from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
@@ -28,19 +30,23 @@ __all__ = ["TrainConfig", "TrainResult", "run"]
 
 
 def run(config: TrainConfig) -> TrainResult:
-    """Trains as ``config`` says and returns rank 0's result."""
-    if config.resume:
-        train_checkpoint.resume_step(config.out, config.steps)  # --steps below it: ConfigError
+    """Trains as ``config`` says and returns rank 0's result (under a launcher, this rank's).
+    With ``--resume`` and a run already at ``--steps``: a result with ``already_finished``."""
     launcher = detect_launcher()
     if launcher is not None:
         if config.optimizer == "elastic":
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
                               f"workers; run it without {launcher}")
         return _run_launched(config, launcher)
+    # This one process sees OUT for every rank it starts: checked before any rank starts
+    # (--steps below the checkpoint's step: ConfigError).
+    if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
+        return _already_finished(config, rank=0)
     config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    check_out_writable(config.out)
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
         with _threads_per_rank(config.world_size):
@@ -55,9 +61,8 @@ def run(config: TrainConfig) -> TrainResult:
 
 
 def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
-    name = config.backend
-    if name == "auto":
-        name = "mpi" if launcher == "mpi" else ("nccl" if torch.cuda.is_available() else "gloo")
+    # auto: the engine init_backend picks (under torchrun, NCCL only with a GPU per process)
+    name = auto_backend_name(launcher) if config.backend == "auto" else config.backend
     backend = init_backend(name)
     try:
         if config.world_size is not None and config.world_size != backend.world_size:
@@ -65,9 +70,27 @@ def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
         config = dataclasses.replace(config, world_size=backend.world_size)
+        try:  # every rank writes its checkpoint shards into OUT
+            check_out_writable(config.out)
+            error = None
+        except ConfigError as exc:
+            error = exc
+        agree(backend, error, f"--out {config.out}")
+        # Each launched process sees its own file system (node-local disks): the ranks agree
+        # on the checkpoint and the verdict, or every rank raises the same ConfigError.
+        if config.resume and train_checkpoint.agreed_resume_step(
+                config.out, config.steps, backend) == config.steps:
+            return _already_finished(config, rank=backend.rank)
         return train_on_rank(backend, config, backend_name=name)
     finally:
         backend.shutdown()
+
+
+def _already_finished(config: TrainConfig, rank: int) -> TrainResult:
+    found = train_checkpoint.latest_checkpoint(config.out)
+    return TrainResult(step=config.steps, train_loss=None, val_loss=None, tokens_per_s=0.0,
+                       peak_memory_bytes=0, wall_s=0.0, out=config.out,
+                       checkpoint=found[0] if found else None, rank=rank, already_finished=True)
 
 
 def check_backend_available(name: str, world_size: int) -> None:
@@ -85,6 +108,20 @@ def check_backend_available(name: str, world_size: int) -> None:
     elif name == "gloo" and not torch.distributed.is_available():
         raise BackendUnavailableError("--backend gloo needs a torch build with torch.distributed; "
                                       "use --backend inmemory or mpi")
+
+
+def check_out_writable(out: str) -> None:
+    """ConfigError naming ``--out`` unless this process can create OUT and write a file there
+    (checked before the ranks train: a rank that cannot write its first checkpoint would fail
+    with an OSError's traceback after the run's first interval)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=out, prefix=".distframe-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); pass a "
+                          "directory you can write to") from None
 
 
 @contextlib.contextmanager

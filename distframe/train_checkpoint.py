@@ -13,7 +13,10 @@ import os
 import shutil
 from typing import Any
 
+import torch
+
 from distframe.errors import ConfigError
+
 
 def checkpoint_dir(out_dir: str) -> str:
     return os.path.join(out_dir, "checkpoints")
@@ -32,28 +35,57 @@ def latest_checkpoint(out_dir: str) -> tuple[str, int] | None:
 
 
 def agreed_latest_checkpoint(out_dir: str, backend: Any) -> tuple[str, int]:
-    """``latest_checkpoint`` for ``--resume``, the same on every rank, or an error on every rank
-    (one small all_gather): a rank that finds none, or a later step than its peers (node-local
-    directories out of step), would otherwise leave the others waiting in the load's collectives."""
-    from distframe.checkpoint.agreement import agree
+    """``latest_checkpoint`` for ``--resume``, the same on every rank, or the same ConfigError on
+    every rank (one all_gather of one int64): a rank that finds none, or another step than its
+    peers (node-local directories out of step), would otherwise leave the others waiting in the
+    load's collectives, or end while they train."""
     found = latest_checkpoint(out_dir)
-    error = None if found else ConfigError(
-        f"--resume: no checkpoint under {out_dir}/checkpoints; run without --resume to start "
-        "fresh, or pass the --out of the run to continue")
-    agree(backend, error, f"--resume from {out_dir}", {"step": found[1]} if found else None)
-    assert found is not None
-    return found
+    steps = backend.all_gather(torch.tensor([found[1] if found else -1], dtype=torch.int64)).tolist()
+    if found is not None and len(set(steps)) == 1:
+        return found
+    if max(steps) < 0:
+        raise ConfigError(f"--resume: no checkpoint under {out_dir}/checkpoints; run without "
+                          "--resume to start fresh, or pass the --out of the run to continue")
+    by_step: dict[int, list[int]] = {}
+    for rank, step in enumerate(steps):
+        by_step.setdefault(step, []).append(rank)
+    seen = "; ".join(f"{f'step {step}' if step >= 0 else 'none'} on rank{'s' if len(ranks) > 1 else ''} "
+                     f"{_ranks(ranks)}" for step, ranks in sorted(by_step.items(), reverse=True))
+    raise ConfigError(f"--resume: the ranks see different latest checkpoints under {out_dir}/checkpoints "
+                      f"({seen}); give every rank the same --out (a shared file system, or a copy of "
+                      "the latest checkpoint on every node)")
 
 
-def resume_step(out_dir: str, steps: int) -> int | None:
-    """The step ``--resume`` continues after (the latest checkpoint's), or None if there is no
-    checkpoint; ConfigError if ``--steps`` is below it (a run cannot train backwards)."""
-    found = latest_checkpoint(out_dir)
+def _ranks(ranks: list[int]) -> str:
+    """``0, 1, 2`` (the first few, then how many more)."""
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def check_resume_steps(out_dir: str, found: tuple[str, int] | None, steps: int) -> None:
+    """ConfigError if ``--steps`` is below the step of ``found``, the checkpoint ``--resume``
+    continues from (a run cannot train backwards)."""
     if found is not None and steps < found[1]:
         raise ConfigError(f"--steps {steps}: the run in {out_dir} already reached step {found[1]} "
                           f"({found[0]}); pass --steps above {found[1]} to train it further, or "
                           "leave out --resume to start a new run")
+
+
+def resume_step(out_dir: str, steps: int) -> int | None:
+    """The step ``--resume`` continues after (the latest checkpoint's), or None if there is no
+    checkpoint; ConfigError if ``--steps`` is below it. What one process sees: ranks that a
+    launcher started each see their own file system and agree with ``agreed_resume_step``."""
+    found = latest_checkpoint(out_dir)
+    check_resume_steps(out_dir, found, steps)
     return None if found is None else found[1]
+
+
+def agreed_resume_step(out_dir: str, steps: int, backend: Any) -> int:
+    """``resume_step`` agreed by every rank of ``backend`` (collective): the same step, or the
+    same ConfigError, on every rank (also when there is no checkpoint)."""
+    found = agreed_latest_checkpoint(out_dir, backend)
+    check_resume_steps(out_dir, found, steps)
+    return found[1]
 
 
 def remove_checkpoints(out_dir: str) -> None:

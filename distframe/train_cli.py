@@ -31,7 +31,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the model is distributed: " + "; ".join(f"{k}: {s.help}"
                                                           for k, s in STRATEGIES.items()) + _default("strategy"))
     add("--backend", group=run, metavar="{" + ",".join(BACKENDS) + "}",
-        help="communication engine; auto: mpi under mpiexec, gloo (nccl with GPUs) under "
+        help="communication engine; auto: mpi under mpiexec, gloo (nccl with a GPU per process) under "
              "torchrun, else in-memory threads" + _default("backend"))
     add("--world-size", group=run, type=int, metavar="N",
         help=f"ranks to start: in-memory threads or spawned processes (default: {DEFAULT_WORLD_SIZE}); "
@@ -145,15 +145,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from distframe import train, train_checkpoint
-    from distframe.cli import _launched_rank
     from distframe.train_metrics import format_bytes, format_duration
     flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
     config = resolve_config(flags, getattr(args, "config", None))
-    if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
-        if _launched_rank() == 0:  # under mpiexec or torchrun, rank 0 reports
-            print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
-                  f"nothing to train (pass --steps above {config.steps} to train it further)")
-        return 0
     try:
         result = train.run(config)
     except KeyboardInterrupt:
@@ -163,6 +157,10 @@ def train_command(args: argparse.Namespace) -> int:
         print(f"\ndistframe train: interrupted; {where}", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.rank != 0:  # under mpiexec or torchrun every rank gets here; rank 0 reports
+        return 0
+    if result.already_finished:
+        print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
+              f"nothing to train (pass --steps above {config.steps} to train it further)")
         return 0
     for note in result.notes:
         print(note, file=sys.stderr)

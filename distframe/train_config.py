@@ -129,6 +129,13 @@ class TrainConfig:
         if self.data is not None and not isinstance(self.data, str):
             raise ConfigError(f"--data {self.data!r}: use the path of a text file, a directory of "
                               "text files or a .bin token file")
+        if self.token_dtype != TrainConfig.token_dtype and not str(self.data).endswith(".bin"):
+            # Any other file is read as text, one byte a token: a token file under another name
+            # would train on its raw bytes without a word.
+            source = self.data or "the default corpus"
+            raise ConfigError(f"--token-dtype {self.token_dtype} applies to a flat token file, "
+                              f"which --data names by its .bin suffix (--data is {source}); rename "
+                              "the token file to end in .bin, or drop --token-dtype for text")
         if self.data is not None and not os.path.exists(self.data):
             raise ConfigError(f"--data {self.data}: no such file or directory; pass a text file, "
                               "a directory of text files or a .bin token file (or leave --data out "
@@ -181,6 +188,14 @@ class TrainConfig:
 
     def _check_model(self) -> None:
         shape = self.model_config(vocab_size=256, checked=False)
+        if len(shape.segment_lengths) != len(shape.dilation_rates):
+            rates = _csv(shape.dilation_rates) + ("" if self.dilation_rates else
+                                                  f" (--preset {self.preset}'s)")
+            example = (tuple(shape.dilation_rates) + (1,) * len(shape.segment_lengths))[
+                :len(shape.segment_lengths)]
+            raise ConfigError(f"--segment-lengths {_csv(shape.segment_lengths)} and --dilation-rates "
+                              f"{rates} differ in length: pass one dilation rate per segment length, "
+                              f"for example --dilation-rates {_csv(example)}")
         too_long = [w for w in shape.segment_lengths if w > shape.seq_len]
         if too_long:
             raise ConfigError(

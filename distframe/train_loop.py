@@ -45,6 +45,8 @@ class TrainResult:
     checkpoint: str | None
     rank: int = 0
     notes: tuple[str, ...] = ()
+    # --resume found the run at --steps already: nothing was trained and OUT is unchanged.
+    already_finished: bool = False
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -218,6 +220,7 @@ class Job:
         start_step, history = 0, []
         if self.config.resume:
             found = train_checkpoint.agreed_latest_checkpoint(out, self.backend)
+            train_checkpoint.check_resume_steps(out, found, self.config.steps)
             start_step, note = train_checkpoint.load(found[0], self.model, self.optimizer, self.rng)
             if note and self.is_writer:
                 print(note, file=sys.stderr)

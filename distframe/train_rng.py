@@ -141,12 +141,15 @@ class RankRandomState:
 
     def continue_from(self, step: int) -> str | None:
         """After a load: where ``read`` restored nothing, new dropout streams seeded from the
-        generators' seeds and ``step``; returns a note saying so when dropout is on, else None."""
+        generators' seeds and ``step``; returns a note saying so when ``--dropout`` is above 0,
+        else None."""
         if self.restored or self.dropout is None:
             return None
         seeds = [derive_seed(self.dropout.replicated_seed, "resume", step),
                  derive_seed(self.dropout.split_seed, "resume", step)]
         self.dropout.load_state_dict({"seeds": torch.tensor(seeds, dtype=torch.int64)})
+        if not self.config.dropout:  # a tensor-parallel model's generators, but nothing draws
+            return None
         if self.saved_layout is None:
             why = "the checkpoint holds no generator states (saved before distframe kept them)"
         else:

@@ -34,7 +34,11 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--backend", "pigeon"], ["--backend", "inmemory"]),
     (["--world-size", "3", "--batch-size", "8"], ["--world-size 3", "--batch-size 8"]),
     (["--seq-len", "32", "--segment-lengths", "8,16,64"], ["--segment-lengths", "--seq-len 32"]),
-    (["--segment-lengths", "8,16", "--dilation-rates", "1,2,4"], ["segment_lengths"]),
+    (["--segment-lengths", "8,16", "--dilation-rates", "1,2,4"],
+     ["--segment-lengths 8,16 and --dilation-rates 1,2,4 differ", "--dilation-rates 1,2"]),
+    # The preset's three rates with two segment lengths: the message named internal fields
+    (["--seq-len", "16", "--segment-lengths", "8,16"],
+     ["--dilation-rates 1,2,4 (--preset tiny's)", "one dilation rate per segment length"]),
     (["--data", "/no/such/corpus.txt"], ["--data /no/such/corpus.txt"]),
     (["--steps", "0"], ["--steps"]),
     (["--steps", "many"], ["--steps", "invalid int"]),
@@ -49,6 +53,8 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--dropout", "-0.1"], ["--dropout -0.1", "0 <= P < 1"]),
     (["--dropout", "nan"], ["--dropout nan", "0 <= P < 1"]),
     (["--dropout", "lots"], ["--dropout", "invalid float"]),
+    # read as text, a token file not named .bin trained on its raw bytes without a word
+    (["--token-dtype", "uint16"], ["--token-dtype uint16", ".bin", "default corpus"]),
     (["--dropout", "0.1", "--strategy", "hybrid", "--world-size", "2", "--cp", "2"],
      ["--dropout 0.1", "--cp 2", "--cp 1 or --dropout 0"]),
 ])
