@@ -46,7 +46,7 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
                                                  wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
-from distframe.backends.torch_dist_p2p import HEADER_TAG, PendingSend, RecvWork, SendWaiter, finish_sends
+from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
@@ -105,8 +105,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
         wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank, world_size,
                          timeout_delta)
-        self._unfinished_sends: list[PendingSend] = []  # NCCL's; Gloo's are the waiter's
-        self._send_waiter: SendWaiter | None = None
+        self._sends = UnfinishedSends(waited=bool(self._wait_slice))
         self._shared.groups.add(self)
         # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
         # departs after the last call it entered (shutdown departs and cancels this).
@@ -244,20 +243,9 @@ class TorchDistributedBackend(CommunicationBackendBase):
         payload = tensor.to(self._device, copy=True)  # buffered: the caller may reuse `tensor`
         if self.debug:
             header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
-            self._track_send((self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
-        self._track_send((self._pg.send([movable(payload)], dst, tag), payload, dst, tag, seq))
+            self._sends.add((self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
+        self._sends.add((self._pg.send([movable(payload)], dst, tag), payload, dst, tag, seq))
         return CompletedWork(None)
-
-    def _track_send(self, send: PendingSend) -> None:
-        """Keeps an unfinished send (and its buffer) until it completes: NCCL's report completion
-        by themselves; a Gloo send only to a wait, made by a thread of its own (``SendWaiter``)."""
-        if not self._wait_slice:
-            self._unfinished_sends = [s for s in self._unfinished_sends if not s[0].is_completed()]
-            self._unfinished_sends.append(send)
-            return
-        if self._send_waiter is None:
-            self._send_waiter = SendWaiter()
-        self._send_waiter.add(send)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
         return RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))
@@ -285,11 +273,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
     def _shutdown(self) -> None:
         self._departs_when_gone.detach()
         self.depart()
-        waiter, self._send_waiter = self._send_waiter, None
-        if waiter is None:
-            waiter = SendWaiter(self._unfinished_sends)
-        self._unfinished_sends = []
-        finish_sends(waiter, self._rank, self.timeout, self.departures)
+        self._sends.finish(self._rank, self.timeout, self.departures)
         self._pg = None
         if self._owns_shared:
             self._shared.board.close()

@@ -104,6 +104,37 @@ class RecvWork(Work):
 PendingSend = tuple[Any, torch.Tensor, int, int, int]
 
 
+class UnfinishedSends:
+    """The sends of one group that have not been seen to complete, each with the buffer it
+    reads, kept until they do. NCCL's report completion by themselves; a Gloo send only to a
+    wait (``waited``), made by a thread of its own (``SendWaiter``), started at the first send."""
+
+    def __init__(self, *, waited: bool) -> None:
+        self._waited = waited
+        self._sends: list[PendingSend] = []
+        self._waiter: SendWaiter | None = None
+
+    def add(self, send: PendingSend) -> None:
+        if not self._waited:
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+            self._sends.append(send)
+            return
+        if self._waiter is None:
+            self._waiter = SendWaiter()
+        self._waiter.add(send)
+
+    def held(self) -> int:
+        """How many sends (with their buffers) are held now."""
+        return len(self._waiter.remaining()) if self._waiter is not None else len(self._sends)
+
+    def finish(self, sender: int, timeout: float,
+               departures: Callable[[], dict[int, Departure]]) -> None:
+        """At shutdown: ``finish_sends`` for the sends still unfinished."""
+        waiter = self._waiter if self._waiter is not None else SendWaiter(self._sends)
+        self._waiter, self._sends = None, []
+        finish_sends(waiter, sender, timeout, departures)
+
+
 def finish_sends(waiter: SendWaiter, sender: int, timeout: float,
                  departures: Callable[[], dict[int, Departure]]) -> None:
     """Waits up to ``timeout`` seconds for the unfinished sends of rank ``sender``'s group that
