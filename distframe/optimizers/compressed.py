@@ -20,6 +20,7 @@ outside ``no_sync``) keeps the first one's, as its gradients stay in the buffer.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,25 @@ class _Then(Work):
         return self._done
 
 
+def _claim(compressor: Compressor, backend: ICommunicationBackend) -> None:
+    """A compressor with state of its own (``state_dict``: int8's rounding generator, PowerSGD's
+    warm start) serves one rank. In-memory ranks are threads of one process, so one object built
+    outside ``spawn``'s function reached every rank, which then raced on its state and drew the
+    same rounding noise: results silently off. Stateless compressors may be shared. A compressor
+    whose rank has shut its backend down (an earlier run) may serve again."""
+    if type(compressor).state_dict is Compressor.state_dict:
+        return
+    holder = compressor.__dict__.get("_holder")
+    other = holder() if holder is not None else None
+    if (other is not None and other is not backend and other.rank != backend.rank
+            and not getattr(other, "is_shut_down", False)):
+        raise ConfigError(
+            f"this {type(compressor).__name__} already serves rank {other.rank}'s "
+            f"GradientCompressionOptimizer: it keeps per-rank state, so give rank {backend.rank} its "
+            "own (build it inside the function each rank runs, or copy.deepcopy(compressor))")
+    compressor._holder = weakref.ref(backend)
+
+
 def _split(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
     return list(flat.split(numels)) if numels else []
 
@@ -89,6 +109,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                               f"distframe.optimizers.compression (e.g. FP16Compressor()), got {compressor!r:.60}")
         if not isinstance(error_feedback, bool):
             raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
+        _claim(compressor, model.backend)
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.compressor = compressor
         compressor.bind(model.backend.rank)
