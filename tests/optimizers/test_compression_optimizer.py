@@ -124,7 +124,7 @@ def _expected_gradient_bytes(compressor):
                                         TopKCompressor(0.1), PowerSGDCompressor(rank=1, start_iter=0)], ids=repr)
 def test_stats_show_the_bytes_on_the_wire(compressor):
     steps = 3
-    stats = _train(2, lambda m: _sgd(m, compressor), steps=steps)[0][1]
+    stats = _train(2, lambda m: _sgd(m, copy.deepcopy(compressor)), steps=steps)[0][1]  # one per rank
     loss_bytes = 8 * steps  # train_step's one float64 all_reduce of the loss
     sent = stats["bytes"].get("all_reduce", 0) + stats["bytes"].get("all_gather", 0) - loss_bytes
     assert sent == steps * _expected_gradient_bytes(compressor)
@@ -308,7 +308,8 @@ def _train_lm(compressor):
         if compressor is None:
             opt = DDPOptimizer(model, torch.optim.AdamW, lr=1e-2)
         else:
-            opt = GradientCompressionOptimizer(model, torch.optim.AdamW, lr=1e-2, compressor=compressor)
+            opt = GradientCompressionOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                                               compressor=copy.deepcopy(compressor))  # one per rank
         b.stats.reset()
         losses = [model.train_step(_lm_batch(s, b.rank, b.world_size), _lm_loss, opt) for s in range(LM_STEPS)]
         return sum(losses[-5:]) / 5, b.stats.bytes["all_reduce"] + b.stats.bytes["all_gather"]
