@@ -65,7 +65,7 @@ class HybridShardedModel(ShardedModelBase):
     """``dp x tp x pp`` training of one model (see the module docstring for what runs when)."""
 
     accepts_plain_optimizer = True
-    skips_unused_parameters = True  # with data_parallel="ddp" (check_find_unused)
+    skips_unused_parameters = True  # False on an instance with ZeRO (check_find_unused)
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
@@ -81,6 +81,7 @@ class HybridShardedModel(ShardedModelBase):
         self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
         self.virtual_stages = virtual_stages
         self.data_parallel = data_parallel
+        self.skips_unused_parameters = data_parallel == "ddp"  # ZeRO steps a flat master chunk
         self.groups = dims.build_groups(backend)
         self._device = module_device(model)
         dense_params = list(model.parameters())  # keeps ids stable while mapping names below
@@ -319,8 +320,11 @@ class HybridShardedModel(ShardedModelBase):
             self.zero.gather_parameters()
 
     def _zero_grad(self) -> None:
-        for lp in self.local_parameters:
-            lp.param.grad = None
+        # With ddp ShardedModelBase.zero_grad cleared the parameters (zeros kept for
+        # set_to_none=False, as one process does); ZeRO's hold what its master was reduced from.
+        if self.zero is not None:
+            for lp in self.local_parameters:
+                lp.param.grad = None
         self.tied_gradients.forget()
 
     def _parameter_layout(self) -> ShardLayout:

@@ -18,20 +18,24 @@ while the stage sat idle; posted ahead, the transfer overlaps the stage's comput
 are posted than the step has messages, so nothing is matched against the next step's traffic.
 
 ``broadcast_any`` sends a tensor whose shape the receivers do not know (the last stage's output of
-a forward without autograd) to every rank of a group, header first.
+a forward without autograd), or a tuple, list or dict of them, to every rank of a group, header
+first.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import Work
+from distframe.models.pipeline_outputs import flatten_output, unflatten_output
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.bool, torch.uint8, torch.int8, torch.int16]
 _HEADER_LEN = 12
+_STRUCTURE = -1  # a broadcast header's dtype code announcing a structure (broadcast_any)
 
 
 class StageLinks:
@@ -145,13 +149,46 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]
 
 
-def broadcast_any(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,
-                  device: torch.device) -> torch.Tensor:
-    """``tensor`` from rank ``src`` to every rank of ``group`` (shape sent first); received
-    on ``device``."""
-    header = encode_header(tensor) if group.rank == src else encode_header(None)
+def broadcast_any(value: Any, group: ICommunicationBackend, src: int, device: torch.device) -> Any:
+    """``value`` (a tensor, or a tuple, list or dict of them: ``pipeline_outputs``) from rank
+    ``src`` to every rank of ``group``, which need not know its structure or shapes; received on
+    ``device``. A tensor costs two broadcasts (header, data); a structure one more (its layout,
+    announced by the first header) and two per tensor."""
+    if group.rank == src:
+        if isinstance(value, torch.Tensor):
+            return _broadcast_tensor(value, group, src, device)
+        layout, leaves = flatten_output(value)
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0], header[1] = _STRUCTURE, len(layout)
+        group.broadcast(header, src)
+        group.broadcast(torch.tensor(layout, dtype=torch.int64), src)
+        sent = iter(leaves)
+        return unflatten_output(layout, lambda: _broadcast_tensor(next(sent), group, src, device))
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     group.broadcast(header, src)
+    if int(header[0]) != _STRUCTURE:
+        return _receive_tensor(header, group, src, device)
+    codes = torch.zeros(int(header[1]), dtype=torch.int64)
+    group.broadcast(codes, src)
+    return unflatten_output(codes.tolist(), lambda: _broadcast_tensor(None, group, src, device))
+
+
+def _broadcast_tensor(tensor: torch.Tensor | None, group: ICommunicationBackend, src: int,
+                      device: torch.device) -> torch.Tensor:
+    """One tensor (header, then data) from ``src``; pass None on the other ranks."""
+    if group.rank == src:
+        group.broadcast(encode_header(tensor), src)
+        out = tensor.contiguous()
+        group.broadcast(out, src)
+        return out
+    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    group.broadcast(header, src)
+    return _receive_tensor(header, group, src, device)
+
+
+def _receive_tensor(header: torch.Tensor, group: ICommunicationBackend, src: int,
+                    device: torch.device) -> torch.Tensor:
     shape, dtype = decode_header(header)
-    out = tensor.contiguous() if group.rank == src else torch.empty(shape, dtype=dtype, device=device)
+    out = torch.empty(shape, dtype=dtype, device=device)
     group.broadcast(out, src)
     return out

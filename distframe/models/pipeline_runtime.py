@@ -25,6 +25,7 @@ from distframe.errors import ConfigError
 from distframe.models.devices import module_device
 from distframe.models.pipeline_comm import StageLinks
 from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimeline
+from distframe.models.pipeline_outputs import concat_microbatches
 from distframe.models.pipeline_schedules import max_in_flight, schedule_actions
 
 
@@ -114,8 +115,9 @@ class PipelineRunner:
         self._close_timeline(start)
         return torch.stack(losses).sum() if self.is_last else None
 
-    def forward_only(self, inputs: Any) -> torch.Tensor | None:
-        """Forward of every micro-batch without autograd; the concatenated output on the last rank.
+    def forward_only(self, inputs: Any) -> Any:
+        """Forward of every micro-batch without autograd; on the last rank the outputs joined
+        along dim 0 (leaf by leaf for a tuple, list or dict: ``pipeline_outputs``), else None.
         The timeline then describes this pass."""
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
@@ -132,7 +134,7 @@ class PipelineRunner:
                         outputs.append(out)
         self.links.wait_sends()
         self._close_timeline(start)
-        return torch.cat(outputs) if self.is_last else None
+        return concat_microbatches(outputs) if self.is_last else None
 
     def _close_timeline(self, start: float) -> None:
         self.timeline.start_s, self.timeline.end_s = start, time.perf_counter()

@@ -14,6 +14,7 @@ first begins). Pure bookkeeping; no communication.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -88,7 +89,7 @@ def partition(counts: Sequence[int], num_stages: int,
         raise ConfigError(f"the model has {n} layers to split but {num_stages} pipeline stages were "
                           f"asked for; use at most {n} stages (pp <= {n})")
     if split_points is not None:
-        points = list(split_points)
+        points = _layer_indices(split_points, num_stages)
         if len(points) != num_stages - 1 or points != sorted(set(points)) or \
                 (points and (points[0] < 1 or points[-1] > n - 1)):
             raise ConfigError(f"split_points={points!r}: give {num_stages - 1} increasing layer "
@@ -96,6 +97,23 @@ def partition(counts: Sequence[int], num_stages: int,
         bounds = [0, *points, n]
         return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
     return _balanced(list(counts), num_stages)
+
+
+def _layer_indices(split_points: object, num_stages: int) -> list[int]:
+    """``split_points`` as a list of ints (NumPy and torch integers too); ConfigError otherwise,
+    where ``range`` or ``sorted`` would raise a TypeError that does not name the setting."""
+    fix = f"give a list of {num_stages - 1} increasing layer indices (ints)"
+    if isinstance(split_points, (str, bytes)) or not hasattr(split_points, "__iter__"):
+        raise ConfigError(f"split_points={split_points!r}: {fix}")
+    items, points = list(split_points), []
+    for point in items:
+        try:
+            points.append(operator.index(point) if not isinstance(point, bool) else None)
+        except TypeError:  # a float, or a tensor of floats
+            points.append(None)
+        if points[-1] is None:
+            raise ConfigError(f"split_points={items!r}: {point!r} is not an int; {fix}")
+    return points
 
 
 def _balanced(counts: list[int], num_stages: int) -> list[range]:

@@ -19,7 +19,8 @@ same mask on each tensor rank) and a split attention's dropout draws per rank.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 from torch import nn
 
@@ -78,16 +79,30 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
         if not mine:
             continue
         if isinstance(parent, MultiheadDilatedAttention):
-            parallel = _replace_attention(model, parent_name, parent, children, backend, shared, rng)
+            with _naming(parent_name or type(parent).__name__):
+                parallel = _replace_attention(model, parent_name, parent, children, backend, shared, rng)
             _record(origins, parent, parallel)
             continue
         styles = set(children.values())
         for child, style in mine.items():
             dense = parent.get_submodule(child)
-            layer = _parallel_layer(dense, style, styles, backend, shared, f"{parent_name}.{child}")
+            name = f"{parent_name}.{child}" if parent_name else child
+            with _naming(name):
+                layer = _parallel_layer(dense, style, styles, backend, shared, name)
             setattr(parent, child, layer)
             _record(origins, dense, layer)
     return origins
+
+
+@contextlib.contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """A ConfigError of the layers (a size tp does not divide) names the planned module: in a
+    plan of many layers, 'out_features (5)' alone does not say which one to change."""
+    try:
+        yield
+    except ConfigError as error:
+        message = str(error)
+        raise (error if repr(name) in message else ConfigError(f"{name!r}: {message}")) from None
 
 
 def _record(origins: dict[int, int], dense: nn.Module, parallel: nn.Module) -> None:

@@ -79,3 +79,19 @@ def test_stage_output_that_is_not_a_tensor_is_a_config_error():
 
     with pytest.raises(ConfigError, match="one tensor"):
         spawn(run, 2, timeout=20)
+
+
+@pytest.mark.parametrize("split_points", [[1.5, 3], [True, 3], "13", 2, [None, 3], [torch.tensor(1.5), 3]])
+def test_split_points_that_are_not_ints_are_a_config_error(split_points):
+    # A float or a string reached range() or sorted() and raised a TypeError naming neither the
+    # setting nor the fix; True passed as layer 1.
+    from distframe.models.stages import partition
+    with pytest.raises(ConfigError, match=r"split_points=.*\(ints\)"):
+        partition([1, 1, 1, 1], 3, split_points)
+
+
+def test_split_points_accept_numpy_and_torch_integers():
+    import numpy as np
+    from distframe.models.stages import partition
+    expected = [range(0, 1), range(1, 3), range(3, 4)]
+    assert partition([1, 1, 1, 1], 3, [np.int64(1), torch.tensor(3)]) == expected
