@@ -8,17 +8,19 @@ Per unit (FSDP2's vocabulary):
   end_forward    after the whole model's forward: free units prefetched but not run
   pre_backward   first gradient of an output: unshard again, prefetch the unit that runs next
                  in backward (the previous one in forward order)
-  post_backward  every parameter's gradient accumulated: start the reduce_scatter of the
-                 gradients (unless inside no_sync), reshard
-``finish()`` starts the reductions of units whose post_backward did not run (parameters
-without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
+  post_backward  the backward reached the unit's inputs (see [Note: where a unit's backward
+                 ends]): start the reduce_scatter of the gradients (unless inside no_sync),
+                 reshard
+``finish()`` starts the reductions of units whose post_backward did not run (the first unit,
+parameters without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
 rank's averaged chunk into its master's ``.grad``. A synchronising backward runs it as its last
 act (autograd's queued callback, as DDP's buckets do), so every master holds its gradient when
 ``backward()`` returns; the model's synchronize_gradients runs it too.
 
-[Note: ordering] Prefetch and gathers follow the order modules actually run, which must be the
-same on every rank (as for any FSDP); reductions of units that saw no gradient are issued last
-and in unit order, so parameters unused on every rank never cause a hang.
+[Note: ordering] Forward gathers and prefetch follow the order modules actually run, which must
+be the same on every rank (as for any FSDP); in backward, gathers and reductions follow that
+forward order whatever tensors the units return ([Note: one backward order on every rank] in
+unit_order.py); reductions left to ``finish`` are issued last, in unit order.
 
 [Note: a unit whose forward does not run] Only the unit's module's forward hooks gather it. A
 module whose forward never runs (an nn.Sequential whose children the parent calls one by one) or
@@ -33,14 +35,14 @@ Hooking every submodule instead would cost a hook call per submodule call on eve
 [Note: where a unit's backward ends] It must end at the same point on every rank, among the
 other units' gathers and reductions, or the ranks' collectives no longer pair up. The moment its
 last parameter gets its gradient is not such a point: a parameter that gets none on some ranks
-only (a gate closed for their rows) leaves them to reduce the unit in ``finish``, and a unit's
-own parameters can complete before or after a nested unit's backward depending on the data. So
-the tensors that require grad among the inputs of the unit's first call in a forward get
-gradient hooks (``after_inputs_backward``); the last of them runs after every node of the unit's
-forward (the engine runs a device's nodes in reverse creation order) and ends the unit's
-backward there on every rank, where FSDP2's post-backward ends it. A unit whose inputs need no
-gradient (the first one), or whose forward ran without grad (reentrant activation
-checkpointing), ends when its parameters' gradients are all accumulated, or in ``finish``.
+only (a gate closed for their rows) leaves them to reduce the unit in ``finish``. So a unit's
+backward ends where the backward reaches the inputs of its first call in a forward (as FSDP2's
+post_backward), or a tensor made before that call, in the order of [Note: one backward order on
+every rank] (unit_order.py); a unit whose inputs need no gradient (the first one), or are leaves,
+ends there through an earlier unit's hooks, or in ``finish``. A forward run inside the backward is
+a recomputation (activation checkpointing) and records nothing: its units end where the
+original forward's hooks (or, for a reentrant checkpoint, whose forward ran without grad, an
+earlier unit's hooks) say.
 
 [Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
 that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
@@ -61,11 +63,12 @@ from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
-from distframe.models.unit_inputs import after_inputs_backward
+from distframe.models.unit_order import ForwardRecord, hook_inputs, in_backward, unit_ancestors
 
 
 class UnitLifecycle:
-    def __init__(self, units: list[ShardedUnit], *, reshard_after_forward: bool, prefetch: bool,
+    def __init__(self, units: list[ShardedUnit], root: torch.nn.Module, *, reshard_after_forward: bool,
+                 prefetch: bool,
                  misuse_error: Callable[[ShardedUnit, str], Exception],
                  usage: Callable[[list[str], list[torch.nn.Parameter]], ParameterUsage]) -> None:
         self.units = units
@@ -79,9 +82,11 @@ class UnitLifecycle:
         self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
         self._backward_end = BackwardEnd(self.finish)
-        self._order: list[int] = []          # forward order of this step
-        self._ends_at_inputs: set[int] = set()  # units whose inputs' backward ends their backward
+        self._record = ForwardRecord()       # units of this step's forward, in order
+        self._recording = False              # whether the model's forward runs with grad
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
+        self._backward_number = 0            # told apart so a second backward ends units again
+        self._ancestors = unit_ancestors(root, [u.module for u in units])
         self._pending: list[tuple[ShardedUnit, Work]] = []
         self._handles = []
         index = 0
@@ -107,15 +112,15 @@ class UnitLifecycle:
                 # parameters, autograd.grad): a new forward is not a recomputation inside it.
                 unit.state = TrainingState.IDLE
                 unit.reshard()
-        if not torch.is_grad_enabled():
+        self._recording = torch.is_grad_enabled()
+        if not self._recording:
             # No backward follows this forward (an evaluation, perhaps between a training
             # forward and its backward): that backward must still find its own settings.
             return
         self._forget_cleared_gradients()
-        if self._order:
-            self._last_order = self._order
-        self._order = []
-        self._ends_at_inputs.clear()
+        if self._record.order:
+            self._last_order = self._record.order
+        self._record = ForwardRecord()
         self.synchronize = synchronize
         self._armed = synchronize
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -141,35 +146,54 @@ class UnitLifecycle:
             # pre_backward gathered it, and its backward still needs it (as FSDP2 does).
             unit.unshard()
             return
-        first_call = unit.index not in self._order
-        if first_call:
-            self._order.append(unit.index)
+        if in_backward():
+            # A recomputation (activation checkpointing) that a node of the unit's own backward
+            # asked for: that backward has begun, on every rank, whether or not the hook on
+            # the unit's output ran yet (see [Note: where a unit's backward ends]).
+            self._output_reached(unit, self._record, None)
+            return
         unit.state = TrainingState.FORWARD
+        record = self._record
+        position = record.add(unit.index) if self._recording else None
         unit.unshard()
         if self.prefetch:
             self._prefetch_after(unit.index, self._last_order)
-        # A unit called again in this forward: its first call's inputs get their gradients last.
-        if first_call and torch.is_grad_enabled() and after_inputs_backward(
-                args, kwargs, lambda: self._inputs_backward(unit)):
-            self._ends_at_inputs.add(unit.index)
+        # Only a unit's first call in a forward: the backward reaches its inputs last.
+        if position is not None and torch.is_grad_enabled():
+            hook_inputs(args, kwargs, lambda: self._end_backwards(record, position))
 
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # a recomputation in backward (see pre_forward): keep the unit gathered
         if torch.is_grad_enabled():
-            self._backward_end.watch(output, lambda grad, unit=unit: self.pre_backward(unit))
+            record, boundary = self._record, len(self._record.order)
+            self._backward_end.watch(output, lambda grad: self._output_reached(unit, record, boundary))
         if self.reshard_after_forward or not torch.is_grad_enabled():
             unit.reshard()
         unit.state = TrainingState.IDLE
 
     # ---- backward ----------------------------------------------------------------------------
+    def _output_reached(self, unit: ShardedUnit, record: ForwardRecord, boundary: int | None) -> None:
+        """See [Note: one backward order on every rank] in unit_order.py."""
+        if boundary is not None:
+            self._end_backwards(record, boundary)
+        for index in self._ancestors[unit.index]:
+            ancestor = self.units[index]
+            if ancestor.state is TrainingState.IDLE and index in record.position:
+                self.pre_backward(ancestor)
+        self.pre_backward(unit)
+
+    def _end_backwards(self, record: ForwardRecord, boundary: int) -> None:
+        for index in record.to_end(boundary, self._backward_number):
+            self.post_backward(self.units[index])
+
     def pre_backward(self, unit: ShardedUnit) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return
         unit.state = TrainingState.PRE_BACKWARD
         unit.unshard()
         if self.prefetch:
-            self._prefetch_after(unit.index, self._order[::-1])
+            self._prefetch_after(unit.index, self._record.order[::-1])
 
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter, index: int) -> None:
         if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
@@ -178,14 +202,6 @@ class UnitLifecycle:
         self.usage.has_gradient[index] = True
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
-        if (unit.index not in self._ends_at_inputs
-                and len(unit.ready) == sum(p.requires_grad for p in unit.params)):
-            self.post_backward(unit)
-
-    def _inputs_backward(self, unit: ShardedUnit) -> None:
-        """The unit's backward is over on this rank (see [Note: where a unit's backward ends])."""
-        if unit.state is TrainingState.PRE_BACKWARD:
-            self.post_backward(unit)
 
     def post_backward(self, unit: ShardedUnit) -> None:
         unit.ready.clear()
@@ -214,6 +230,7 @@ class UnitLifecycle:
             unit.state = TrainingState.IDLE
             unit.reshard()
         self._armed = False
+        self._backward_number += 1
         if synchronising:
             self.usage.finish(None)  # warns once if a parameter was averaged as zeros
 

@@ -48,7 +48,8 @@ class UnitShardedModelBase(ShardedModelBase):
             ShardedUnit(i, owner, params, backend, policy,
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
             for i, (owner, params) in enumerate(self._choose_units(module))]
-        self.lifecycle = UnitLifecycle(self.units, reshard_after_forward=self.config.reshard_after_forward,
+        self.lifecycle = UnitLifecycle(self.units, module,
+                                       reshard_after_forward=self.config.reshard_after_forward,
                                        prefetch=self.config.prefetch, misuse_error=self._misused_unit_error,
                                        usage=self._parameter_usage)
 
