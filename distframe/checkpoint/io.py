@@ -44,6 +44,7 @@ from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_
                                                 optimizer_pieces)
 
 RANK_STATE = "rank_state"
+_SHARD_FILE = re.compile(r"shard-\d+-of-\d+\.safetensors")
 
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
@@ -61,6 +62,8 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     error: Exception | None = None
     opt_state: dict[str, Any] = {}
     try:
+        if backend.rank == 0:  # the rank that replaces what is at ``path``
+            _check_target(path)
         table, opt_state = _write_shard(tmp, model, optimizer, rank_state or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
         error = exc
@@ -85,6 +88,25 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
         shutil.rmtree(tmp, ignore_errors=True)
     agree(backend, error, f"saving checkpoint {path}")  # in place of a barrier: no more cost
     return path
+
+
+def _check_target(path: Path) -> None:
+    """ConfigError unless ``path`` is absent, an empty directory or a checkpoint: save replaces
+    what is there, so a file or a directory of other things would be deleted without a word."""
+    if path.name in ("", ".", ".."):
+        raise ConfigError(f"cannot save a checkpoint as {str(path)!r}: name the directory to create, "
+                          f"e.g. {str(path / 'checkpoint')!r}")
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, and saving a checkpoint there would replace it: "
+                          "choose another path or remove the file")
+    others = sorted(p.name for p in path.iterdir()
+                    if p.name != METADATA and not _SHARD_FILE.fullmatch(p.name))
+    if others:
+        raise ConfigError(f"{path} is a directory that is not a checkpoint (it holds {others[:3]}"
+                          f"{'...' if len(others) > 3 else ''}), and saving a checkpoint there would "
+                          "delete it: choose another path")
 
 
 def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
