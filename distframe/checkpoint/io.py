@@ -217,8 +217,9 @@ def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
         return dict(optimizer.state_dict())
     model.check_optimizer(optimizer)
     b = model.backend
-    tensors, scalars = optimizer_pieces(model.shard_layout(), optimizer, b.rank, b.world_size)
-    return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer)}
+    layout = model.shard_layout()
+    tensors, scalars = optimizer_pieces(layout, optimizer, b.rank, b.world_size)
+    return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer, layout)}
 
 
 def _agree_token(backend: ICommunicationBackend) -> str:
