@@ -82,8 +82,9 @@ def _schema_problem(meta: dict[str, Any]) -> str | None:
             return f"{key!r} is missing"
         if key in meta and not isinstance(meta[key], kind):
             return f"{key!r} is a {type(meta[key]).__name__}, not a {kind.__name__}"
-    if meta.get("step") is not None and not isinstance(meta["step"], int):
-        return f"'step' is {meta['step']!r}, not a whole number"
+    step = meta.get("step")  # a float such as 5.0 from a save before steps were checked
+    if step is not None and not (isinstance(step, int) or isinstance(step, float) and step.is_integer()):
+        return f"'step' is {step!r}, not a whole number"
     for i, entry in enumerate(meta["files"]):
         fields = {"file": str, "bytes": int, "sha256": str, "tensors": dict}
         if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) for k, t in fields.items()):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import numbers
 import random
 import re
 import shutil
@@ -56,6 +57,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     states), stored whole as ``rank_state/<name>@0``, so names must differ between ranks;
     ``rank_state_info`` (rank 0's, JSON) goes into the metadata under ``rank_state``."""
     _check_model(model)
+    step = _whole_step(step)
     backend, path = model.backend, Path(path)
     tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
     table: dict[str, Any] | None = None
@@ -207,6 +209,19 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, ShardedModelBase):
         raise ConfigError(f"checkpoints hold sharded models: pass the wrapped model (DDPModel, "
                           f"ZeRO3Model, ...), got {type(model).__name__}")
+
+
+def _whole_step(step: Any) -> int | None:
+    """``step`` as an int (numpy's and 0-d tensors' too, which JSON cannot write), before any rank
+    writes; ConfigError for anything that is not a whole number."""
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return int(step)
+    raise ConfigError(f"checkpoint.save: step must be a whole number (the training step) or None, "
+                      f"got {step!r}")
 
 
 def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:

@@ -3,11 +3,13 @@ the file and what is wrong, never a bare KeyError from deep inside the reader.""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from distframe import checkpoint
 from distframe.checkpoint import CheckpointError
+from distframe.errors import ConfigError
 from distframe.launch import spawn
 from tests.models.common import STRATEGIES, build_model, global_batches, loss_fn, rank_slice
 
@@ -71,4 +73,32 @@ def test_a_checkpoint_without_aliases_still_loads(saved, tmp_path):
     expected = checkpoint.consolidate(saved)
     for name, value in checkpoint.consolidate(path).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+    assert spawn(lambda b: _load(b, path), 2, timeout=30) == [None, None]
+
+
+def _save_at(backend, path, step):
+    model = STRATEGIES["ddp"][0](build_model(), backend)
+    try:
+        checkpoint.save(path, model, step=step)
+    except Exception as exc:  # noqa: BLE001 - returned to the test to inspect
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize("step", [np.int64(7), torch.tensor(7)])
+def test_a_numpy_or_torch_step_is_saved_as_an_int(tmp_path, step):
+    # JSON cannot write these: the save failed after every rank had written its file.
+    path = tmp_path / "ckpt"
+    assert spawn(lambda b: _save_at(b, path, step), 2, timeout=30) == [None, None]
+    assert json.loads((path / "metadata.json").read_text())["step"] == 7
+
+
+@pytest.mark.parametrize("step", [7.5, "7", True])
+def test_a_step_that_is_not_a_whole_number_is_refused_before_anything_is_written(tmp_path, step):
+    for kind, message in spawn(lambda b: _save_at(b, tmp_path / "ckpt", step), 2, timeout=30):
+        assert kind is ConfigError and "step must be a whole number" in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_whole_float_step_saved_by_an_earlier_distframe_loads(saved, tmp_path):
+    path = _edited(saved, tmp_path, lambda m: m.update(step=1.0))
     assert spawn(lambda b: _load(b, path), 2, timeout=30) == [None, None]
