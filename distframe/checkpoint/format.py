@@ -62,10 +62,44 @@ def read_metadata(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{meta_path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{meta_path}: format_version {meta.get('format_version')!r} is not "
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{meta_path}: format_version {version!r} is not "
                               f"{FORMAT_VERSION}; this distframe cannot read it")
+    problem = _schema_problem(meta)
+    if problem is not None:
+        raise CheckpointError(f"{meta_path}: {problem}; the metadata was edited or is corrupt: "
+                              "restore it from a copy of the checkpoint or load an earlier one")
     return meta
+
+
+def _schema_problem(meta: dict[str, Any]) -> str | None:
+    """What in ``meta`` the readers below could not use (a key missing, a value of another type),
+    or None; checked up front so that an edited file gives one clear error, not a KeyError."""
+    expected = {"files": list, "parameters": dict, "replicated": list, "aliases": dict}
+    for key, kind in expected.items():
+        if key not in meta and key != "aliases":  # absent from checkpoints saved before tied weights
+            return f"{key!r} is missing"
+        if key in meta and not isinstance(meta[key], kind):
+            return f"{key!r} is a {type(meta[key]).__name__}, not a {kind.__name__}"
+    step = meta.get("step")  # a float such as 5.0 from a save before steps were checked
+    if step is not None and not (isinstance(step, int) or isinstance(step, float) and step.is_integer()):
+        return f"'step' is {step!r}, not a whole number"
+    for i, entry in enumerate(meta["files"]):
+        fields = {"file": str, "bytes": int, "sha256": str, "tensors": dict}
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(k), t) for k, t in fields.items()):
+            return f"files[{i}] does not hold {sorted(fields)}"
+        if Path(entry["file"]).name != entry["file"] or entry["file"] in (".", ".."):
+            return f"files[{i}] names {entry['file']!r}, not a file in the checkpoint's directory"
+    for name, info in meta["parameters"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or not all(
+                isinstance(d, int) and d >= 0 for d in info["shape"]):
+            return f"parameter {name!r} has no shape (a list of sizes)"
+    optimizer = meta.get("optimizer")
+    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(
+            optimizer.get("param_groups"), list) and isinstance(optimizer.get("scalars"), dict)):
+        return "'optimizer' does not hold 'param_groups' (a list) and 'scalars' (a dict)"
+    return None
 
 
 def verify_files(path: Path, meta: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import numbers
 import random
 import re
 import shutil
@@ -44,6 +45,7 @@ from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_
                                                 optimizer_pieces)
 
 RANK_STATE = "rank_state"
+_SHARD_FILE = re.compile(r"shard-\d+-of-\d+\.safetensors")
 
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
@@ -55,12 +57,15 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     states), stored whole as ``rank_state/<name>@0``, so names must differ between ranks;
     ``rank_state_info`` (rank 0's, JSON) goes into the metadata under ``rank_state``."""
     _check_model(model)
+    step = _whole_step(step)
     backend, path = model.backend, Path(path)
     tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
     table: dict[str, Any] | None = None
     error: Exception | None = None
     opt_state: dict[str, Any] = {}
     try:
+        if backend.rank == 0:  # the rank that replaces what is at ``path``
+            _check_target(path)
         table, opt_state = _write_shard(tmp, model, optimizer, rank_state or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
         error = exc
@@ -85,6 +90,25 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
         shutil.rmtree(tmp, ignore_errors=True)
     agree(backend, error, f"saving checkpoint {path}")  # in place of a barrier: no more cost
     return path
+
+
+def _check_target(path: Path) -> None:
+    """ConfigError unless ``path`` is absent, an empty directory or a checkpoint: save replaces
+    what is there, so a file or a directory of other things would be deleted without a word."""
+    if path.name in ("", ".", ".."):
+        raise ConfigError(f"cannot save a checkpoint as {str(path)!r}: name the directory to create, "
+                          f"e.g. {str(path / 'checkpoint')!r}")
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, and saving a checkpoint there would replace it: "
+                          "choose another path or remove the file")
+    others = sorted(p.name for p in path.iterdir()
+                    if p.name != METADATA and not _SHARD_FILE.fullmatch(p.name))
+    if others:
+        raise ConfigError(f"{path} is a directory that is not a checkpoint (it holds {others[:3]}"
+                          f"{'...' if len(others) > 3 else ''}), and saving a checkpoint there would "
+                          "delete it: choose another path")
 
 
 def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
@@ -187,6 +211,19 @@ def _check_model(model: Any) -> None:
                           f"ZeRO3Model, ...), got {type(model).__name__}")
 
 
+def _whole_step(step: Any) -> int | None:
+    """``step`` as an int (numpy's and 0-d tensors' too, which JSON cannot write), before any rank
+    writes; ConfigError for anything that is not a whole number."""
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        return int(step)
+    raise ConfigError(f"checkpoint.save: step must be a whole number (the training step) or None, "
+                      f"got {step!r}")
+
+
 def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
     if optimizer is None:
         return {}
@@ -195,8 +232,9 @@ def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
         return dict(optimizer.state_dict())
     model.check_optimizer(optimizer)
     b = model.backend
-    tensors, scalars = optimizer_pieces(model.shard_layout(), optimizer, b.rank, b.world_size)
-    return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer)}
+    layout = model.shard_layout()
+    tensors, scalars = optimizer_pieces(layout, optimizer, b.rank, b.world_size)
+    return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer, layout)}
 
 
 def _agree_token(backend: ICommunicationBackend) -> str:

@@ -21,7 +21,7 @@ from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
-                                            shard_pieces)
+                                            non_persistent_buffers, shard_pieces)
 
 
 class ShardedModelBase(nn.Module, abc.ABC):
@@ -271,14 +271,18 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 for n, p in self.wrapped_model.named_parameters() if p.requires_grad}
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Buffers and frozen parameters: identical on every rank, saved once by rank 0."""
+        """Persistent buffers and frozen parameters: identical on every rank, saved once by rank
+        0 (non-persistent buffers are not saved, as torch's state_dict leaves them out)."""
         frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
-        return frozen + list(self.wrapped_model.named_buffers())
+        skipped = non_persistent_buffers(self.wrapped_model)
+        return frozen + [(n, b) for n, b in self.wrapped_model.named_buffers() if n not in skipped]
 
     def replicated_names(self) -> set[str]:
         """Every buffer and frozen-parameter name of the unwrapped model, the same on every rank
-        (model-parallel strategies, whose ranks hold parts, override it with the dense model's)."""
-        return {n for n, _ in self.replicated_tensors()}
+        (model-parallel strategies, whose ranks hold parts, override it with the dense model's);
+        non-persistent buffers too, which a load ignores where an older checkpoint holds them."""
+        frozen = {n for n, p in self.wrapped_model.named_parameters() if not p.requires_grad}
+        return frozen | {n for n, _ in self.wrapped_model.named_buffers()}
 
     def state_aliases(self) -> dict[str, str]:
         """Each further ``state_dict()`` name of a tensor the unwrapped model holds under several

@@ -269,8 +269,8 @@ class HybridShardedModel(ShardedModelBase):
         return {key: name for key, name in self.catalog.state_keys if key != name}
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """This rank's buffers under their names in the unsplit model."""
-        return list(self.local_buffers.items())
+        """This rank's persistent buffers under their names in the unsplit model."""
+        return [(n, b) for n, b in self.local_buffers.items() if n not in self.catalog.non_persistent]
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any, *,
                    max_grad_norm: float | None = None) -> float:
@@ -370,7 +370,7 @@ class HybridShardedModel(ShardedModelBase):
             flat = lp.param.detach().reshape(-1)
             for s in segments:
                 state[piece_key("param", s.name, s.param_offset)] = flat[s.shard_offset:s.shard_offset + s.length].clone()
-        for name, buf in self.local_buffers.items():
+        for name, buf in self.replicated_tensors():
             if owns_piece(None, self.catalog.by_name[name], self.groups):
                 state[f"buffer/{name}"] = buf.detach().clone()
         return state
@@ -378,11 +378,11 @@ class HybridShardedModel(ShardedModelBase):
     def read_shards(self, reader: RangeReader) -> None:
         """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
         any strategy, or a checkpoint reader); ``load_state_dict`` is this alone, no communication."""
-        check_replicated(reader, self.local_buffers.items())
+        check_replicated(reader, self.replicated_tensors())
         layout = self._parameter_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
-            for name, buf in self.local_buffers.items():
+            for name, buf in self.replicated_tensors():
                 buf.copy_(reader.replicated(name, buf.shape))
         if self.zero is not None:
             self.zero.refresh_master()

@@ -21,7 +21,7 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.models.flat import Segment
-from distframe.models.sharded_state import ShardLayout
+from distframe.models.sharded_state import ShardLayout, non_persistent_buffers
 from distframe.mesh import ParallelGroups
 
 
@@ -65,6 +65,7 @@ class ParameterCatalog:
         # Every key of the dense state dict, in order, and the canonical entry it reads.
         self.state_keys = [(k, canonical.get(id(t), k)) for k, t in model.state_dict(keep_vars=True).items()]
         self.by_name = {e.name: e for e in self.params + self.buffers}
+        self.non_persistent = non_persistent_buffers(model)  # not checkpointed, as with torch
 
     def shared_across_stages(self) -> dict[tuple[int, ...], list[str]]:
         """Parameters held by more than one stage (tied weights), grouped by the stages."""

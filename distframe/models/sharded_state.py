@@ -159,6 +159,16 @@ class RangeReader:
 
 
 
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """Names (as ``named_buffers`` gives them) of ``module``'s buffers registered with
+    ``persistent=False``: caches the module rebuilds, which torch leaves out of its state_dict, so
+    a checkpoint leaves them out too (saved, they made ``consolidate``'s output fail a strict
+    ``load_state_dict`` and a load into a model with another cache size fail). Read from torch's
+    own record of them: the state_dict's keys would lose buffers a state_dict hook renames."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, sub in module.named_modules()
+            for name in sub._non_persistent_buffers_set}
+
+
 def check_replicated(reader: RangeReader, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """ConfigError unless ``reader`` holds each buffer or frozen parameter of ``named`` with its
     shape: call it before anything changes, as ``copy_`` would broadcast a smaller one silently."""

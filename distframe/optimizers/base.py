@@ -145,10 +145,10 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         """This rank's share: ``tensors`` (pieces keyed by parameter range), ``scalars`` (per
         parameter) and ``param_groups`` (hyperparameters)."""
         backend = self.model.backend
-        tensors, scalars = optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer,
-                                            backend.rank, backend.world_size)
+        layout = self.model.shard_layout()
+        tensors, scalars = optimizer_pieces(layout, self.wrapped_optimizer, backend.rank, backend.world_size)
         return {"tensors": tensors, "scalars": scalars,
-                "param_groups": hyperparameters(self.wrapped_optimizer)}
+                "param_groups": hyperparameters(self.wrapped_optimizer, layout)}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``)."""

@@ -34,13 +34,51 @@ def _jsonable(value: Any) -> Any:
 _SKIP = object()
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's JSON-serialisable settings (lr, betas, weight_decay, ...)."""
+# The names of the parameters a saved group trained, by which a load finds each group's settings.
+TRAINED = "parameters_trained"
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer,
+                    layout: ShardLayout | None = None) -> list[dict[str, Any]]:
+    """Each param group's JSON-serialisable settings (lr, betas, weight_decay, ...); given the
+    ``layout`` of the shards it optimises, also the names of the parameters it trains (``TRAINED``)."""
+    names = _shard_names(layout)
     groups = []
     for group in optimizer.param_groups:
         settings = {k: _jsonable(v) for k, v in group.items() if k != "params"}
-        groups.append({k: v for k, v in settings.items() if v is not _SKIP})
+        entry = {k: v for k, v in settings.items() if v is not _SKIP}
+        if layout is not None:
+            entry[TRAINED] = sorted({n for p in group["params"] for n in names.get(id(p), ())})
+        groups.append(entry)
     return groups
+
+
+def _shard_names(layout: ShardLayout | None) -> dict[int, set[str]]:
+    if layout is None:
+        return {}
+    return {id(shard): {s.name for s in segs} for shard, segs in zip(layout.shards, layout.segments)}
+
+
+def _saved_group(k: int, group: dict[str, Any], names: dict[int, set[str]],
+                 groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The saved settings for this optimizer's group ``k``: those of the saved group that trained
+    its parameters (so groups built in another order still get their own), else the group at the
+    same position (a checkpoint that does not name them). ConfigError when its parameters were
+    trained with different settings: no one group's settings would be right for all of them."""
+    ours = {n for p in group["params"] for n in names.get(id(p), ())}
+    matched = [i for i, saved in enumerate(groups) if ours & set(saved.get(TRAINED, ()))]
+    settings = [{key: v for key, v in groups[i].items() if key != TRAINED} for i in matched]
+    differing = sorted({key for s in settings[1:] for key in s if s[key] != settings[0].get(key)})
+    if differing:
+        shown = ", ".join(f"{key}={[s.get(key) for s in settings]}" for key in differing[:3])
+        raise ConfigError(
+            f"the optimizer's param group {k} trains parameters that the checkpoint's optimizer "
+            f"trained in param groups {matched} with different settings ({shown}): build the "
+            "optimizer with the saved run's param groups (a sharded optimizer has one group: use a "
+            "torch.optim optimizer under DDPModel), or load the model without the optimizer")
+    if matched:
+        return groups[matched[0]]
+    return groups[min(k, len(groups) - 1)] if groups else {}
 
 
 def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank: int,
@@ -106,12 +144,14 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
         if entry:
             state[index[id(shard)]] = entry
     param_groups = []
+    names = _shard_names(layout)
     for k, group in enumerate(optimizer.param_groups):
-        saved = groups[min(k, len(groups) - 1)] if groups else {}
+        saved = _saved_group(k, group, names, groups)
         settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
         # What others put on the saved group (a scheduler's initial_lr) comes back too, as with
         # torch's load_state_dict, so a scheduler can resume with last_epoch=step - 1.
-        settings.update({key: value for key, value in saved.items() if key not in settings})
+        settings.update({key: value for key, value in saved.items()
+                         if key not in settings and key != TRAINED})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
