@@ -308,6 +308,10 @@ def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
     try:
         cls, args, attributes = pickle.loads(state)
         exc = cls.__new__(cls, *args)
+        if cls.__module__ == "builtins":
+            # Their __init__ sets fields that are not in __dict__ (SystemExit.code, which
+            # raise_first_failure reports; OSError.errno): without it they came back None.
+            cls.__init__(exc, *args)
         exc.args = args
         exc.__dict__.update(attributes)
     except Exception:  # noqa: BLE001

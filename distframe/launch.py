@@ -89,10 +89,19 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
 
 
 def raise_first_failure(errors: dict[int, BaseException]) -> None:
-    """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it."""
+    """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it;
+    a rank's ``sys.exit`` is raised as RankFailedError (from the SystemExit)."""
     originals = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)}
     rank, exc = min((originals or errors).items())
-    exc.add_note(f"(raised on rank {rank}; {len(errors)} of the ranks failed)")
+    note = f"(raised on rank {rank}; {len(errors)} of the ranks failed)"
+    if isinstance(exc, SystemExit):
+        # Re-raised as it is, a rank's sys.exit would end the calling program without a word,
+        # with that rank's status: sys.exit(0) on one rank passed a failed run off as a success.
+        failure = RankFailedError(rank, f"its function called sys.exit({exc.code!r}) instead of "
+                                        "returning; return a value, or raise an exception, instead")
+        failure.add_note(note)
+        raise failure from exc
+    exc.add_note(note)
     raise exc
 
 

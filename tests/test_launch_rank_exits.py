@@ -1,0 +1,43 @@
+"""A rank function that calls sys.exit, on threads (in-memory) and processes (Gloo pool): the
+caller gets RankFailedError naming the rank and the call, never a SystemExit that would end it."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from distframe import spawn
+from distframe.errors import RankFailedError
+
+
+def exit_on_rank(backend, rank: int, code):
+    if backend.rank == rank:
+        sys.exit(code)
+    return backend.all_reduce(torch.ones(1)).item()
+
+
+def rank_sum(backend):
+    return backend.all_reduce(torch.tensor([float(backend.rank)])).item()
+
+
+@pytest.mark.parametrize("rank,code", [(0, 0), (1, 3), (2, "bye")])
+def test_sys_exit_on_an_in_memory_rank_is_a_rank_failure(rank, code):
+    # Before: SystemExit(code) reached the caller, so a script ended silently, with status 0
+    # for sys.exit(0): a failed run passed off as a success.
+    with pytest.raises(RankFailedError, match=rf"rank {rank} failed: .*sys\.exit\({code!r}\)") as info:
+        spawn(lambda b: exit_on_rank(b, rank, code), 3, timeout=20)
+    assert info.value.failed_rank == rank
+    assert isinstance(info.value.__cause__, SystemExit) and info.value.__cause__.code == code
+
+
+@pytest.mark.gloo
+def test_sys_exit_on_a_process_rank_is_a_rank_failure_and_the_pool_goes_on():
+    from distframe._process_launch import ProcessPool
+    with ProcessPool(2, "gloo", timeout=20) as pool:
+        for rank, code in [(0, 0), (1, 3)]:
+            with pytest.raises(RankFailedError, match=rf"sys\.exit\({code}\)") as info:
+                pool.run(exit_on_rank, rank, code)
+            assert info.value.failed_rank == rank
+        assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
