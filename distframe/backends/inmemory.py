@@ -84,6 +84,9 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
             return self._rdv.stall_error(call.op, call.seq, absent, STALL_GRACE)
         return check
 
+    def _missing_ranks(self, seq: int) -> list[int]:
+        return sorted(self._rdv.missing_ranks(seq))
+
     def _element_range(self, numel: int) -> slice:
         per_rank = -(-numel // self._world_size)
         start = min(numel, self._rank * per_rank)

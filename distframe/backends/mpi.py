@@ -102,6 +102,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
             wait_request(request, time.monotonic() + call.timeout,
                          lambda waited, timed_out: self._stuck(call, request, keep, waited, timed_out))
 
+    def _missing_ranks(self, seq: int) -> list[int] | None:
+        missing, unknown = missing_ranks(self._board.read(), seq, self._world_size)
+        return None if unknown else missing  # ranks on other nodes may be missing too
+
     def _stuck(self, call: Call, request: Any, keep: Any, waited: float,
                timed_out: bool) -> BaseException | None:
         """The error that ends a wait for ``request`` (see ``wait_request``), if any."""
