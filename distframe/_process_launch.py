@@ -273,12 +273,18 @@ def _run_task(backend: Any, task: bytes) -> bytes:
     try:
         fn, args, kwargs = pickle.loads(task)
         result = fn(backend, *args, **kwargs)
-        backend.depart()  # [Note: departures between runs]
-        return pickle.dumps((True, result, _has_failed(backend)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         backend.depart(failed=True)
         return _encode_error(exc, failed=_has_failed(backend) or isinstance(
             exc, (CollectiveTimeoutError, RankFailedError)))
+    backend.depart()  # [Note: departures between runs]
+    try:
+        return pickle.dumps((True, result, _has_failed(backend)))
+    except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
+        error = TypeError(f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that "
+                          f"cannot be pickled back to the caller ({type(exc).__name__}: {exc}); return "
+                          "tensors, numbers, strings or containers of them instead")
+        return _encode_error(error, failed=_has_failed(backend))
 
 
 def _has_failed(backend: Any) -> bool:

@@ -1,8 +1,10 @@
-"""A rank function that calls sys.exit, on threads (in-memory) and processes (Gloo pool): the
-caller gets RankFailedError naming the rank and the call, never a SystemExit that would end it."""
+"""A rank function that calls sys.exit or returns what cannot be pickled, on threads (in-memory)
+and processes (Gloo pool): the caller gets an error naming the rank and what to change, never a
+SystemExit that would end it."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -40,4 +42,22 @@ def test_sys_exit_on_a_process_rank_is_a_rank_failure_and_the_pool_goes_on():
             with pytest.raises(RankFailedError, match=rf"sys\.exit\({code}\)") as info:
                 pool.run(exit_on_rank, rank, code)
             assert info.value.failed_rank == rank
+        assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
+
+
+def lock_on_rank_one(backend):
+    backend.barrier()
+    return threading.Lock() if backend.rank == 1 else backend.rank
+
+
+@pytest.mark.gloo
+def test_a_result_that_cannot_be_pickled_is_named_and_the_pool_goes_on():
+    # Before: "cannot pickle '_thread.lock' object" with a traceback into the pool's own code,
+    # which read as a failure inside the function or in distframe.
+    from distframe._process_launch import ProcessPool
+    with ProcessPool(2, "gloo", timeout=20) as pool:
+        with pytest.raises(TypeError, match=r"'lock_on_rank_one' returned a lock that cannot be pickled "
+                                            r"back to the caller .*return tensors") as info:
+            pool.run(lock_on_rank_one)
+        assert "raised on rank 1" in "".join(info.value.__notes__)
         assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
