@@ -39,7 +39,7 @@ from typing import Any
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
-from distframe.launch import raise_first_failure
+from distframe.launch import raise_first_failure, rebuild_exception, unpicklable_result
 
 _GRACE_S = 1.0
 _STOP_S = 10.0
@@ -281,10 +281,7 @@ def _run_task(backend: Any, task: bytes) -> bytes:
     try:
         return pickle.dumps((True, result, _has_failed(backend)))
     except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
-        error = TypeError(f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that "
-                          f"cannot be pickled back to the caller ({type(exc).__name__}: {exc}); return "
-                          "tensors, numbers, strings or containers of them instead")
-        return _encode_error(error, failed=_has_failed(backend))
+        return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend))
 
 
 def _has_failed(backend: Any) -> bool:
@@ -313,13 +310,7 @@ def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
     state, remote = value
     try:
         cls, args, attributes = pickle.loads(state)
-        exc = cls.__new__(cls, *args)
-        if cls.__module__ == "builtins":
-            # Their __init__ sets fields that are not in __dict__ (SystemExit.code, which
-            # raise_first_failure reports; OSError.errno): without it they came back None.
-            cls.__init__(exc, *args)
-        exc.args = args
-        exc.__dict__.update(attributes)
+        exc = rebuild_exception(cls, args, attributes)
     except Exception:  # noqa: BLE001
         exc = RuntimeError(remote.splitlines()[-1] if remote else "unknown error")
     exc.add_note(f"Traceback on rank {rank}:\n{remote}")

@@ -34,15 +34,26 @@ def test_sys_exit_on_an_in_memory_rank_is_a_rank_failure(rank, code):
     assert isinstance(info.value.__cause__, SystemExit) and info.value.__cause__.code == code
 
 
-@pytest.mark.gloo
-def test_sys_exit_on_a_process_rank_is_a_rank_failure_and_the_pool_goes_on():
-    from distframe._process_launch import ProcessPool
-    with ProcessPool(2, "gloo", timeout=20) as pool:
-        for rank, code in [(0, 0), (1, 3)]:
-            with pytest.raises(RankFailedError, match=rf"sys\.exit\({code}\)") as info:
-                pool.run(exit_on_rank, rank, code)
-            assert info.value.failed_rank == rank
-        assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
+@pytest.fixture(scope="module", params=[pytest.param("gloo", marks=pytest.mark.gloo),
+                                        pytest.param("mpi", marks=pytest.mark.mpi)])
+def pool(request):
+    """Two rank processes: a Gloo ProcessPool, or an MPIPool under mpiexec."""
+    if request.param == "gloo":
+        from distframe._process_launch import ProcessPool
+        pool = ProcessPool(2, "gloo", timeout=20)
+    else:
+        from distframe._mpi_launch import MPIPool
+        pool = MPIPool(2, timeout=20)
+    yield pool
+    pool.close()
+
+
+def test_sys_exit_on_a_process_rank_is_a_rank_failure_and_the_pool_goes_on(pool):
+    for rank, code in [(0, 0), (1, 3)]:
+        with pytest.raises(RankFailedError, match=rf"sys\.exit\({code}\)") as info:
+            pool.run(exit_on_rank, rank, code)
+        assert info.value.failed_rank == rank
+    assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
 
 
 def lock_on_rank_one(backend):
@@ -50,14 +61,11 @@ def lock_on_rank_one(backend):
     return threading.Lock() if backend.rank == 1 else backend.rank
 
 
-@pytest.mark.gloo
-def test_a_result_that_cannot_be_pickled_is_named_and_the_pool_goes_on():
+def test_a_result_that_cannot_be_pickled_is_named_and_the_pool_goes_on(pool):
     # Before: "cannot pickle '_thread.lock' object" with a traceback into the pool's own code,
     # which read as a failure inside the function or in distframe.
-    from distframe._process_launch import ProcessPool
-    with ProcessPool(2, "gloo", timeout=20) as pool:
-        with pytest.raises(TypeError, match=r"'lock_on_rank_one' returned a lock that cannot be pickled "
-                                            r"back to the caller .*return tensors") as info:
-            pool.run(lock_on_rank_one)
-        assert "raised on rank 1" in "".join(info.value.__notes__)
-        assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
+    with pytest.raises(TypeError, match=r"'lock_on_rank_one' returned a lock that cannot be pickled "
+                                        r"back to the caller .*return tensors") as info:
+        pool.run(lock_on_rank_one)
+    assert "raised on rank 1" in "".join(info.value.__notes__)
+    assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
