@@ -44,3 +44,28 @@ def check_waits_out_of_order_and_twice(backend) -> None:
     assert third.wait().tolist() == [float(n - 1)]
     assert second.wait().tolist() == [float(np.arange(n).sum())] * 3
     assert first.wait().tolist() == first.wait().tolist() == list(map(float, range(n)))
+
+
+def check_receive_wait_timeout_leaves_the_receive_posted(backend) -> None:
+    """Rank 0's receive from rank 1 waits with a timeout before rank 1 sends (rank 1 first waits
+    for rank 0's go-ahead): the error names recv and rank 1; the receive stays posted, the next
+    wait gets the message, and the group still works (on Gloo the expired wait used to close the
+    connection to rank 1, so every later call with it failed)."""
+    n, r = backend.world_size, backend.rank
+    payload = np.arange(3, dtype=np.float32) + 7
+    if r == 0 and n > 1:
+        got = torch.zeros(3)
+        work = backend.irecv(got, 1)
+        with pytest.raises(CollectiveTimeoutError) as info:
+            work.wait(timeout=0.5)
+        if info.value.op != "recv" or info.value.missing_ranks != [1]:
+            raise AssertionError(f"an expired receive named {info.value.op} and {info.value.missing_ranks}")
+        backend.send(torch.ones(1), 1)
+        if work.wait() is not got or work.wait() is not got:
+            raise AssertionError("Work.wait() of a receive must return its tensor, every time")
+        np.testing.assert_array_equal(got.numpy(), payload)
+    elif r == 1:
+        backend.recv(torch.zeros(1), 0)
+        backend.send(torch.from_numpy(payload), 0)
+    total = backend.all_reduce(torch.tensor([float(r)]))
+    np.testing.assert_array_equal(total.numpy(), [np.arange(n).sum()])
