@@ -273,6 +273,9 @@ def _run_task(backend: Any, task: bytes) -> bytes:
     try:
         fn, args, kwargs = pickle.loads(task)
         result = fn(backend, *args, **kwargs)
+        # An asynchronous call never waited for ends with the function (as it would with
+        # spawn's shutdown): its failure is this run's, not the next run's first call's.
+        backend._drain()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         backend.depart(failed=True)
         return _encode_error(exc, failed=_has_failed(backend) or isinstance(

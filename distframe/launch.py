@@ -69,7 +69,10 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
         finally:
             # Shuts down this rank's backends, subgroups included: peers still waiting for it
             # in a call it never made stop at once instead of at the timeout.
-            b.world.finish(rank)
+            try:
+                b.world.finish(rank)
+            except BaseException as exc:  # noqa: BLE001 - an asynchronous call that failed unseen
+                errors.setdefault(rank, exc)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"distframe-rank{r}", daemon=True)
                for r in range(world_size)]

@@ -82,11 +82,21 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is None:
+            self.shutdown()
+            return
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the exception leaving the block is the one to see
+            pass
 
     def shutdown(self) -> None:
-        """Waits for pending asynchronous work, then releases the engine's resources. Idempotent."""
+        """Waits for pending asynchronous work, then releases the engine's resources. Idempotent.
+        Raises the first failure of an asynchronous call whose ``Work`` was never waited for (or
+        whose wait did not see it), after releasing everything: such a call did not happen on
+        every rank, and saying nothing let a run whose ranks made different calls end as a
+        success."""
         with self._lock:
             if self._closed:
                 return
@@ -95,6 +105,11 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=False)
         self._shutdown()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        failures = [f.exception() for f in pending if not f.cancelled() and f.exception() is not None]
+        if failures:
+            raise failures[0]
 
     @property
     def is_shut_down(self) -> bool:

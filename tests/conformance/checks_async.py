@@ -69,3 +69,15 @@ def check_receive_wait_timeout_leaves_the_receive_posted(backend) -> None:
         backend.send(torch.from_numpy(payload), 0)
     total = backend.all_reduce(torch.tensor([float(r)]))
     np.testing.assert_array_equal(total.numpy(), [np.arange(n).sum()])
+
+
+def make_a_call_the_others_do_not(backend, wait: bool) -> str:
+    """Rank 0 issues an asynchronous all_reduce that no other rank makes, then returns; with
+    ``wait`` it waits for it first and handles the error itself."""
+    if backend.rank == 0:
+        work = backend.all_reduce(torch.ones(1), async_op=True)
+        if wait and backend.world_size > 1:
+            with pytest.raises(CollectiveTimeoutError):
+                work.wait()
+            return "seen"
+    return "returned"
