@@ -185,22 +185,28 @@ class _RecvWork(Work):
                  tag: int, seq: int) -> None:
         self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
         self._done = False
+        # A message of another shape or dtype was taken with this error: every later wait raises
+        # it too (waiting for the taken message again ran into the timeout).
+        self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
         if self._done:
             return self._tensor
         b = self._backend
         _, payload = b._rdv.take(self._src, b.rank, self._tag, self._seq,
                                  b.timeout if timeout is None else timeout)
         if payload.shape != self._tensor.shape or payload.dtype != self._tensor.dtype:
-            raise CollectiveMismatchError(
+            self._error = CollectiveMismatchError(
                 "recv", self._seq, f"rank {self._src} sent shape {tuple(payload.shape)} "
                 f"{payload.dtype} with tag {self._tag}, rank {b.rank} expects shape "
                 f"{tuple(self._tensor.shape)} {self._tensor.dtype}")
+            raise self._error
         self._tensor.copy_(payload)
         self._done = True
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or self._backend._rdv.has_message(self._src, self._backend.rank, self._tag,
-                                                            self._seq)
+        return self._done or self._error is not None or self._backend._rdv.has_message(
+            self._src, self._backend.rank, self._tag, self._seq)

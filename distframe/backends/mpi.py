@@ -311,8 +311,13 @@ class _P2PWork(Work):
         self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
         self._status = backend._MPI.Status()
         self._done = False
+        # A receive of another size completed with this error: every later wait raises it too
+        # (the request is gone, so asking MPI again read "0 bytes").
+        self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        if self._error is not None:
+            raise self._error
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
             try:
@@ -320,7 +325,8 @@ class _P2PWork(Work):
                     self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
             except self._backend._MPI.Exception as exc:
                 if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
-                    raise self._mismatch("more than") from None
+                    self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
+                    raise self._error from None
                 raise
             self._finish()
         return self._target
@@ -337,7 +343,8 @@ class _P2PWork(Work):
         if self._op == "recv":
             received = self._status.Get_count(self._backend._MPI.BYTE)
             if received != self._buffer.nbytes:
-                raise self._mismatch(str(received))
+                self._error = self._mismatch(str(received))
+                raise self._error
             if self._target is not None:
                 write_back(self._target, self._buffer)
 
