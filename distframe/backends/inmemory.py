@@ -134,12 +134,16 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         return self._collective(call, tensor, lambda slot: [
             slot.inputs[r].clone() for r in range(self._world_size)] if self._rank == dst else None)
 
+    # A chunk passed as a strided view is received contiguous, as from the other engines (a plain
+    # clone kept the sender's strides, so .view() on the result failed on this engine only).
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
-        return self._collective(call, chunks, lambda slot: slot.inputs[src][self._rank].clone())
+        return self._collective(call, chunks, lambda slot: slot.inputs[src][self._rank].clone(
+            memory_format=torch.contiguous_format))
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         return self._collective(call, chunks, lambda slot: [
-            slot.inputs[j][self._rank].clone() for j in range(self._world_size)])
+            slot.inputs[j][self._rank].clone(memory_format=torch.contiguous_format)
+            for j in range(self._world_size)])
 
     def _barrier(self, call: Call) -> None:
         self._collective(call, None, lambda slot: None)

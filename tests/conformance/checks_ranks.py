@@ -1,5 +1,6 @@
-"""Conformance check of how ranks and tags may be given: any exact integer (a NumPy integer, a
-0-dim integer tensor), as torch.distributed takes them; never a bool or a float."""
+"""Conformance checks of how ranks, tags and chunks may be given. Ranks and tags: any exact
+integer (a NumPy integer, a 0-dim integer tensor), as torch.distributed takes them; never a bool
+or a float. Chunks: strided views arrive contiguous."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,3 +32,22 @@ def check_integer_like_ranks_and_tags(backend) -> None:
     with pytest.raises(ValueError, match="must be an int"):
         backend.new_group([True] if n == 1 else [0, True])
     group.shutdown()
+
+
+def check_strided_chunks_arrive_contiguous(backend) -> None:
+    """scatter, all_to_all and gather of transposed views: each rank receives contiguous tensors
+    holding the views' values (NumPy oracle), on every engine."""
+    n, r = backend.world_size, backend.rank
+    base = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * j for j in range(n)]
+    views = [torch.from_numpy(b.copy()).t() for b in base]
+    got = backend.scatter(views if r == 0 else None, 0)
+    exchanged = backend.all_to_all([torch.from_numpy(base[r].copy()).t() for _ in range(n)])
+    gathered = backend.gather(views[r], 0)
+    received = [got, *exchanged, *(gathered or [])]
+    if not all(t.is_contiguous() for t in received):
+        raise AssertionError("received chunks must be contiguous, as on every engine")
+    np.testing.assert_array_equal(got.view(-1).numpy(), base[r].T.reshape(-1))
+    for j, t in enumerate(exchanged):
+        np.testing.assert_array_equal(t.view(-1).numpy(), base[j].T.reshape(-1))
+    for j, t in enumerate(gathered or []):
+        np.testing.assert_array_equal(t.numpy(), base[j].T)
