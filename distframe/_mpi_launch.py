@@ -273,10 +273,9 @@ def _portable_exception(exc: BaseException) -> Any:
 
 
 def _restore_exception(state: Any) -> BaseException:
+    from distframe.launch import rebuild_exception
     cls, args, attributes, text = state
-    exc = cls.__new__(cls)
-    exc.args = args
-    exc.__dict__.update(attributes)
+    exc = rebuild_exception(cls, args, attributes)
     exc.add_note("remote traceback:\n" + text.rstrip())
     return exc
 
@@ -319,7 +318,8 @@ def _serve(host: str, port: int) -> None:
         try:
             data = pickle.dumps(reply)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
-            data = pickle.dumps((False, _portable_exception(exc)))
+            from distframe.launch import unpicklable_result
+            data = pickle.dumps((False, _portable_exception(unpicklable_result(fn, reply[1], exc))))
         conn.send_bytes(data)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
-from distframe.launch import raise_first_failure
+from distframe.launch import raise_first_failure, rebuild_exception, unpicklable_result
 
 _GRACE_S = 1.0
 _STOP_S = 10.0
@@ -273,12 +273,18 @@ def _run_task(backend: Any, task: bytes) -> bytes:
     try:
         fn, args, kwargs = pickle.loads(task)
         result = fn(backend, *args, **kwargs)
-        backend.depart()  # [Note: departures between runs]
-        return pickle.dumps((True, result, _has_failed(backend)))
+        # An asynchronous call never waited for ends with the function (as it would with
+        # spawn's shutdown): its failure is this run's, not the next run's first call's.
+        backend._drain()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         backend.depart(failed=True)
         return _encode_error(exc, failed=_has_failed(backend) or isinstance(
             exc, (CollectiveTimeoutError, RankFailedError)))
+    backend.depart()  # [Note: departures between runs]
+    try:
+        return pickle.dumps((True, result, _has_failed(backend)))
+    except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
+        return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend))
 
 
 def _has_failed(backend: Any) -> bool:
@@ -307,9 +313,7 @@ def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
     state, remote = value
     try:
         cls, args, attributes = pickle.loads(state)
-        exc = cls.__new__(cls, *args)
-        exc.args = args
-        exc.__dict__.update(attributes)
+        exc = rebuild_exception(cls, args, attributes)
     except Exception:  # noqa: BLE001
         exc = RuntimeError(remote.splitlines()[-1] if remote else "unknown error")
     exc.add_note(f"Traceback on rank {rank}:\n{remote}")

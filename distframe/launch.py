@@ -69,7 +69,10 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
         finally:
             # Shuts down this rank's backends, subgroups included: peers still waiting for it
             # in a call it never made stop at once instead of at the timeout.
-            b.world.finish(rank)
+            try:
+                b.world.finish(rank)
+            except BaseException as exc:  # noqa: BLE001 - an asynchronous call that failed unseen
+                errors.setdefault(rank, exc)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"distframe-rank{r}", daemon=True)
                for r in range(world_size)]
@@ -89,11 +92,41 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
 
 
 def raise_first_failure(errors: dict[int, BaseException]) -> None:
-    """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it."""
+    """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it;
+    a rank's ``sys.exit`` is raised as RankFailedError (from the SystemExit)."""
     originals = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)}
     rank, exc = min((originals or errors).items())
-    exc.add_note(f"(raised on rank {rank}; {len(errors)} of the ranks failed)")
+    note = f"(raised on rank {rank}; {len(errors)} of the ranks failed)"
+    if isinstance(exc, SystemExit):
+        # Re-raised as it is, a rank's sys.exit would end the calling program without a word,
+        # with that rank's status: sys.exit(0) on one rank passed a failed run off as a success.
+        failure = RankFailedError(rank, f"its function called sys.exit({exc.code!r}) instead of "
+                                        "returning; return a value, or raise an exception, instead")
+        failure.add_note(note)
+        raise failure from exc
+    exc.add_note(note)
     raise exc
+
+
+def rebuild_exception(cls: type, args: tuple, attributes: dict) -> BaseException:
+    """An exception raised in a rank's process, from its class, ``args`` and ``__dict__``: most of
+    distframe's errors take other constructor arguments than their ``args``, so pickle alone
+    cannot rebuild them."""
+    exc = cls.__new__(cls, *args)
+    if cls.__module__ == "builtins":
+        # Their __init__ sets fields that are not in __dict__ (SystemExit.code, which
+        # raise_first_failure reports; OSError.errno): without it they came back None.
+        cls.__init__(exc, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc
+
+
+def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:
+    """The error a rank process reports when ``fn``'s result cannot be pickled back to the caller."""
+    return TypeError(f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that "
+                     f"cannot be pickled back to the caller ({type(error).__name__}: {error}); return "
+                     "tensors, numbers, strings or containers of them instead")
 
 
 def detect_launcher(environ: dict[str, str] | None = None) -> str | None:

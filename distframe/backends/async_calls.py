@@ -37,6 +37,12 @@ class AsyncCalls:
     _check_signature: Callable[[Call], None]
     _stall_check: Callable[[Call], Callable[[], BaseException | None] | None]
 
+    def _missing_ranks(self, seq: int) -> list[int] | None:
+        """The ranks of this group that have not entered call ``seq`` (this one included while the
+        call waits its turn here), for an expired ``Work.wait(timeout=...)``; None where the
+        engine cannot tell. Engines override it."""
+        return None
+
     def _submit(self, call: Call, fn: Callable[[Call], Any]) -> FutureWork:
         """Queues ``fn(call)`` on the communication thread."""
         def execute() -> Any:
@@ -59,7 +65,7 @@ class AsyncCalls:
         # its result (a gathered tensor, say) lives only as long as the caller keeps it.
         future.add_done_callback(self._forget_if_succeeded)
         return FutureWork(future, call.op, call.seq, on_done=lambda: self._forget(future),
-                          stall=self._stall_check(call))
+                          stall=self._stall_check(call), missing=lambda: self._missing_ranks(call.seq))
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:

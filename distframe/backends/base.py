@@ -82,11 +82,21 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        if exc_type is None:
+            self.shutdown()
+            return
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - the exception leaving the block is the one to see
+            pass
 
     def shutdown(self) -> None:
-        """Waits for pending asynchronous work, then releases the engine's resources. Idempotent."""
+        """Waits for pending asynchronous work, then releases the engine's resources. Idempotent.
+        Raises the first failure of an asynchronous call whose ``Work`` was never waited for (or
+        whose wait did not see it), after releasing everything: such a call did not happen on
+        every rank, and saying nothing let a run whose ranks made different calls end as a
+        success."""
         with self._lock:
             if self._closed:
                 return
@@ -95,6 +105,11 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=False)
         self._shutdown()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        failures = [f.exception() for f in pending if not f.cancelled() and f.exception() is not None]
+        if failures:
+            raise failures[0]
 
     @property
     def is_shut_down(self) -> bool:
@@ -189,7 +204,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank; returns it."""
         self._check_tensor("broadcast", tensor)
-        self._check_peer("broadcast", "src", src)
+        src = self._check_peer("broadcast", "src", src)
         sig = lambda: Signature("broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
         return self._run("broadcast", sig, tensor.nbytes, lambda call: self._in_place(
             tensor, lambda work: self._broadcast(work, src, call)), async_op)
@@ -199,7 +214,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         """Reduces into ``tensor`` on rank ``dst`` (other ranks' tensors are left unchanged)."""
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         self._check_tensor("reduce", tensor)
-        self._check_peer("reduce", "dst", dst)
+        dst = self._check_peer("reduce", "dst", dst)
         applied = effective_op(op, tensor.dtype)
         sig = lambda: Signature("reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
 
@@ -215,7 +230,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                ) -> list[torch.Tensor] | None | Work:
         """Rank ``dst`` gets the list of every rank's ``tensor`` (rank order); others get None."""
         data = self._check_tensor("gather", tensor)
-        self._check_peer("gather", "dst", dst)
+        dst = self._check_peer("gather", "dst", dst)
         sig = lambda: Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
         return self._run("gather", sig, tensor.nbytes,
                          lambda call: self._gather(data.contiguous(), dst, call), async_op)
@@ -225,7 +240,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         """Rank ``src`` passes ``world_size`` tensors of one shape and dtype; every rank returns the
         one at its own index, on the CPU if ``src``'s chunks are CPU tensors and on a GPU if they
         are GPU tensors. Other ranks' ``chunks`` are ignored (pass None)."""
-        self._check_peer("scatter", "src", src)
+        src = self._check_peer("scatter", "src", src)
         nbytes = 0
         if self._rank == src:
             chunks = self._check_chunks("scatter", chunks, same_shape=True)
@@ -264,12 +279,12 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         return self.irecv(tensor, src, tag).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        data = self._check_p2p("isend", tensor, dst, tag)
+        data, dst, tag = self._check_p2p("isend", tensor, dst, tag)
         self.stats.record("send", tensor.nbytes)
         return self._isend(data.contiguous(), dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        data = self._check_p2p("irecv", tensor, src, tag)
+        data, src, tag = self._check_p2p("irecv", tensor, src, tag)
         self.stats.record("recv", tensor.nbytes)
         return self._irecv(data, src, tag)
 
@@ -352,10 +367,10 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def _check_tensor(self, op: str, tensor: object) -> torch.Tensor:
         return validation.check_tensor(op, tensor)
 
-    def _check_peer(self, op: str, name: str, peer: object) -> None:
-        validation.check_peer(op, name, peer, self._world_size)
+    def _check_peer(self, op: str, name: str, peer: object) -> int:
+        return validation.check_peer(op, name, peer, self._world_size)
 
-    def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> torch.Tensor:
+    def _check_p2p(self, op: str, tensor: object, peer: int, tag: int) -> tuple[torch.Tensor, int, int]:
         self._check_open(op)
         return validation.check_p2p(op, tensor, peer, tag, self._rank, self._world_size, RESERVED_TAG)
 

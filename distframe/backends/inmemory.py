@@ -84,6 +84,9 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
             return self._rdv.stall_error(call.op, call.seq, absent, STALL_GRACE)
         return check
 
+    def _missing_ranks(self, seq: int) -> list[int]:
+        return sorted(self._rdv.missing_ranks(seq))
+
     def _element_range(self, numel: int) -> slice:
         per_rank = -(-numel // self._world_size)
         start = min(numel, self._rank * per_rank)
@@ -131,12 +134,16 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         return self._collective(call, tensor, lambda slot: [
             slot.inputs[r].clone() for r in range(self._world_size)] if self._rank == dst else None)
 
+    # A chunk passed as a strided view is received contiguous, as from the other engines (a plain
+    # clone kept the sender's strides, so .view() on the result failed on this engine only).
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
-        return self._collective(call, chunks, lambda slot: slot.inputs[src][self._rank].clone())
+        return self._collective(call, chunks, lambda slot: slot.inputs[src][self._rank].clone(
+            memory_format=torch.contiguous_format))
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         return self._collective(call, chunks, lambda slot: [
-            slot.inputs[j][self._rank].clone() for j in range(self._world_size)])
+            slot.inputs[j][self._rank].clone(memory_format=torch.contiguous_format)
+            for j in range(self._world_size)])
 
     def _barrier(self, call: Call) -> None:
         self._collective(call, None, lambda slot: None)
@@ -182,22 +189,28 @@ class _RecvWork(Work):
                  tag: int, seq: int) -> None:
         self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
         self._done = False
+        # A message of another shape or dtype was taken with this error: every later wait raises
+        # it too (waiting for the taken message again ran into the timeout).
+        self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
         if self._done:
             return self._tensor
         b = self._backend
         _, payload = b._rdv.take(self._src, b.rank, self._tag, self._seq,
                                  b.timeout if timeout is None else timeout)
         if payload.shape != self._tensor.shape or payload.dtype != self._tensor.dtype:
-            raise CollectiveMismatchError(
+            self._error = CollectiveMismatchError(
                 "recv", self._seq, f"rank {self._src} sent shape {tuple(payload.shape)} "
                 f"{payload.dtype} with tag {self._tag}, rank {b.rank} expects shape "
                 f"{tuple(self._tensor.shape)} {self._tensor.dtype}")
+            raise self._error
         self._tensor.copy_(payload)
         self._done = True
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or self._backend._rdv.has_message(self._src, self._backend.rank, self._tag,
-                                                            self._seq)
+        return self._done or self._error is not None or self._backend._rdv.has_message(
+            self._src, self._backend.rank, self._tag, self._seq)

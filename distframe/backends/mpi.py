@@ -102,6 +102,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
             wait_request(request, time.monotonic() + call.timeout,
                          lambda waited, timed_out: self._stuck(call, request, keep, waited, timed_out))
 
+    def _missing_ranks(self, seq: int) -> list[int] | None:
+        missing, unknown = missing_ranks(self._board.read(), seq, self._world_size)
+        return None if unknown else missing  # ranks on other nodes may be missing too
+
     def _stuck(self, call: Call, request: Any, keep: Any, waited: float,
                timed_out: bool) -> BaseException | None:
         """The error that ends a wait for ``request`` (see ``wait_request``), if any."""
@@ -307,8 +311,13 @@ class _P2PWork(Work):
         self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
         self._status = backend._MPI.Status()
         self._done = False
+        # A receive of another size completed with this error: every later wait raises it too
+        # (the request is gone, so asking MPI again read "0 bytes").
+        self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        if self._error is not None:
+            raise self._error
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
             try:
@@ -316,7 +325,8 @@ class _P2PWork(Work):
                     self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
             except self._backend._MPI.Exception as exc:
                 if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
-                    raise self._mismatch("more than") from None
+                    self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
+                    raise self._error from None
                 raise
             self._finish()
         return self._target
@@ -333,7 +343,8 @@ class _P2PWork(Work):
         if self._op == "recv":
             received = self._status.Get_count(self._backend._MPI.BYTE)
             if received != self._buffer.nbytes:
-                raise self._mismatch(str(received))
+                self._error = self._mismatch(str(received))
+                raise self._error
             if self._target is not None:
                 write_back(self._target, self._buffer)
 

@@ -92,14 +92,21 @@ class World:
     def finish(self, global_rank: int) -> None:
         """Called when ``global_rank``'s function has ended: shuts its backends down, subgroups
         included (each first waits for its asynchronous calls), after which the rank can never
-        make a call again; peers waiting for it then stop at once (``Rendezvous._wait``)."""
+        make a call again; peers waiting for it then stop at once (``Rendezvous._wait``). Raises
+        the first failure a shutdown raised (an asynchronous call whose failure was not seen)."""
         with self._lock:
             backends = list(self._backends.pop(global_rank, ()))
+        failure: BaseException | None = None
         for backend in backends:
-            backend.shutdown()
+            try:
+                backend.shutdown()
+            except BaseException as exc:  # noqa: BLE001 - the others still shut down; raised below
+                failure = failure or exc
         with self._lock:
             self.finished.add(global_rank)
         self._wake_all()
+        if failure is not None:  # an asynchronous call of the rank's that failed unseen
+            raise failure
 
     def _wake_all(self) -> None:
         with self._lock:

@@ -129,6 +129,10 @@ def from_environment(name: str, *, timeout: float = DEFAULT_TIMEOUT, **backend_k
                                        timeout=datetime.timedelta(seconds=timeout)))
     # A restarted torchrun job meets in the same store: keep its keys apart from the last run's.
     prefix = f"distframe/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # Each call builds a new group (as MPI's Dup does), in the same store: a second group under
+    # the first one's keys read its stale Gloo addresses and failed to connect at the timeout.
+    # Every rank counts its own calls, so the n-th call of each rank meets the n-th of the others.
+    prefix = f"{prefix}/init{store.add(f'{prefix}/init_calls/{rank}', 1)}"
     if name == "gloo":
         return GlooCommunicationBackend(rank, world_size, store, timeout=timeout, prefix=prefix,
                                         **backend_kwargs)

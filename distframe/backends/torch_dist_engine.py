@@ -366,6 +366,9 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._shared.board.reached(self._my_progress_key, seq)
         self._await(handle, op, seq)
 
+    def _missing_ranks(self, seq: int) -> list[int] | None:
+        return self._shared.board.behind(self._progress_keys, seq)
+
     def _comm_error(self, exc: BaseException, op: str, seq: int, peers: list[int] | None,
                     timeout: float | None = None) -> Exception | None:
         """The distframe error for a transport failure (None if ``exc`` is not one). ``peers``:

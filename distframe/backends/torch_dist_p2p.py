@@ -6,11 +6,12 @@ watching a receive]), and a shutdown drops the sends to a rank that left without
 from __future__ import annotations
 
 import collections
-import datetime
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ from distframe.backends.signature import ENCODED_LENGTH, Signature
 from distframe.backends.torch_dist_board import _CUT, WAIT_SLICE, WatchedReceive
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
-from distframe.errors import CollectiveMismatchError
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
     from distframe.backends.torch_dist_engine import TorchDistributedBackend
@@ -32,7 +33,14 @@ HEADER_TAG = 2**21
 
 class RecvWork(Work):
     """A posted receive. In debug mode the payload's receive is posted only after the header
-    matched, so a mismatch raises here instead of aborting the process."""
+    matched, so a mismatch raises here instead of aborting the process.
+
+    [Note: a receive's own timeout] When a receive's ``wait(timeout)`` expires, Gloo closes the
+    connection to the sender (NCCL marks the work failed), which broke every later call with that
+    rank and marked the group failed; the other engines leave the receive posted. So
+    ``wait(timeout=...)`` runs the whole wait, bounded by the backend's timeout as a plain
+    ``wait()`` is, on a thread of its own and stops waiting for that thread at the caller's
+    timeout: the receive stays posted, and a later wait completes it."""
 
     def __init__(self, backend: TorchDistributedBackend, tensor: torch.Tensor, src: int, tag: int,
                  seq: int) -> None:
@@ -41,6 +49,7 @@ class RecvWork(Work):
         self._buffer = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype,
                                                          device=backend._device)
         self._done = False
+        self._waiter: Future | None = None  # the thread's outcome ([Note: a receive's own timeout])
         self._header: torch.Tensor | None = None
         self._header_work = self._payload_work = None
         if backend.debug:
@@ -52,11 +61,17 @@ class RecvWork(Work):
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._done:
             return self._tensor
+        if timeout is not None or self._waiter is not None:
+            return self._wait_on_thread(timeout)
+        return self._wait_here()
+
+    def _wait_here(self) -> torch.Tensor:
+        """Waits for the receive on this thread, within the backend's timeout."""
         if self._payload_work is None:
-            self._await(self._header_work, timeout)
+            self._await(self._header_work)
             self._check_header()
             self._payload_work = self._backend._pg.recv([movable(self._buffer)], self._src, self._tag)
-        self._await(self._payload_work, timeout)
+        self._await(self._payload_work)
         if self._buffer is not self._tensor:
             self._tensor.copy_(self._buffer)
         self._done = True
@@ -65,7 +80,28 @@ class RecvWork(Work):
     def is_completed(self) -> bool:
         return self._done or (self._payload_work is not None and self._payload_work.is_completed())
 
-    def _await(self, work: Any, timeout: float | None) -> None:
+    def _wait_on_thread(self, timeout: float | None) -> torch.Tensor:
+        if self._waiter is None:
+            self._waiter = Future()
+            threading.Thread(target=self._wait_for_waiter, name="distframe-recv-wait", daemon=True).start()
+        try:
+            return self._waiter.result(timeout)
+        except FutureTimeout:
+            if self._waiter.done():
+                raise
+            raise CollectiveTimeoutError(
+                "recv", self._seq, [self._src], timeout or 0.0,
+                "Work.wait(timeout=...) expired; the receive stays posted, so a later wait() can "
+                "still complete it") from None
+
+    def _wait_for_waiter(self) -> None:
+        try:
+            self._waiter.set_result(self._wait_here())
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's wait
+            self._waiter.set_exception(exc)
+
+    def _await(self, work: Any) -> None:
+        """Waits for ``work`` within the process group's timeout (the backend's)."""
         backend = self._backend
         board = backend._shared.board
         watched = None
@@ -74,16 +110,13 @@ class RecvWork(Work):
                                      self._tag, self._seq)
             board.watch(watched)
         try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=timeout))
+            work.wait()
         except RuntimeError as exc:
             error = watched.error if watched is not None else None
             if error is not None:
                 backend._shared.failed = True
                 raise error from None
-            error = backend._comm_error(exc, "recv", self._seq, [self._src], timeout)
+            error = backend._comm_error(exc, "recv", self._seq, [self._src])
             if error is None:
                 raise
             raise error from exc

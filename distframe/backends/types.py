@@ -96,15 +96,19 @@ class FutureWork(Work):
     """Work running on a backend's communication thread.
 
     ``stall``, if given, is asked once a second while ``wait`` blocks: an error it returns (the
-    operation can never complete) is raised at once instead of waiting on."""
+    operation can never complete) is raised at once instead of waiting on. ``missing``, if given,
+    names the ranks that have not entered the operation when ``wait(timeout=...)`` expires
+    (None where the engine cannot tell)."""
 
     def __init__(self, future: Future, op: str, seq: int, on_done: Callable[[], None] | None = None,
-                 stall: Callable[[], BaseException | None] | None = None) -> None:
+                 stall: Callable[[], BaseException | None] | None = None,
+                 missing: Callable[[], list[int] | None] | None = None) -> None:
         self._future = future
         self._op = op
         self._seq = seq
         self._on_done = on_done
         self._stall = stall
+        self._missing = missing
 
     def wait(self, timeout: float | None = None) -> Any:
         try:
@@ -112,9 +116,11 @@ class FutureWork(Work):
         except FutureTimeout as error:
             if self._future.done() or isinstance(error, CollectiveTimeoutError):
                 raise  # the operation's own timeout (its error names the missing ranks) or a stall
-            raise CollectiveTimeoutError(
-                self._op, self._seq, None, timeout or 0.0,
-                "Work.wait(timeout=...) expired before the operation completed") from None
+            missing = None if self._missing is None else self._missing()
+            detail = "Work.wait(timeout=...) expired before the operation completed"
+            if missing == []:
+                missing, detail = None, f"{detail}; every rank has entered it"
+            raise CollectiveTimeoutError(self._op, self._seq, missing, timeout or 0.0, detail) from None
         finally:
             # A failure the caller has now seen is not raised again by the next call.
             if self._on_done is not None and self._future.done():

@@ -1,6 +1,8 @@
 """Argument checks shared by every engine: each error says what to change."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
@@ -19,21 +21,39 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def check_peer(op: str, name: str, peer: object, world_size: int) -> None:
-    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < world_size:
+def as_int(op: str, name: str, value: object) -> int:
+    """``value`` as a Python int: an int, or an integer that converts exactly (a NumPy integer,
+    a 0-dim integer tensor), as torch.distributed takes them; never a bool or a float."""
+    if value.__class__ is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{op}: {name} must be an int, got {value!r}; pass an integer rank or tag")
+
+
+def check_peer(op: str, name: str, peer: object, world_size: int) -> int:
+    """``peer`` as an int, or ValueError unless it is a rank of a group of ``world_size``."""
+    peer = as_int(op, name, peer)
+    if not 0 <= peer < world_size:
         raise ValueError(f"{op}: {name}={peer!r} is out of range for a group of world_size "
                          f"{world_size}; use a rank in 0..{world_size - 1}")
+    return peer
 
 
-def check_p2p(op: str, tensor: object, peer: int, tag: int, rank: int, world_size: int,
-              tag_limit: int) -> torch.Tensor:
+def check_p2p(op: str, tensor: object, peer: object, tag: object, rank: int, world_size: int,
+              tag_limit: int) -> tuple[torch.Tensor, int, int]:
+    """(the tensor as the engines see it, the peer and the tag as ints)."""
     data = check_tensor(op, tensor)
-    check_peer(op, "dst" if "send" in op else "src", peer, world_size)
+    peer = check_peer(op, "dst" if "send" in op else "src", peer, world_size)
     if peer == rank:
         raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
-    if not isinstance(tag, int) or not 0 <= tag < tag_limit:
+    tag = as_int(op, "tag", tag)
+    if not 0 <= tag < tag_limit:
         raise ValueError(f"{op}: tag must be an int in 0..{tag_limit - 1}, got {tag!r}")
-    return data
+    return data, peer, tag
 
 
 def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
@@ -68,7 +88,8 @@ def check_group_ranks(ranks: object, world_size: int) -> list[int]:
     ranks = list(ranks)
     if not ranks:
         raise ValueError("new_group needs at least one rank")
-    bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
+    ranks = [as_int("new_group", "each rank", r) for r in ranks]
+    bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"new_group: unknown ranks {bad}; this group has ranks 0..{world_size - 1}")
     if len(set(ranks)) != len(ranks):

@@ -1,0 +1,83 @@
+"""Conformance checks of asynchronous work (``async_op=True``): waits with a timeout, and waits
+repeated or out of issue order. Each runs on every rank of a group, on any engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distframe.errors import CollectiveTimeoutError
+
+
+def check_wait_timeout_names_the_missing_ranks(backend) -> None:
+    """Rank 0's all_reduce waits with a timeout while the others are held back (by a message
+    they wait for, so no sleep decides it): the error names the op and exactly those ranks;
+    the work then completes once they arrive, and a second wait returns the same result."""
+    n, r = backend.world_size, backend.rank
+    mine = torch.tensor([float(r + 1)])
+    expected = np.arange(1, n + 1, dtype=np.float32).sum()
+    token = torch.zeros(1)
+    if r == 0:
+        work = backend.all_reduce(mine, async_op=True)
+        if n > 1:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                work.wait(timeout=0.5)
+            error = info.value
+            if error.op != "all_reduce" or error.missing_ranks != list(range(1, n)):
+                raise AssertionError(f"Work.wait(timeout=) named {error.op} and missing ranks "
+                                     f"{error.missing_ranks}, expected all_reduce and {list(range(1, n))}")
+            for peer in range(1, n):
+                backend.send(token, peer)
+        if work.wait() is not mine or work.wait() is not mine:
+            raise AssertionError("Work.wait() must return the reduced tensor, every time it is called")
+    else:
+        backend.recv(token, 0)
+        backend.all_reduce(mine)
+    np.testing.assert_array_equal(mine.numpy(), [expected])
+
+
+def check_waits_out_of_order_and_twice(backend) -> None:
+    n, r = backend.world_size, backend.rank
+    first = backend.all_gather(torch.tensor([float(r)]), async_op=True)
+    second = backend.all_reduce(torch.full((3,), float(r)), async_op=True)
+    third = backend.broadcast(torch.tensor([float(r)]), n - 1, async_op=True)
+    assert third.wait().tolist() == [float(n - 1)]
+    assert second.wait().tolist() == [float(np.arange(n).sum())] * 3
+    assert first.wait().tolist() == first.wait().tolist() == list(map(float, range(n)))
+
+
+def check_receive_wait_timeout_leaves_the_receive_posted(backend) -> None:
+    """Rank 0's receive from rank 1 waits with a timeout before rank 1 sends (rank 1 first waits
+    for rank 0's go-ahead): the error names recv and rank 1; the receive stays posted, the next
+    wait gets the message, and the group still works (on Gloo the expired wait used to close the
+    connection to rank 1, so every later call with it failed)."""
+    n, r = backend.world_size, backend.rank
+    payload = np.arange(3, dtype=np.float32) + 7
+    if r == 0 and n > 1:
+        got = torch.zeros(3)
+        work = backend.irecv(got, 1)
+        with pytest.raises(CollectiveTimeoutError) as info:
+            work.wait(timeout=0.5)
+        if info.value.op != "recv" or info.value.missing_ranks != [1]:
+            raise AssertionError(f"an expired receive named {info.value.op} and {info.value.missing_ranks}")
+        backend.send(torch.ones(1), 1)
+        if work.wait() is not got or work.wait() is not got:
+            raise AssertionError("Work.wait() of a receive must return its tensor, every time")
+        np.testing.assert_array_equal(got.numpy(), payload)
+    elif r == 1:
+        backend.recv(torch.zeros(1), 0)
+        backend.send(torch.from_numpy(payload), 0)
+    total = backend.all_reduce(torch.tensor([float(r)]))
+    np.testing.assert_array_equal(total.numpy(), [np.arange(n).sum()])
+
+
+def make_a_call_the_others_do_not(backend, wait: bool) -> str:
+    """Rank 0 issues an asynchronous all_reduce that no other rank makes, then returns; with
+    ``wait`` it waits for it first and handles the error itself."""
+    if backend.rank == 0:
+        work = backend.all_reduce(torch.ones(1), async_op=True)
+        if wait and backend.world_size > 1:
+            with pytest.raises(CollectiveTimeoutError):
+                work.wait()
+            return "seen"
+    return "returned"
