@@ -111,9 +111,11 @@ class FutureWork(Work):
         self._missing = missing
 
     def wait(self, timeout: float | None = None) -> Any:
+        stalled = False
         try:
             result = self._result(timeout)
         except FutureTimeout as error:
+            stalled = isinstance(error, CollectiveTimeoutError) and not self._future.done()
             if self._future.done() or isinstance(error, CollectiveTimeoutError):
                 raise  # the operation's own timeout (its error names the missing ranks) or a stall
             missing = None if self._missing is None else self._missing()
@@ -122,8 +124,10 @@ class FutureWork(Work):
                 missing, detail = None, f"{detail}; every rank has entered it"
             raise CollectiveTimeoutError(self._op, self._seq, missing, timeout or 0.0, detail) from None
         finally:
-            # A failure the caller has now seen is not raised again by the next call.
-            if self._on_done is not None and self._future.done():
+            # A failure the caller has now seen is not raised again by the next call, nor by
+            # shutdown: a stall says the operation can never complete, so its later failure
+            # (the peers being aborted) is the same one.
+            if self._on_done is not None and (self._future.done() or stalled):
                 self._on_done()
         return result
 

@@ -38,21 +38,6 @@ def rank_sends_released(b, messages):
     return held_sends(b)
 
 
-def rank_unreceived_send_is_held(b):
-    if b.rank == 0:
-        b.send(torch.ones(10), 1, tag=8)  # rank 1 receives it only after the barrier
-    b.barrier()
-    held = held_sends(b)
-    if b.rank == 1:
-        b.recv(torch.empty(10), 0, tag=8)
-    b.barrier()
-    return held
-
-
 def test_received_sends_are_let_go(pool):
     assert pool.run(rank_sends_released, 40) == [0, 0, 0]
 
-
-def test_a_send_not_yet_received_is_held(pool):
-    # The control: the count sees a payload that is still owed.
-    assert pool.run(rank_unreceived_send_is_held) == [1, 0, 0]
