@@ -13,6 +13,8 @@ from tests.models.test_unused_parameters import assert_matches, batches, make_mo
 
 
 def reference(data):
+    """One process: AdamW steps, clearing with zero_grad(set_to_none=False); the state dict after
+    ``data`` (also the reference of test_zero_grad's DDP case)."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     for step, (x, y) in enumerate(data):

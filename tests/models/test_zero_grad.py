@@ -55,15 +55,10 @@ def test_set_to_none_false_keeps_zero_gradients_that_the_optimizer_steps():
     # `spare` runs in step 0 only. One process keeps its gradient as zeros afterwards, so AdamW's
     # weight decay and momentum keep moving it; DDPModel (find_unused_parameters=True, which
     # honours None gradients) set it to None and AdamW skipped it: 0.06 off after three steps.
+    from tests.models.test_hybrid_zero_grad import reference as set_to_none_false_reference
     from tests.models.test_unused_parameters import batches, make_model
     data = batches(3, 12)
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    for step, (x, y) in enumerate(data):
-        nn.functional.mse_loss(model(x, use_spare=step == 0), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    expected = model.state_dict()
+    expected = set_to_none_false_reference(data)
 
     def run(backend, clear_model):
         ddp = DDPModel(make_model(), backend, find_unused_parameters=True)
