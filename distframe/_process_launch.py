@@ -278,13 +278,27 @@ def _run_task(backend: Any, task: bytes) -> bytes:
         backend._drain()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         backend.depart(failed=True)
-        return _encode_error(exc, failed=_has_failed(backend) or isinstance(
+        failed = _drain_after_failure(backend, exc)
+        return _encode_error(exc, failed=failed or _has_failed(backend) or isinstance(
             exc, (CollectiveTimeoutError, RankFailedError)))
     backend.depart()  # [Note: departures between runs]
     try:
         return pickle.dumps((True, result, _has_failed(backend)))
     except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
         return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend))
+
+
+def _drain_after_failure(backend: Any, exc: BaseException) -> bool:
+    """Waits for the asynchronous calls that a raising function left pending, after departing (so
+    peers that never make them stop at once). True when one failed: this rank then made calls its
+    peers did not, the group is out of step, and the next run gets fresh workers instead of
+    meeting the failure in its first call."""
+    try:
+        backend._drain()
+    except BaseException as error:  # noqa: BLE001 - reported as a note on the function's error
+        exc.add_note(f"An asynchronous call it left pending failed too: {type(error).__name__}: {error}")
+        return True
+    return False
 
 
 def _has_failed(backend: Any) -> bool:

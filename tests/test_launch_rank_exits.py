@@ -69,3 +69,17 @@ def test_a_result_that_cannot_be_pickled_is_named_and_the_pool_goes_on(pool):
         pool.run(lock_on_rank_one)
     assert "raised on rank 1" in "".join(info.value.__notes__)
     assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
+
+
+def raise_with_an_async_call_pending(backend):
+    if backend.rank == 0:
+        backend.all_reduce(torch.ones(1), async_op=True)  # rank 1 never makes this call
+    raise ValueError(f"rank {backend.rank} stops")
+
+
+def test_an_async_failure_left_by_a_raising_function_stays_in_its_run(pool):
+    # Before: rank 0's pending all_reduce failed after its function had raised, and the failure
+    # was raised by the first call of the next run, which had done nothing wrong.
+    with pytest.raises(ValueError, match="rank 0 stops"):
+        pool.run(raise_with_an_async_call_pending)
+    assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
