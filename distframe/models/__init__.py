@@ -8,6 +8,7 @@ from distframe.models.gradient_buckets import GradBucket, GradientBuckets
 from distframe.models.hybrid import HybridShardedModel
 from distframe.models.hybrid_factory import MODEL_PARALLEL_STRATEGIES, build_model_parallel
 from distframe.models.pipeline import PipelineParallelModel
+from distframe.models.protocol import IShardedModel
 from distframe.models.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -28,6 +29,7 @@ __all__ = [
     "FSDPModel",
     "GradBucket",
     "GradientBuckets",
+    "IShardedModel",
     "HybridShardedModel",
     "MixedPrecisionPolicy",
     "PipelineParallelModel",

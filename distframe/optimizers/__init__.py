@@ -16,6 +16,7 @@ from distframe.optimizers.data_parallel import (
 )
 from distframe.optimizers.elastic import Commit, ElasticMember, ElasticOptimizer
 from distframe.optimizers.elastic_membership import ElasticController
+from distframe.optimizers.protocol import IShardedOptimizer
 
 __all__ = [
     "AsyncConfig",
@@ -28,6 +29,7 @@ __all__ = [
     "ElasticOptimizer",
     "FSDPOptimizer",
     "GradientCompressionOptimizer",
+    "IShardedOptimizer",
     "ShardedOptimizerBase",
     "ZeRO1Optimizer",
     "ZeRO2Optimizer",
