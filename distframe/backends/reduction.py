@@ -32,7 +32,7 @@ def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
         if not keep_dtype:
             return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
         if tensor.dtype == torch.float16:
-            return tensor.div(_power_of_two_at_least(world_size)).contiguous()
+            return tensor.div(power_of_two_at_least(world_size)).contiguous()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
@@ -40,14 +40,14 @@ def average_(work: torch.Tensor, world_size: int, keep_dtype: bool = False) -> t
     """The mean, in place, from the SUM of the tensors ``work_tensor`` made with the same
     arguments."""
     if keep_dtype and work.dtype == torch.float16:
-        scale = _power_of_two_at_least(world_size)
+        scale = power_of_two_at_least(world_size)
         if scale != world_size:
             work.copy_(work.float().mul_(scale).div_(world_size))
         return work
     return work.div_(world_size)
 
 
-def _power_of_two_at_least(n: int) -> int:
+def power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 

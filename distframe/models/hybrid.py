@@ -45,6 +45,8 @@ from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.devices import module_device
 from distframe.models.hybrid_checks import check_arguments, check_find_unused
+from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
+                                            stage_ranges)
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
@@ -54,11 +56,9 @@ from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
-from distframe.models.stages import PipelineStage, layer_parameter_counts, partition, pipeline_layers
-from distframe.models.tensor_parallel_plan import apply_tensor_parallel, default_tp_plan, split_dims
+from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
-
 
 
 class HybridShardedModel(ShardedModelBase):
@@ -87,15 +87,17 @@ class HybridShardedModel(ShardedModelBase):
         dense_params = list(model.parameters())  # keeps ids stable while mapping names below
         dense_names = {id(p): n for n, p in model.named_parameters()}
         dense_buffers = {id(b): n for n, b in model.named_buffers()}
-        ranges = self._stage_ranges(model, split_points)
-        self.catalog = ParameterCatalog(model, self._stage_layers(model, ranges))
+        ranges = stage_ranges(model, dims, virtual_stages, split_points)
+        every_stage = stage_layers(model, ranges, dims.pp, virtual_stages)
+        self.catalog = ParameterCatalog(model, every_stage)
         origins: dict[int, int] = {}
         self.dropout_rng: TensorParallelRNG | None = None
         if dims.tp_enabled:
             seed = agree_on_seed(dropout_seed, backend, self._device)
             self.dropout_rng = TensorParallelRNG.for_groups(seed, self.groups)
-            origins = self._apply_tensor_parallel(model, tp_plan, ranges)
-        chunks = self._build_chunks(model, ranges)
+            origins = apply_stage_tensor_parallel(model, tp_plan, every_stage[self.groups.pp_index],
+                                                  self.groups.tp, self.dropout_rng)
+        chunks = build_chunks(model, ranges, dims.pp, self.groups.pp_index, virtual_stages)
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         if dims.cp_enabled:
             apply_context_parallel([model, stage], self.groups.cp)
@@ -118,48 +120,6 @@ class HybridShardedModel(ShardedModelBase):
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
         self._plain_optimizer: torch.optim.Optimizer | None = None
-
-    # ---- construction ------------------------------------------------------------------------
-    def _stage_ranges(self, model: nn.Module, split_points: Sequence[int] | None) -> list[range] | None:
-        if not self.dims.pp_enabled:
-            if split_points is not None:
-                raise ConfigError("split_points needs pipeline parallelism (pp > 1)")
-            return None
-        stages, counts = self.dims.pp * self.virtual_stages, layer_parameter_counts(pipeline_layers(model))
-        if self.virtual_stages > 1 and len(counts) < stages:
-            raise ConfigError(f"the model has {len(counts)} layers but pp={self.dims.pp} x virtual_stages="
-                              f"{self.virtual_stages} stages were asked for; use virtual_stages <= "
-                              f"{len(counts) // self.dims.pp} (each stage needs a layer)")
-        return partition(counts, stages, split_points)
-
-    def _chunk_layers(self, model: nn.Module, ranges: list[range]) -> list[list[list[nn.Module]]]:
-        """``[rank][chunk] -> layers``: chunk c of rank r is global stage ``c * pp + r``."""
-        layers = [m for _, m in pipeline_layers(model)]
-        p = self.dims.pp
-        return [[[layers[i] for i in ranges[c * p + r]] for c in range(self.virtual_stages)]
-                for r in range(p)]
-
-    def _stage_layers(self, model: nn.Module, ranges: list[range] | None) -> list[list[nn.Module]]:
-        """``[rank] -> every layer the rank holds``."""
-        if ranges is None:
-            return [[model]]
-        return [[layer for chunk in rank for layer in chunk] for rank in self._chunk_layers(model, ranges)]
-
-    def _apply_tensor_parallel(self, model: nn.Module, tp_plan: Mapping[str, str] | None,
-                               ranges: list[range] | None) -> dict[int, int]:
-        plan = default_tp_plan(model) if tp_plan is None else tp_plan
-        mine = self._stage_layers(model, ranges)[self.groups.pp_index]
-        owned = {id(m) for layer in mine for m in layer.modules()}
-        return apply_tensor_parallel(model, self.groups.tp, plan, include=lambda m: id(m) in owned,
-                                     rng=self.dropout_rng)
-
-    def _build_chunks(self, model: nn.Module, ranges: list[range] | None) -> list[nn.Module]:
-        if ranges is None:
-            return [model]
-        # Layers are looked up again: tensor parallelism replaced some of the modules.
-        mine = self._chunk_layers(model, ranges)[self.groups.pp_index]
-        p, r = self.dims.pp, self.groups.pp_index
-        return [PipelineStage(layers, c * p + r, p * self.virtual_stages) for c, layers in enumerate(mine)]
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

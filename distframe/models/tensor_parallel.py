@@ -103,9 +103,21 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the vocabulary split: rank r holds rows ``[r*V/t, (r+1)*V/t)``.
 
-    Forward: tokens outside this rank's range look up row 0 and are zeroed, then ``g``
+    Forward: ids outside the full vocabulary ``[0, V)`` raise IndexError (see [Note: token id
+    check]); tokens outside this rank's range look up row 0 and are zeroed, then ``g``
     all-reduces the partial embeddings (every token is found on exactly one rank). Backward is
     local: each rank's rows get the gradient of its own tokens.
+
+    [Note: token id check] Masking alone would give an id outside ``[0, V)`` a zero row on every
+    rank: a silently wrong input where ``nn.Embedding`` raises. Every rank of the tensor group
+    holds the same full ids (they take the same batch), so a local check of their min and max
+    (one ``aminmax``) agrees on every rank, which raises before the all-reduce: the group stays in
+    step. On an accelerator reading the two values is a host sync; it is taken on purpose. The
+    embedding is the first op of a step and ``train_step`` already syncs once a step for its
+    loss, so little work is queued to wait for, and the alternative, a device-side assert (what
+    torch's own embedding kernel does), aborts the process with no Python error for the peers,
+    which then wait in the all-reduce until their timeout. The cost: the forward cannot be
+    captured whole in a CUDA graph (``torch.compile`` breaks the graph here).
     """
 
     def __init__(self, weight: nn.Parameter, vocab_start: int, backend: ICommunicationBackend) -> None:
@@ -124,6 +136,7 @@ class VocabParallelEmbedding(nn.Module):
         return cls(_shared_slice(dense.weight, 0, lo, hi, shared), lo, backend)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _check_token_ids(tokens, self.weight.shape[0] * self.backend.world_size)
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         embedded = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., E)
@@ -164,6 +177,18 @@ class ShardedLayerNorm(nn.Module):
         if self.weight is not None:
             y = y * self.weight
         return y if self.bias is None else y + self.bias
+
+
+def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """IndexError naming the ids' range unless every id is in ``[0, vocab_size)``; one min/max
+    reduction and one small read to the host (see [Note: token id check])."""
+    if tokens.numel() == 0:
+        return
+    lowest, highest = torch.stack(torch.aminmax(tokens)).tolist()
+    if lowest < 0 or highest >= vocab_size:
+        raise IndexError(f"VocabParallelEmbedding got token ids in [{lowest}, {highest}], outside its "
+                         f"vocabulary of {vocab_size} (valid ids: 0 to {vocab_size - 1}); "
+                         "fix the tokenizer or the data, or enlarge num_embeddings")
 
 
 def _shared_slice(param: nn.Parameter, dim: int, lo: int, hi: int, shared: dict | None) -> nn.Parameter:

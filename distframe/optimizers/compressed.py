@@ -11,6 +11,18 @@ it compresses g + e instead of g, and keeps e' = (g + e) - sent, where ``sent`` 
 payload decompresses to (its own contribution to the sum). So after T steps
 sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed.
 
+[Note: shares on the wire] Summable payloads (fp16, bf16) are added on the wire in (or
+rounded once to) the wire dtype, so a rank sends its share of the mean, g / p with p the power of
+two >= world size, not g: the sum of W shares of gradients that each fit fp16 is at most 65504
+and cannot overflow; dividing by a power of two is exact, and the sum is scaled by p / W in the
+gradient's dtype. The cost is at the bottom of the range: a share below fp16's smallest
+subnormal (2**-24) is lost where g itself was not, and error feedback keeps it for a later step.
+Summing whole gradients loses the top instead (a sum past 65504 is inf although the mean fits,
+and a GradScaler then skips the step and halves its scale for nothing); under loss scaling the
+gradients sit near the top of the range, so the shares lose less. A share past 65504 still
+becomes inf, as does a mean past it: never a finite wrong value. (Casting first and dividing in
+fp16, torch's fp16_compress_hook, overflows on g past 65504 and rounds twice.)
+
 [Note: skipped steps] The new residuals (and PowerSGD's new warm-start factors) are staged when
 a bucket is exchanged and become current when ``step()`` applies the gradients they belong to;
 ``zero_grad()`` without a step discards them. So a backward whose gradients are thrown away
@@ -27,6 +39,7 @@ from typing import Any
 import torch
 
 from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.reduction import power_of_two_at_least
 from distframe.backends.types import ReduceOp, Work
 from distframe.errors import ConfigError
 from distframe.models.ddp import DDPModel
@@ -89,7 +102,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     Collectives per gradient bucket (each rank ends with the same averaged gradient):
     identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
-    fp16/bf16: one ``all_reduce(SUM)`` of the cast bucket; int8/top-k: one ``all_gather`` per
+    fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one ``all_gather`` per
     payload part (int8 values and scales; top-k values and indices), then every rank decompresses
     every rank's payload and sums them in rank order; PowerSGD: one ``all_reduce(SUM)`` of the
     uncompressible parameters and of the P factors (asynchronous, during backward), then one
@@ -177,17 +190,21 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
-        """Payloads that add up: one all_reduce(SUM) of their concatenation."""
-        compressed = [self.compressor.compress(v, key=n) for n, v in zip(names, views)]
+        """Payloads that add up: one all_reduce(SUM) of their concatenation, each rank sending
+        its share of the mean (see [Note: shares on the wire])."""
+        world = backend.world_size
+        share = power_of_two_at_least(world)
+        compressed = [self.compressor.compress(v / share, key=n) for n, v in zip(names, views)]
         for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
-            self._keep_residual(name, view, self.compressor.decompress(payload, ctx))
+            sent = self.compressor.decompress(payload, ctx).mul_(share)  # exact: a power of two
+            self._keep_residual(name, view, sent)
         wire = torch.cat([payload[0].reshape(-1) for payload, _ in compressed])
         numels = [v.numel() for v in views]
-        world = backend.world_size
 
         def finish(results: list[Any]) -> None:
             for view, part, (_, ctx) in zip(views, _split(wire, numels), compressed):
-                view.copy_(self.compressor.decompress((part.view(view.shape),), ctx).div_(world))
+                total = self.compressor.decompress((part.view(view.shape),), ctx)
+                view.copy_(total.mul_(share).div_(world))
         return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True)], finish)
 
     def _exchange_gathered(self, backend: ICommunicationBackend, names: list[str],

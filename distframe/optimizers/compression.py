@@ -90,8 +90,9 @@ class _CastCompressor(Compressor):
 
 
 class FP16Compressor(_CastCompressor):
-    """IEEE half precision on the wire (2 bytes an element). The sum across ranks is taken in
-    half precision, so gradients whose sum over ranks exceeds 65504 overflow; use bf16 then."""
+    """IEEE half precision on the wire (2 bytes an element). GradientCompressionOptimizer has
+    each rank send its share of the mean (see [Note: shares on the wire] in ``compressed.py``), so
+    the sum over ranks overflows only where the mean does not fit fp16; such values become inf."""
 
     wire_dtype = torch.float16
 
