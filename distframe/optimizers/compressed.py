@@ -196,7 +196,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         share = power_of_two_at_least(world)
         compressed = [self.compressor.compress(v / share, key=n) for n, v in zip(names, views)]
         for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
-            sent = self.compressor.decompress(payload, ctx).mul_(share)  # exact: a power of two
+            # Exact (a power of two); not in place: for fp16 gradients the payload is what decompress returns.
+            sent = self.compressor.decompress(payload, ctx) * share
             self._keep_residual(name, view, sent)
         wire = torch.cat([payload[0].reshape(-1) for payload, _ in compressed])
         numels = [v.numel() for v in views]

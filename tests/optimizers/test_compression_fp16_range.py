@@ -77,3 +77,24 @@ def test_the_residual_is_what_the_compression_lost():
         assert torch.equal(residual, x - sent)
         assert residual[0] == 0 and residual[1] == 0 and residual[3] == x[3]
         assert 0 < abs(residual[2]) <= 4 * 2.0 ** -15  # half an fp16 ulp of 1/12 (2**-14), times 4
+
+
+class WeightedHalf(Weighted):
+    def __init__(self, size):
+        super().__init__(size)
+        self.w.data = self.w.data.half()
+
+
+def test_fp16_gradients_are_averaged_not_summed():
+    # Before: for fp16 gradients decompress returned the payload itself, and scaling the
+    # residual's copy of it in place put whole gradients on the wire: the sum, not the mean.
+    def fn(b):
+        x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16) * (b.rank + 1)
+        model = DDPModel(WeightedHalf(3), b)
+        GradientCompressionOptimizer(model, torch.optim.SGD, lr=0.0, compressor=FP16Compressor())
+        model(x).backward()
+        model.synchronize_gradients()
+        return model.wrapped_model.w.grad.clone()
+    for grad in spawn(fn, 2, timeout=30):
+        assert grad.dtype == torch.float16
+        assert torch.equal(grad, torch.tensor([1.5, 3.0, 4.5], dtype=torch.float16))
