@@ -37,7 +37,7 @@ from distframe.checkpoint.agreement import agree, describe_error, failure
 from distframe.checkpoint import dropout_rng
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
                                          open_reader, read_metadata, sha256_of, shard_file_name,
-                                         verify_files)
+                                         verify_files, write_metadata)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, piece_key
@@ -82,8 +82,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
         if backend.rank == 0:
             meta = _metadata(model, optimizer, opt_state, tables, step)
             meta["rank_state"] = rank_state_info
-            (tmp / METADATA).write_text(json.dumps(meta, indent=1))
-            fsync_path(tmp / METADATA)
+            write_metadata(tmp, meta)
             _rename_into_place(tmp, path)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
