@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from distframe import checkpoint
 from distframe.checkpoint import temporary
@@ -112,7 +111,7 @@ def test_a_directory_without_writer_records_is_removed_only_when_old(tmp_path):
     # Left by a distframe before writer records: no way to tell whether its writer is alive.
     tmp = tmp_path / ".ckpt-100.tmp-00000000abcd"
     tmp.mkdir()
-    torch.save({}, tmp / "partial")
+    (tmp / "shard-00000-of-00001.safetensors").write_bytes(b"\0" * 64)
     _save(tmp_path / "ckpt-200")
     assert tmp.is_dir()
     _age(tmp, temporary.FOREIGN_WRITER_AGE_S + 3600)
