@@ -7,6 +7,18 @@ distframe.models.sharded_state) plus whole ``buffer/<name>`` tensors, so any str
 size can read the ranges it needs. Metadata records the format version, strategy, world size,
 step, every parameter's shape and dtype, each file's pieces, size and sha256, and the optimizer's
 hyperparameters and per-parameter scalars.
+
+[Note: the metadata's own checksum]
+The shard files are checked against the sha256 the metadata records, but the metadata itself
+could be edited unnoticed: a parameter's shape changed to another with as many elements made
+``consolidate`` reshape the saved numbers into the wrong places, a changed step or learning rate
+loaded without a word. Since format version 2, metadata.json also records ``metadata_sha256``:
+the sha256 of its own content in canonical form (``json.dumps`` with sorted keys and no
+whitespace, that key left out), so re-indenting or reordering the file keeps it valid, and any
+change to a value (or the key's removal) is refused with a CheckpointError naming the file.
+Checkpoints of format version 1 (written before) have no such key and are read as before,
+unchecked. This guards against accidents (a hand edit, a damaged disk), not against someone who
+means to forge a checkpoint: they can recompute the checksum.
 """
 from __future__ import annotations
 
@@ -22,8 +34,10 @@ from safetensors import safe_open
 from distframe.errors import DistFrameError
 from distframe.models.sharded_state import RangeReader
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: without METADATA_CHECKSUM
 METADATA = "metadata.json"
+METADATA_CHECKSUM = "metadata_sha256"
 
 
 class CheckpointError(DistFrameError, RuntimeError):
@@ -50,6 +64,22 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def metadata_checksum(meta: dict[str, Any]) -> str:
+    """The sha256 of ``meta``'s canonical JSON (sorted keys, no whitespace), METADATA_CHECKSUM
+    left out; ``meta`` as JSON reads it back (lists, string keys)."""
+    content = {k: v for k, v in meta.items() if k != METADATA_CHECKSUM}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def write_metadata(directory: Path, meta: dict[str, Any]) -> None:
+    """``directory/metadata.json``: ``meta`` with its checksum, flushed to disk."""
+    meta = json.loads(json.dumps(meta))  # what a reader will parse: tuples as lists, keys as str
+    meta[METADATA_CHECKSUM] = metadata_checksum(meta)
+    (directory / METADATA).write_text(json.dumps(meta, indent=1))
+    fsync_path(directory / METADATA)
+
+
 def read_metadata(path: Path) -> dict[str, Any]:
     """The checkpoint's metadata; CheckpointError naming the file if it is absent or unreadable."""
     meta_path = path / METADATA
@@ -62,10 +92,14 @@ def read_metadata(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{meta_path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{meta_path}: format_version {version!r} is not "
-                              f"{FORMAT_VERSION}; this distframe cannot read it")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise CheckpointError(f"{meta_path}: format_version {version!r} is not one of "
+                              f"{list(READABLE_VERSIONS)}; this distframe cannot read it")
+    if version >= 2 and meta.pop(METADATA_CHECKSUM, None) != metadata_checksum(meta):
+        raise CheckpointError(f"{meta_path} does not match its checksum ({METADATA_CHECKSUM}): the "
+                              "file was modified or corrupted after the save; restore it from a copy "
+                              "of the checkpoint or load an earlier one")
     problem = _schema_problem(meta)
     if problem is not None:
         raise CheckpointError(f"{meta_path}: {problem}; the metadata was edited or is corrupt: "

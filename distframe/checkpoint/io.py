@@ -1,15 +1,18 @@
 """save / load / consolidate of sharded checkpoints.
 
-save (collective): rank 0 picks a temporary directory name and broadcasts it; every rank writes
-its safetensors file there and hashes it; one all_gather of each rank's file table (as JSON bytes,
-or the rank's error) brings them to every rank, which all raise if any rank failed to write (rank
-0 removes the temporary directory). Otherwise rank 0 writes metadata.json last and renames the
-directory into place (an existing checkpoint at the same path is moved aside first and deleted
-after, or moved back if the rename fails), and one ``agree`` (one all_gather, where a barrier would
-otherwise be) tells every rank whether that worked. A save that fails or dies
-midway leaves the previous checkpoint intact, under its own name or, if the save died between
-its two renames, under the name it was moved aside to, where ``load`` and
-``complete_checkpoints`` still find it.
+save (collective): rank 0 picks a temporary directory name and broadcasts it; every rank records
+itself there as a writer (``temporary``), then writes its safetensors file there and hashes
+it; one all_gather of each rank's file table (as JSON bytes, or the rank's error) brings them to
+every rank, which all raise if any rank failed to write (rank 0 removes the temporary directory).
+Otherwise rank 0 writes metadata.json last and renames the directory into place (an existing
+checkpoint at the same path is moved aside first and deleted after, or moved back if the rename
+fails), and one ``agree`` (one all_gather, where a barrier would otherwise be) tells every rank
+whether that worked. A save that fails or dies midway leaves the previous checkpoint intact,
+under its own name or, if the save died between its two renames, under the name it was moved
+aside to, where ``load`` and ``complete_checkpoints`` still find it. Rank 0 of a save that
+completes then removes the temporary directories that saves of any name which died left in the
+same parent directory, but not one whose save another process may still be writing
+(``temporary``'s note says which).
 
 load: every rank checks every file's size and checksum before touching the model, then reads the
 parameter ranges its new layout holds (``read_shards``), all without communication; one ``agree``
@@ -34,10 +37,10 @@ import torch
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
-from distframe.checkpoint import dropout_rng
+from distframe.checkpoint import dropout_rng, temporary
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
                                          open_reader, read_metadata, sha256_of, shard_file_name,
-                                         verify_files)
+                                         verify_files, write_metadata)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, piece_key
@@ -59,7 +62,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     _check_model(model)
     step = _whole_step(step)
     backend, path = model.backend, Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{_agree_token(backend)}"
+    tmp = path.parent / temporary.temporary_name(path.name, _agree_token(backend))
     table: dict[str, Any] | None = None
     error: Exception | None = None
     opt_state: dict[str, Any] = {}
@@ -82,8 +85,7 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
         if backend.rank == 0:
             meta = _metadata(model, optimizer, opt_state, tables, step)
             meta["rank_state"] = rank_state_info
-            (tmp / METADATA).write_text(json.dumps(meta, indent=1))
-            fsync_path(tmp / METADATA)
+            write_metadata(tmp, meta)
             _rename_into_place(tmp, path)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
@@ -103,8 +105,8 @@ def _check_target(path: Path) -> None:
     if not path.is_dir():
         raise ConfigError(f"{path} is a file, and saving a checkpoint there would replace it: "
                           "choose another path or remove the file")
-    others = sorted(p.name for p in path.iterdir()
-                    if p.name != METADATA and not _SHARD_FILE.fullmatch(p.name))
+    others = sorted(p.name for p in path.iterdir() if p.name != METADATA and not
+                    _SHARD_FILE.fullmatch(p.name) and not temporary.WRITER_RECORD.fullmatch(p.name))
     if others:
         raise ConfigError(f"{path} is a directory that is not a checkpoint (it holds {others[:3]}"
                           f"{'...' if len(others) > 3 else ''}), and saving a checkpoint there would "
@@ -121,6 +123,7 @@ def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
     tensors.update(dropout_rng.pieces(model))
     tensors.update({piece_key(RANK_STATE, name, 0): value.reshape(-1) for name, value in rank_state.items()})
     tmp.mkdir(parents=True, exist_ok=True)
+    temporary.write_writer_record(tmp, model.backend.rank)  # before the shard: see temporary
     file = tmp / shard_file_name(model.backend.rank, model.backend.world_size)
     safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
     fsync_path(file)
@@ -282,11 +285,13 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
         if old is not None:  # the previous checkpoint back under its own name
             old.rename(path)
         raise
-    # Also what earlier saves over ``path`` left when they died: their temporary directories
-    # and, had one died between the two renames, the checkpoint it had moved aside.
+    temporary.drop_writer_records(path)
+    # Also what saves that died left: had one over ``path`` died between the two renames, the
+    # checkpoint it had moved aside, and the temporary directories of any name no one writes.
     for stale in list(path.parent.iterdir()):
-        if stale.name.startswith((f".{path.name}.tmp-", f".{path.name}.old-")):
+        if stale.name.startswith(f".{path.name}.old-"):
             shutil.rmtree(stale, ignore_errors=True)
+    temporary.remove_abandoned(path.parent)
 
 
 def latest_step(directory: str | Path) -> tuple[Path, int] | None:

@@ -1,5 +1,6 @@
 """metadata.json edited by hand or damaged: load and consolidate raise a CheckpointError naming
-the file and what is wrong, never a bare KeyError from deep inside the reader."""
+the file and what is wrong, never a bare KeyError from deep inside the reader, and never read an
+edit that still parses (a shape, a step) as if it had been saved."""
 import json
 import shutil
 
@@ -27,11 +28,16 @@ def saved(tmp_path_factory):
     return path
 
 
-def _edited(saved, tmp_path, edit):
+def _edited(saved, tmp_path, edit, reseal=True):
+    """A copy of ``saved`` whose metadata ``edit`` changed; ``reseal``: with its checksum made to
+    match again (what a writer with a bug would leave), to reach the checks behind it."""
     path = tmp_path / "ckpt"
     shutil.copytree(saved, path)
     meta = json.loads((path / "metadata.json").read_text())
     edit(meta)
+    if reseal:
+        from distframe.checkpoint.format import METADATA_CHECKSUM, metadata_checksum
+        meta[METADATA_CHECKSUM] = metadata_checksum(meta)
     (path / "metadata.json").write_text(json.dumps(meta))
     return path
 
@@ -69,7 +75,7 @@ def test_edited_metadata_is_named_in_a_checkpoint_error(saved, tmp_path, edit, s
 
 def test_a_checkpoint_without_aliases_still_loads(saved, tmp_path):
     # Saved before tied weights were recorded: no "aliases" key, which is not an error.
-    path = _edited(saved, tmp_path, lambda m: m.pop("aliases"))
+    path = _edited(saved, tmp_path, lambda m: (_legacy(m), m.pop("aliases")), reseal=False)
     expected = checkpoint.consolidate(saved)
     for name, value in checkpoint.consolidate(path).items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
@@ -100,5 +106,56 @@ def test_a_step_that_is_not_a_whole_number_is_refused_before_anything_is_written
 
 
 def test_a_whole_float_step_saved_by_an_earlier_distframe_loads(saved, tmp_path):
-    path = _edited(saved, tmp_path, lambda m: m.update(step=1.0))
+    path = _edited(saved, tmp_path, lambda m: (_legacy(m), m.update(step=1.0)), reseal=False)
     assert spawn(lambda b: _load(b, path), 2, timeout=30) == [None, None]
+
+
+def _legacy(meta):
+    """As a distframe before the metadata checksum (format version 1) wrote it."""
+    meta.pop("metadata_sha256", None)
+    meta["format_version"] = 1
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["parameters"]["0.weight"].update(shape=[6, 17]),  # was [17, 6]: same element count
+    lambda m: m.update(step=2),
+    lambda m: m["optimizer"]["param_groups"][0].update(lr=0.5),
+    lambda m: m.update(strategy="DDPModel"),
+])
+def test_an_edit_to_the_metadata_is_refused_as_a_modified_file(saved, tmp_path, edit):
+    # The reshape was silent: consolidate returned 0.weight as a (6, 17) tensor of the saved
+    # numbers in the wrong places; a changed step or learning rate loaded without a word.
+    path = _edited(saved, tmp_path, edit, reseal=False)
+    says = [str(path / "metadata.json"), "modified or corrupted"]
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint.consolidate(path)
+    assert all(s in str(raised.value) for s in says), raised.value
+    for message in spawn(lambda b: _load(b, path), 2, timeout=30):
+        assert message is not None and "failed on ranks [0, 1] of 2" in message
+        assert all(s in message for s in says), message
+
+
+def test_a_current_checkpoint_whose_checksum_was_removed_is_refused(saved, tmp_path):
+    path = _edited(saved, tmp_path, lambda m: m.pop("metadata_sha256", None), reseal=False)
+    with pytest.raises(CheckpointError, match="modified or corrupted"):
+        checkpoint.consolidate(path)
+
+
+def test_a_reformatted_metadata_file_still_loads(saved, tmp_path):
+    # The checksum covers the content, not its layout: keys reordered, indentation changed.
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    meta = json.loads((path / "metadata.json").read_text())
+    (path / "metadata.json").write_text(json.dumps(dict(reversed(meta.items())), indent=4))
+    expected = checkpoint.consolidate(saved)
+    for name, value in checkpoint.consolidate(path).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_a_checkpoint_saved_before_the_metadata_checksum_still_loads(saved, tmp_path):
+    path = _edited(saved, tmp_path, _legacy, reseal=False)
+    expected = checkpoint.consolidate(saved)
+    for name, value in checkpoint.consolidate(path).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+    assert spawn(lambda b: _load(b, path), 2, timeout=30) == [None, None]
+    assert json.loads((saved / "metadata.json").read_text())["format_version"] == 2

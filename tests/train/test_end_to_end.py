@@ -162,6 +162,10 @@ def test_resume_after_a_save_that_died_between_its_renames(tmp_path, corpus_file
     root = tmp_path / "checkpoints"
     tmp = root / ".step-4.tmp-00000000abcd"  # a re-save of step 4, complete but not yet renamed
     shutil.copytree(root / "step-4", tmp)
+    # by a writer that then died: its pid is now another process's (this one, started earlier)
+    io.temporary.write_writer_record(tmp, 0)
+    record = json.loads((tmp / "writer-00000.json").read_text())
+    (tmp / "writer-00000.json").write_text(json.dumps({**record, "start_time": -1}))
     real_rename, calls = os.rename, []
 
     def dies_at_the_second_rename(src, dst):
