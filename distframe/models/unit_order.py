@@ -50,6 +50,11 @@ class ForwardRecord:
         self.order.append(index)
         return self.position[index]
 
+    def awaits(self, index: int, backward: int) -> bool:
+        """Whether the unit ran in this forward and its backward has not ended in backward
+        number ``backward`` (not yet, or never: an output no backward reaches)."""
+        return index in self.position and self.ended.get(index) != backward
+
     def to_end(self, boundary: int, backward: int) -> list[int]:
         """Units started at or after ``boundary`` not yet ended in backward number ``backward``,
         latest-started first; marks them ended."""
