@@ -163,6 +163,11 @@ class UnitLifecycle:
         if self._armed and torch.is_grad_enabled():
             self._backward_end.watch(output, self._backward_running)
 
+    @property
+    def forward_order(self) -> list[int]:
+        """The units the latest forward with grad ran, by index, in the order of their first call."""
+        return self._record.order
+
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> None:
         unit.forward_ran = True
