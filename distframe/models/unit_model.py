@@ -121,7 +121,8 @@ class UnitShardedModelBase(ShardedModelBase):
     def _check_unit_order(self, order: list[int]) -> None:
         """ConfigError on every rank unless the units' forward ``order`` is the same on all of them
         (one small all_gather; see [Note: one forward order on every rank] in unit_order.py)."""
-        orders = forward_orders(order, len(self.units), self.backend)
+        device = self.units[0].master.device if self.units else torch.device("cpu")
+        orders = forward_orders(order, len(self.units), self.backend, device)
         if all(other == orders[0] for other in orders):
             return
         ranks_by_order: dict[str, list[int]] = {}

@@ -77,10 +77,11 @@ class ForwardRecord:
         return out
 
 
-def forward_orders(order: list[int], unit_count: int, backend: ICommunicationBackend) -> list[list[int]]:
+def forward_orders(order: list[int], unit_count: int, backend: ICommunicationBackend,
+                   device: torch.device) -> list[list[int]]:
     """Every rank's ``order`` (unit indices, at most ``unit_count`` of them), in rank order: one
-    all_gather of ``unit_count + 1`` integers (collective)."""
-    codes = torch.full((unit_count + 1,), -1, dtype=torch.int64)
+    all_gather of ``unit_count + 1`` integers on ``device`` (the units', for NCCL; collective)."""
+    codes = torch.full((unit_count + 1,), -1, dtype=torch.int64, device=device)
     codes[0] = len(order)
     codes[1:1 + len(order)] = torch.tensor(order, dtype=torch.int64)
     rows = backend.all_gather(codes).view(backend.world_size, unit_count + 1).tolist()
