@@ -36,7 +36,8 @@ class ShardingConfig:
     auto_wrap_policy: ``policy(module, qualified_name) -> bool`` replacing the size rule.
     replicate_below_numel: ZeRO-3 keeps modules with fewer parameters than this gathered between
         steps (their master weights, gradients and optimizer state stay sharded).
-    check_structure: compare parameter names, shapes and dtypes across ranks at construction.
+    check_structure: compare parameter names, shapes and dtypes across ranks at construction
+        (ZeRO-3 and FSDP: and the order their units ran in the first forward with grad).
     broadcast_buffers: as torch DDP, copy rank 0's buffers (BatchNorm's running statistics) to
         every rank before each forward that will synchronise gradients, and before
         ``gather_full_parameters()``, so replicas agree; False keeps each rank's own.

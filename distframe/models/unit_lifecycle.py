@@ -9,7 +9,8 @@ Per unit (FSDP2's vocabulary):
   pre_backward   first gradient of an output: unshard again, prefetch the unit that runs next
                  in backward (the previous one in forward order)
   post_backward  the backward reached the unit's inputs (see [Note: where a unit's backward
-                 ends]): start the reduce_scatter of the gradients (unless inside no_sync),
+                 ends]) for the last of its forwards (see [Note: several forwards before one
+                 backward]): start the reduce_scatter of the gradients (unless inside no_sync),
                  reshard
 ``finish()`` starts the reductions of units whose post_backward did not run (the first unit,
 parameters without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
@@ -43,6 +44,24 @@ ends there through an earlier unit's hooks, or in ``finish``. A forward run insi
 a recomputation (activation checkpointing) and records nothing: its units end where the
 original forward's hooks (or, for a reentrant checkpoint, whose forward ran without grad, an
 earlier unit's hooks) say.
+
+[Note: several forwards before one backward] A step may call the model twice before one
+backward (``model(a).sum() + model(b).sum()``, a siamese pair): each forward is a ForwardRecord
+whose hooks end the unit in that backward, and autograd sums both calls' gradients into the
+parameters' one ``.grad``. Reducing at each end would move the unit's gradients once per forward;
+so the step's records (the forwards with grad since the first one after the last ``finish``)
+are kept, and an end reduces the unit only when no record of the step still awaits the unit's
+end in this backward (``ForwardRecord.awaits``). Each end is at a point of the forward that is
+the same on every rank, so the last one is too. An earlier end only puts the unit back as after
+its forward (IDLE, resharded when ``reshard_after_forward``) for its next backward run. A
+forward whose graph no backward reaches (its output discarded, or left for a later backward)
+keeps its units awaited: ``finish`` reduces them, once, in unit order, at the end of the pass.
+So does the next backward over it (``l1.backward(); l2.backward()``: the first has ended nothing
+of the second's forward). A forward without grad makes no record; a no_sync backward ends its
+units with the same backward number as the synchronising one (``finish`` did not run between),
+so its records await nothing that backward reached. The cost of a stale record (a forward with
+grad that never got a backward, such as an evaluation without ``torch.no_grad``) is overlap:
+the units it ran are reduced by ``finish`` in that step, not during the backward.
 
 [Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
 that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
@@ -83,6 +102,9 @@ class UnitLifecycle:
         self._armed = False
         self._backward_end = BackwardEnd(self.finish)
         self._record = ForwardRecord()       # units of this step's forward, in order
+        # This step's forwards with grad: see [Note: several forwards before one backward].
+        self._step_records: list[ForwardRecord] = []
+        self._step_done = False              # a finish ran: the next forward starts a step
         self._recording = False              # whether the model's forward runs with grad
         self._last_order: list[int] = []     # forward order of the previous step (for prefetch)
         self._backward_number = 0            # told apart so a second backward ends units again
@@ -121,6 +143,9 @@ class UnitLifecycle:
         if self._record.order:
             self._last_order = self._record.order
         self._record = ForwardRecord()
+        if self._step_done:
+            self._step_records, self._step_done = [], False
+        self._step_records.append(self._record)
         self.synchronize = synchronize
         self._armed = synchronize
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -137,6 +162,11 @@ class UnitLifecycle:
                 unit.reshard()
         if self._armed and torch.is_grad_enabled():
             self._backward_end.watch(output, self._backward_running)
+
+    @property
+    def forward_order(self) -> list[int]:
+        """The units the latest forward with grad ran, by index, in the order of their first call."""
+        return self._record.order
 
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> None:
@@ -184,8 +214,20 @@ class UnitLifecycle:
         self.pre_backward(unit)
 
     def _end_backwards(self, record: ForwardRecord, boundary: int) -> None:
-        for index in record.to_end(boundary, self._backward_number):
-            self.post_backward(self.units[index])
+        backward = self._backward_number
+        for index in record.to_end(boundary, backward):
+            unit = self.units[index]
+            if any(step_record.awaits(index, backward) for step_record in self._step_records):
+                self._between_backward_runs(unit)
+            else:
+                self.post_backward(unit)
+
+    def _between_backward_runs(self, unit: ShardedUnit) -> None:
+        """One of the unit's backward runs ended, another forward's is still awaited: no reduction
+        yet (see [Note: several forwards before one backward]); back to as after forward."""
+        unit.state = TrainingState.IDLE
+        if self.reshard_after_forward:
+            unit.reshard()
 
     def pre_backward(self, unit: ShardedUnit) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
@@ -231,6 +273,7 @@ class UnitLifecycle:
             unit.reshard()
         self._armed = False
         self._backward_number += 1
+        self._step_done = True
         if synchronising:
             self.usage.finish(None)  # warns once if a parameter was averaged as zeros
 

@@ -26,6 +26,7 @@ from distframe.models.config import ShardingConfig
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_lifecycle import UnitLifecycle
+from distframe.models.unit_order import forward_orders
 from distframe.models.zero import single_dtype
 from distframe.precision import MixedPrecisionPolicy
 
@@ -52,6 +53,8 @@ class UnitShardedModelBase(ShardedModelBase):
                                        reshard_after_forward=self.config.reshard_after_forward,
                                        prefetch=self.config.prefetch, misuse_error=self._misused_unit_error,
                                        usage=self._parameter_usage)
+        # See [Note: one forward order on every rank] in unit_order.py.
+        self._unit_order_unchecked = self.config.check_structure
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""
@@ -110,7 +113,30 @@ class UnitShardedModelBase(ShardedModelBase):
 
     def _post_forward(self, output: Any) -> Any:
         self.lifecycle.end_forward(output)
+        if torch.is_grad_enabled() and (self._unit_order_unchecked or getattr(self.backend, "debug", False)):
+            self._unit_order_unchecked = False
+            self._check_unit_order(self.lifecycle.forward_order)
         return output
+
+    def _check_unit_order(self, order: list[int]) -> None:
+        """ConfigError on every rank unless the units' forward ``order`` is the same on all of them
+        (one small all_gather; see [Note: one forward order on every rank] in unit_order.py)."""
+        device = self.units[0].master.device if self.units else torch.device("cpu")
+        orders = forward_orders(order, len(self.units), self.backend, device)
+        if all(other == orders[0] for other in orders):
+            return
+        ranks_by_order: dict[str, list[int]] = {}
+        for rank, ran in enumerate(orders):
+            names = ", ".join(repr(self._module_name(self.units[i].module) or "<root>") for i in ran)
+            ranks_by_order.setdefault(names, []).append(rank)
+        told = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))} ran {names}"
+                         for names, r in ranks_by_order.items())
+        raise ConfigError(
+            f"{type(self).__name__}: the units' modules ran in a different order on different ranks "
+            f"in this forward ({told}), so each all_gather paired one unit's shard with another "
+            "unit's and the parameters were mixed across ranks; call the modules in the same order "
+            "on every rank (no branch on the rank or on data that differs across ranks). "
+            "ShardingConfig(check_structure=False) skips this check of the first forward")
 
     def synchronize_gradients(self) -> None:
         self.lifecycle.finish()

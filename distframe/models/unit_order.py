@@ -19,6 +19,15 @@ Whichever tensor a hook sits on and whichever of several hooks on one tensor run
 collectives come in that order. A unit whose output the loss does not reach on some ranks ends
 there at the same point as elsewhere, with zeros for its gradients.
 
+[Note: one forward order on every rank] Forward gathers follow the order modules run, so that
+order must be the same on every rank. Where it is not, each all_gather pairs one unit's chunk on
+one rank with another unit's on another: units of different sizes make the engines' signature
+check fail (CollectiveMismatchError; always in memory, with ``debug=True`` elsewhere), units of one
+size gather parameters mixed across ranks without an error. The collectives do not carry which
+unit they are for, so ``forward_orders`` compares the orders themselves (one small all_gather);
+the model calls it after the first forward with grad (``ShardingConfig.check_structure``) and
+after every one on a backend in ``debug`` mode.
+
 Leaf tensors are not hooked as inputs: autograd accumulates a leaf's gradient as soon as its last
 user has run, possibly before other nodes of the unit, which would end the unit too early (and
 reduce it again at the end). Such a unit, and one whose inputs need no gradient, ends with an
@@ -31,6 +40,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from distframe.backends.protocol import ICommunicationBackend
 
 
 class ForwardRecord:
@@ -50,6 +61,11 @@ class ForwardRecord:
         self.order.append(index)
         return self.position[index]
 
+    def awaits(self, index: int, backward: int) -> bool:
+        """Whether the unit ran in this forward and its backward has not ended in backward
+        number ``backward`` (not yet, or never: an output no backward reaches)."""
+        return index in self.position and self.ended.get(index) != backward
+
     def to_end(self, boundary: int, backward: int) -> list[int]:
         """Units started at or after ``boundary`` not yet ended in backward number ``backward``,
         latest-started first; marks them ended."""
@@ -59,6 +75,17 @@ class ForwardRecord:
                 self.ended[index] = backward
                 out.append(index)
         return out
+
+
+def forward_orders(order: list[int], unit_count: int, backend: ICommunicationBackend,
+                   device: torch.device) -> list[list[int]]:
+    """Every rank's ``order`` (unit indices, at most ``unit_count`` of them), in rank order: one
+    all_gather of ``unit_count + 1`` integers on ``device`` (the units', for NCCL; collective)."""
+    codes = torch.full((unit_count + 1,), -1, dtype=torch.int64, device=device)
+    codes[0] = len(order)
+    codes[1:1 + len(order)] = torch.tensor(order, dtype=torch.int64)
+    rows = backend.all_gather(codes).view(backend.world_size, unit_count + 1).tolist()
+    return [row[1:1 + row[0]] for row in rows]
 
 
 def unit_ancestors(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[int]]:
