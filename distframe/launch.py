@@ -56,28 +56,8 @@ def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
 
 def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any) -> list[T]:
     backends = InMemoryCommunicationBackend.create_group(world_size, **backend_kwargs)
-    results: list[Any] = [None] * world_size
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int) -> None:
-        b = backends[rank]
-        try:
-            results[rank] = fn(b)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
-            errors[rank] = exc
-            b.world.abort(rank, exc)
-        finally:
-            # Shuts down this rank's backends, subgroups included: peers still waiting for it
-            # in a call it never made stop at once instead of at the timeout.
-            try:
-                b.world.finish(rank)
-            except BaseException as exc:  # noqa: BLE001 - an asynchronous call that failed unseen
-                errors.setdefault(rank, exc)
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"distframe-rank{r}", daemon=True)
-               for r in range(world_size)]
-    for t in threads:
-        t.start()
+    results, errors = [None] * world_size, {}
+    threads = start_rank_threads(backends, fn, results, errors, "distframe-rank")
     try:
         for t in threads:
             t.join()
@@ -89,6 +69,34 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
     if errors:
         raise_first_failure(errors)
     return results
+
+
+def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callable[[Any], Any],
+                       results: list[Any], errors: dict[int, BaseException],
+                       name: str) -> list[threading.Thread]:
+    """Starts one daemon thread per in-memory rank running ``fn(backends[rank])``: its result goes
+    to ``results[rank]``, what it raises to ``errors[rank]`` (and aborts the group, so peers stop
+    at once). Either way the rank then finishes: its backends, subgroups included, shut down, so
+    peers still waiting for it in a call it never made stop at once; an asynchronous call that
+    failed unseen is its error then. The caller joins the threads (spawn, the elastic controller)."""
+    def run(rank: int) -> None:
+        backend = backends[rank]
+        try:
+            results[rank] = fn(backend)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors[rank] = exc
+            backend.world.abort(rank, exc)
+        finally:
+            try:
+                backend.world.finish(rank)
+            except BaseException as exc:  # noqa: BLE001 - an asynchronous call that failed unseen
+                errors.setdefault(rank, exc)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"{name}{r}", daemon=True)
+               for r in range(len(backends))]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def raise_first_failure(errors: dict[int, BaseException]) -> None:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from distframe.backends.inmemory import InMemoryCommunicationBackend
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
+from distframe.launch import start_rank_threads
 from distframe.optimizers.elastic import ElasticMember
 
 
@@ -178,22 +178,10 @@ def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[Ela
     """Runs ``worker_fn(backend, member)`` on one thread per member over a fresh in-memory group;
     returns each result or exception. A failing rank aborts the group, so none hangs."""
     backends = InMemoryCommunicationBackend.create_group(len(members), timeout=timeout)
-    outcomes: list[Any] = [None] * len(members)
-
-    def run(rank: int) -> None:
-        backend = backends[rank]
-        try:
-            outcomes[rank] = worker_fn(backend, members[rank])
-        except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            outcomes[rank] = exc
-            backend.world.abort(rank, exc)
-        finally:
-            backend.world.finish(rank)  # peers waiting for a rank that returned stop at once
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"distframe-elastic-rank{r}", daemon=True)
-               for r in range(len(members))]
-    for t in threads:
-        t.start()
+    results: list[Any] = [None] * len(members)
+    errors: dict[int, BaseException] = {}
+    threads = start_rank_threads(backends, lambda b: worker_fn(b, members[b.rank]), results, errors,
+                                 "distframe-elastic-rank")
     # [Note: a worker that never returns] Once one worker has ended, the others get ``timeout``
     # seconds more: a peer's failure or departure stops those waiting in a collective at once,
     # and a rank still computing reaches its next collective within that. A thread still alive
@@ -208,6 +196,5 @@ def _run_group(worker_fn: Callable[[Any, ElasticMember], Any], members: list[Ela
     hung = [r for r, t in enumerate(threads) if t.is_alive()]
     if hung:
         backends[0].world.abort(hung[0], TimeoutError(f"rank {hung[0]} hung"))
-        for r in hung:
-            outcomes[r] = Hung(timeout)
-    return list(outcomes)  # a copy: an abandoned thread may still write its slot later
+    # A copy: an abandoned thread may still write its slot later.
+    return [Hung(timeout) if r in hung else errors.get(r, results[r]) for r in range(len(members))]
