@@ -21,8 +21,8 @@ and posted, and ``send``/``isend`` return at once, so two ranks may both send be
 receive. Unfinished sends are kept alive and finished at ``shutdown``, which drops those to a
 rank that left without receiving them (``departures``, [Note: sends to a rank that left]). A
 message whose shape or dtype differs from the receive's never matches it outside ``debug`` mode
-(a fingerprint of both is part of the tag: ``torch_dist_p2p``, [Note: the message's shape in its
-tag]), so the receive times out saying so; with ``debug=True`` it raises
+(a fingerprint of them and of the message's number is part of the tag: ``torch_dist_p2p``, [Note:
+the message's shape in its tag]), so the receive times out saying so; with ``debug=True`` it raises
 ``CollectiveMismatchError`` naming both at once. NCCL ignores tags: there a mismatched receive
 is not caught outside ``debug`` mode.
 """
@@ -248,7 +248,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             self._sends.add((self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
             wire_tag = tag
         else:  # [Note: the message's shape in its tag] (torch_dist_p2p)
-            wire_tag = message_tag(tag, tensor)
+            wire_tag = message_tag(tag, tensor, seq)
         self._sends.add((self._pg.send([movable(payload)], dst, wire_tag), payload, dst, tag, seq))
         return CompletedWork(None)
 

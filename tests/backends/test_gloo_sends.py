@@ -48,14 +48,17 @@ def test_received_sends_are_let_go(pool):
 
 
 # ---- a message whose shape or dtype differs from the receive's ------------------------------------
-# (shape, dtype) sent by rank 0, then (shape, dtype) of rank 1's receive, without debug=True.
+# The (shape, dtype) of the messages rank 0 sends, then of rank 1's one receive, without debug=True.
 # Before the fingerprint in the tag ([Note: the message's shape in its tag]), "smaller" ended the
-# receiving process and the others filled the receive with the wrong values without a word.
+# receiving process and the others filled the receive with the wrong values without a word; with
+# a fingerprint of the shape alone, the last case's receive took the second message.
 MISMATCHES = {
-    "smaller": (((5,), torch.float32), ((3,), torch.float32)),
-    "larger": (((3,), torch.float32), ((5,), torch.float32)),
-    "same bytes, other dtype": (((4,), torch.float32), ((2,), torch.float64)),
-    "same numel, other shape": (((2, 3), torch.float32), ((3, 2), torch.float32)),
+    "smaller": ([((5,), torch.float32)], ((3,), torch.float32)),
+    "larger": ([((3,), torch.float32)], ((5,), torch.float32)),
+    "same bytes, other dtype": ([((4,), torch.float32)], ((2,), torch.float64)),
+    "same numel, other shape": ([((2, 3), torch.float32)], ((3, 2), torch.float32)),
+    "another shape, then the receive's": ([((4,), torch.float32), ((3,), torch.float32)],
+                                          ((3,), torch.float32)),
 }
 MISMATCH_TIMEOUT = 4.0
 
@@ -69,11 +72,12 @@ def fresh_group(b, name: str, timeout: float):
 
 
 def rank_mismatched_receive(b, case: str, name: str):
-    (sent_shape, sent_dtype), (shape, dtype) = MISMATCHES[case]
+    sent, (shape, dtype) = MISMATCHES[case]
     sub = fresh_group(b, name, MISMATCH_TIMEOUT)
     try:
         if sub.rank == 0:
-            sub.send(torch.ones(sent_shape, dtype=sent_dtype), 1, tag=5)
+            for sent_shape, sent_dtype in sent:
+                sub.send(torch.ones(sent_shape, dtype=sent_dtype), 1, tag=5)
             return "sent"
         if sub.rank == 1:
             try:
@@ -96,7 +100,7 @@ def rank_pid(b):
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_a_mismatched_receive_raises_on_the_receiver_and_the_sender_ends(pool, case):
     pids = pool.run(rank_pid)
-    results = pool.run(rank_mismatched_receive, case, f"mismatch-{case.replace(' ', '-')}")
+    results = pool.run(rank_mismatched_receive, case, f"mismatch{list(MISMATCHES).index(case)}")
     assert results[0] == "sent" and results[2] is None
     assert isinstance(results[1], tuple), f"the receive did not raise: {results[1]}"
     op, seq, missing, text = results[1]
