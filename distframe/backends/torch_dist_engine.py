@@ -20,9 +20,11 @@ message a 128-byte header that the receiver checks before it posts the payload's
 and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
 receive. Unfinished sends are kept alive and finished at ``shutdown``, which drops those to a
 rank that left without receiving them (``departures``, [Note: sends to a rank that left]). A
-receive whose tensor
-does not match the message aborts the Gloo process outside ``debug`` mode (Gloo checks sizes on
-a background thread); with ``debug=True`` it raises ``CollectiveMismatchError`` instead.
+message whose shape or dtype differs from the receive's never matches it outside ``debug`` mode
+(a fingerprint of them and of the message's number is part of the tag: ``torch_dist_p2p``, [Note:
+the message's shape in its tag]), so the receive times out saying so; with ``debug=True`` it raises
+``CollectiveMismatchError`` naming both at once. NCCL ignores tags: there a mismatched receive
+is not caught outside ``debug`` mode.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
                                                  wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
-from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends
+from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends, message_tag
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
@@ -244,7 +246,10 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if self.debug:
             header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
             self._sends.add((self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
-        self._sends.add((self._pg.send([movable(payload)], dst, tag), payload, dst, tag, seq))
+            wire_tag = tag
+        else:  # [Note: the message's shape in its tag] (torch_dist_p2p)
+            wire_tag = message_tag(tag, tensor, seq)
+        self._sends.add((self._pg.send([movable(payload)], dst, wire_tag), payload, dst, tag, seq))
         return CompletedWork(None)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
@@ -370,9 +375,10 @@ class TorchDistributedBackend(CommunicationBackendBase):
         return self._shared.board.behind(self._progress_keys, seq)
 
     def _comm_error(self, exc: BaseException, op: str, seq: int, peers: list[int] | None,
-                    timeout: float | None = None) -> Exception | None:
+                    timeout: float | None = None, hint: str = "") -> Exception | None:
         """The distframe error for a transport failure (None if ``exc`` is not one). ``peers``:
-        the ranks being waited for when known (point to point); else read from the board."""
+        the ranks being waited for when known (point to point); else read from the board.
+        ``hint`` ends the message of a timeout."""
         text = str(exc).strip()
         lowered = text.lower()
         timed_out = "timed out" in lowered or "timeout" in lowered
@@ -388,7 +394,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if missing == []:
             detail += "; every rank had reached this call"
         if timed_out:
-            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail)
+            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail + hint)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
 

@@ -2,10 +2,30 @@
 point]): a posted receive, and the unfinished sends a shutdown waits for. On Gloo, a receive from
 a rank that has left without sending the message stops at once (``torch_dist_board``, [Note:
 watching a receive]), and a shutdown drops the sends to a rank that left without receiving them
-(``departures``, [Note: sends to a rank that left])."""
+(``departures``, [Note: sends to a rank that left]).
+
+[Note: the message's shape in its tag] Gloo delivers a message into the first receive posted on
+its (sender, tag) slot whatever that receive's size: a message larger than the buffer ends the
+receiving process (an enforce on Gloo's own thread, then std::terminate), and one that fits is
+written into its first bytes, whatever the dtype or shape, without a word. So outside ``debug``
+mode both sides put a fingerprint of the tensor's (dtype, shape) and of the message's number on
+its channel (``_count_p2p``) in the high bits of the tag Gloo sees (``message_tag``): a message of
+another shape or dtype never matches the receive, which then times out, within the backend's
+timeout, with ``CollectiveTimeoutError`` saying that this may be the cause and that
+``debug=True`` names both sides (it costs a header per message). The number keeps Gloo's order
+within a channel: without it, the receive of message n would take a later message that happens
+to have its shape, leaving message n unreceived. This sends nothing more (it costs about 2 us of
+Python per message: a cached hash and two multiplications), but has ``FINGERPRINT_BITS`` bits: a
+mismatched pair shares a fingerprint with probability 2**-10, and is then delivered as before.
+Gloo takes any tag in 0..2**31 - 1 (a C int; none is truncated, checked on torch 2.13); user
+tags are below 2**20 (``composed.RESERVED_TAG``, which the composed all_to_all uses) and debug
+headers add 2**21, so the fingerprint takes bits 21 to 30; a debug header never meets a
+fingerprinted message, since every rank of a group runs in the same mode. NCCL ignores tags."""
 from __future__ import annotations
 
 import collections
+import functools
+import hashlib
 import threading
 import time
 import warnings
@@ -29,6 +49,31 @@ if TYPE_CHECKING:
 # Debug-mode headers of point-to-point messages travel on the user's tag plus this offset
 # (user tags are below 2**20, see composed.RESERVED_TAG).
 HEADER_TAG = 2**21
+FINGERPRINT_SHIFT = 21  # see [Note: the message's shape in its tag]
+FINGERPRINT_BITS = 10
+
+
+def message_tag(tag: int, tensor: torch.Tensor, seq: int) -> int:
+    """The tag Gloo sees for message ``seq`` of ``tensor`` on the channel with user tag ``tag``,
+    outside debug mode ([Note: the message's shape in its tag])."""
+    mixed = ((_fingerprint(tensor.dtype, tuple(tensor.shape)) ^ (seq * 0x9E3779B9)) * 0x85EBCA6B)
+    return tag | ((mixed & 0xFFFFFFFF) >> (32 - FINGERPRINT_BITS) << FINGERPRINT_SHIFT)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    # Not hash(): a str's hash differs between processes.
+    return int.from_bytes(hashlib.blake2b(f"{dtype}{shape}".encode(), digest_size=4).digest(), "little")
+
+
+def mismatch_hint(backend: TorchDistributedBackend, tensor: torch.Tensor, src: int, tag: int) -> str:
+    """What a receive that did not complete adds to its timeout error outside debug mode."""
+    if backend.debug:
+        return ""
+    expected = f"(shape={tuple(tensor.shape)}, dtype={str(tensor.dtype).removeprefix('torch.')})"
+    return (f"; perhaps rank {src} sent the message with tag {tag} in another shape or dtype than "
+            f"this receive's {expected}: such a message never matches it (run with debug=True to "
+            "see both)")
 
 
 class RecvWork(Work):
@@ -56,7 +101,8 @@ class RecvWork(Work):
             self._header = torch.empty(ENCODED_LENGTH, dtype=torch.int64, device=backend._device)
             self._header_work = backend._pg.recv([self._header], src, tag + HEADER_TAG)
         else:
-            self._payload_work = backend._pg.recv([movable(self._buffer)], src, tag)
+            self._payload_work = backend._pg.recv([movable(self._buffer)], src,
+                                                  message_tag(tag, tensor, seq))
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._done:
@@ -89,10 +135,11 @@ class RecvWork(Work):
         except FutureTimeout:
             if self._waiter.done():
                 raise
+            hint = mismatch_hint(self._backend, self._tensor, self._src, self._tag)
             raise CollectiveTimeoutError(
                 "recv", self._seq, [self._src], timeout or 0.0,
                 "Work.wait(timeout=...) expired; the receive stays posted, so a later wait() can "
-                "still complete it") from None
+                f"still complete it{hint}") from None
 
     def _wait_for_waiter(self) -> None:
         try:
@@ -116,7 +163,8 @@ class RecvWork(Work):
             if error is not None:
                 backend._shared.failed = True
                 raise error from None
-            error = backend._comm_error(exc, "recv", self._seq, [self._src])
+            error = backend._comm_error(exc, "recv", self._seq, [self._src], hint=mismatch_hint(
+                backend, self._tensor, self._src, self._tag))
             if error is None:
                 raise
             raise error from exc

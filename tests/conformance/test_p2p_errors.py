@@ -1,5 +1,7 @@
 """Point-to-point errors on the engines that check a receive's size without debug=True: in-memory
-and MPI (checks in checks_p2p.py). Gloo and NCCL check it only with debug=True."""
+and MPI (checks in checks_p2p.py). Gloo raises CollectiveTimeoutError at its timeout instead
+(tests/backends/test_gloo_sends.py), or CollectiveMismatchError at once with debug=True; NCCL
+checks it only with debug=True."""
 import pytest
 
 from tests.conformance import checks_p2p
