@@ -200,6 +200,8 @@ def _strip_dropout_rng(path):
     assert meta.pop("dropout_rng") is not None
     for table in meta["files"]:
         table["tensors"] = {k: n for k, n in table["tensors"].items() if not k.startswith("dropout_rng/")}
+    del meta["metadata_sha256"]  # and before metadata checksums (format version 1)
+    meta["format_version"] = 1
     meta_path.write_text(json.dumps(meta))
 
 
