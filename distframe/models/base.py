@@ -44,6 +44,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
     #: Whether ``find_unused_parameters`` can leave a parameter's gradient None (DDP: the
     #: optimizer sees each parameter; flat shards mix them, so one range cannot be skipped).
     skips_unused_parameters = False
+    #: Whether every rank's ``local_parameter_shard()`` holds the same gradients once they are
+    #: synchronised (DDP): a GradScaler's per-rank inf check then agrees without communication.
+    replicates_gradients = False
 
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:

@@ -44,6 +44,7 @@ class DDPModel(ShardedModelBase):
     accepts_plain_optimizer = True
     optimizer_name = "DDPOptimizer"
     skips_unused_parameters = True
+    replicates_gradients = True  # every rank holds the same averaged gradients
 
     def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:

@@ -1,7 +1,8 @@
 """Optimizers: ShardedOptimizerBase and one optimizer per data-parallel strategy.
 
-Beyond data parallelism: GradientCompressionOptimizer (compressors in
-``distframe.optimizers.compression``), AsyncSGDOptimizer (parameter server) and ElasticOptimizer.
+Loss scaling over shards: ShardedGradScaler. Beyond data parallelism: GradientCompressionOptimizer
+(compressors in ``distframe.optimizers.compression``), AsyncSGDOptimizer (parameter server) and
+ElasticOptimizer.
 """
 from distframe.optimizers.async_server import AsyncReport
 from distframe.optimizers.async_sgd import AsyncConfig, AsyncSGDOptimizer
@@ -16,6 +17,7 @@ from distframe.optimizers.data_parallel import (
 )
 from distframe.optimizers.elastic import Commit, ElasticMember, ElasticOptimizer
 from distframe.optimizers.elastic_membership import ElasticController
+from distframe.optimizers.grad_scaler import ShardedGradScaler
 from distframe.optimizers.protocol import IShardedOptimizer
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "FSDPOptimizer",
     "GradientCompressionOptimizer",
     "IShardedOptimizer",
+    "ShardedGradScaler",
     "ShardedOptimizerBase",
     "ZeRO1Optimizer",
     "ZeRO2Optimizer",

@@ -101,9 +101,13 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     the server), then ``distframe.checkpoint.save``; a worker's ``state_dict()`` refuses before
     that, as the checkpoint would hold part of its stale parameters (each rank writes a slice).
     ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
+
+    Loss scaling: workers step on their own, so each keeps a plain ``torch.amp.GradScaler`` (a
+    step it skips pushes nothing); ``distframe.ShardedGradScaler``, a collective, is refused.
     """
 
     model_class = DDPModel
+    steps_independently = True  # a worker's GradScaler skips (no push) or scales on its own
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, *, config: AsyncConfig | None = None,
                  **settings: Any) -> None:

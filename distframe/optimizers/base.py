@@ -2,7 +2,9 @@
 model's synchronisation points around each step."""
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,13 +77,26 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     parameter all_gather, if any). ``should_early_stop`` is one all_reduce(MAX).
 
     It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the
-    wrapped optimizer's, so learning-rate schedulers and ``GradScaler`` take it as they take a
-    plain one (torch's ZeroRedundancyOptimizer is one too). It never calls the base class's
-    constructor: step hooks and ``add_param_group`` are not supported.
+    wrapped optimizer's, so learning-rate schedulers take it as they take a plain one (torch's
+    ZeroRedundancyOptimizer is one too). It never calls the base class's constructor: step hooks
+    and ``add_param_group`` are not supported.
+
+    Loss scaling: ``param_groups`` hold this rank's shard, so ranks can disagree on whether the
+    gradients overflowed; use ``distframe.ShardedGradScaler`` (one all_reduce(MAX) of the flag),
+    as FSDP and DeepSpeed users do. Where ranks hold different gradients but step together (ZeRO,
+    FSDP, the ZeRO optimizers of a hybrid model, ElasticOptimizer over those) a plain
+    ``torch.amp.GradScaler`` raises ConfigError at ``scaler.step``. Over a DDPModel every rank
+    holds the same averaged gradients (DDPOptimizer, GradientCompressionOptimizer, whose ranks
+    all decompress the same sum, ElasticOptimizer on DDP), so a plain GradScaler agrees and is
+    fine; AsyncSGDOptimizer's workers step on their own, each with a plain GradScaler.
+    See [Note: GradScaler and sharded optimizers].
     """
 
     #: The model class this optimizer belongs with.
     model_class: type[ShardedModelBase] = ShardedModelBase
+    #: Whether ranks step on their own (a parameter server's workers): a GradScaler's decision
+    #: is then each rank's own, and ShardedGradScaler (a collective) is refused.
+    steps_independently = False
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, **optimizer_kwargs: Any) -> None:
         name = type(self).__name__
@@ -94,6 +109,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         self.model = model
         self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
                                                  optimizer_kwargs, name)
+        self._scaler_flags_agreed = False
         model.attach_optimizer(self)
 
     @property
@@ -115,7 +131,57 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.wrapped_optimizer!r})"
 
+    # [Note: GradScaler and sharded optimizers] torch.amp.GradScaler.step hands an optimizer with
+    # ``_step_supports_amp_scaling`` its scale and found-inf flag as the attributes ``grad_scale``
+    # and ``found_inf`` and calls ``step()`` itself, leaving skipping and unscaling to it. So a
+    # sharded optimizer learns that a scaler drives it, and ShardedGradScaler says (through
+    # ``agreed_scaler_step``) that the flag is every rank's. A plain GradScaler's flag is this
+    # rank's alone: refused before any collective, on every rank alike, overflow or not.
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        return not (self.steps_independently or self.model.replicates_gradients)
+
+    @contextlib.contextmanager
+    def agreed_scaler_step(self) -> Iterator[None]:
+        """Used by ShardedGradScaler.step: the found-inf flag it hands ``step()`` is agreed."""
+        self._scaler_flags_agreed = True
+        try:
+            yield
+        finally:
+            self._scaler_flags_agreed = False
+
+    def _apply_grad_scaler(self) -> bool:
+        """Takes what a GradScaler set for this step: False when it is to be skipped (inf/nan
+        found); otherwise unscales the gradients if the scaler has not (no ``unscale_``)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return True
+        if not self._scaler_flags_agreed:
+            raise ConfigError(
+                f"{type(self).__name__} holds this rank's shard of the gradients, so a plain "
+                "torch.amp.GradScaler finds inf/nan on some ranks and not on others (they would "
+                "skip different steps and keep different scales); use distframe.ShardedGradScaler, "
+                "which agrees on it across ranks: scaler = ShardedGradScaler(device, ...)")
+        self.model.synchronize_gradients()
+        if float(found_inf) > 0:  # every rank skips: parameters and optimizer state stay as they are
+            return False
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float()  # as GradScaler.unscale_
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.mul_(inv_scale.to(param.grad.device))
+        return True
+
     def step(self, closure: Any = None) -> Any:
+        """Skips the step when a (Sharded)GradScaler found inf/nan; otherwise ``_step``."""
+        if not self._apply_grad_scaler():
+            return None
+        return self._step(closure)
+
+    def _step(self, closure: Any = None) -> Any:
         self.model.synchronize_gradients()
         loss = self.wrapped_optimizer.step(closure)
         self.model.synchronize_parameters()

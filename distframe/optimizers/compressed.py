@@ -108,6 +108,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     uncompressible parameters and of the P factors (asynchronous, during backward), then one
     ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
 
+    Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan and a
+    plain ``torch.amp.GradScaler`` is enough (see [Note: skipped steps]).
+
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
     (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
     stochastic int8 rounding generator and the step count.

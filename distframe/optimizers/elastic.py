@@ -91,6 +91,10 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``step_count``), so a restart from one resumes the schedule where it was. It is built after
     the restore, then given the restored state.
 
+    Loss scaling: as the wrapped strategy's optimizer (DDP: a plain GradScaler; ZeRO, FSDP:
+    ``distframe.ShardedGradScaler``). A step the scaler skips, on every rank alike, does not
+    count in ``step_count``, step the scheduler or commit.
+
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
     one all_gather of committed steps and, when some member holds a commit, two broadcasts.
     ``step_count`` is the number of optimizer steps the model has taken, across restarts.
@@ -134,8 +138,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self._loaded_scheduler = None
 
     # ---- training ---------------------------------------------------------------------------
-    def step(self, closure: Any = None) -> Any:
-        loss = super().step(closure)
+    def _step(self, closure: Any = None) -> Any:
+        # Not step(): a step a GradScaler skips (on every rank alike) counts and commits nothing.
+        loss = super()._step(closure)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
