@@ -252,3 +252,43 @@ def test_sharded_scaler_needs_a_backend_for_a_plain_optimizer_and_refuses_async_
         with pytest.raises(ConfigError, match="plain torch.amp.GradScaler"):
             scaler.unscale_(async_sgd)
     spawn(run, WORLD, timeout=20)
+
+
+def test_hybrid_zero2_pipeline_with_sharded_scaler_equals_one_process():
+    # dp=2 x pp=2 over ZeRO-2: stage 0's gradients overflow and stage 1's do not, so the flag must
+    # be agreed across the pipeline and the data-parallel group alike (model.backend: the world).
+    from distframe import HybridShardedModel, ParallelDims, ZeRO2Optimizer
+    model = pipeline_net()
+    opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
+    scaler = make_scaler(torch.amp.GradScaler)
+    expected = []
+    for x, y in batches(torch.float64):
+        scaler.scale(loss_fn(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        expected.append((scaler.get_scale(), copy.deepcopy(model.state_dict())))
+    dims = ParallelDims(dp=2, pp=2)
+
+    def run(backend):
+        model = HybridShardedModel(pipeline_net(), backend, dims=dims, data_parallel="zero2",
+                                   split_points=[1])
+        opt = ZeRO2Optimizer(model, torch.optim.SGD, **OPTIMIZER)
+        scaler = make_scaler(ShardedGradScaler)
+        dp_index = dims.coordinates(backend.rank)["dp"]
+        rows = slice(dp_index * ROWS // 2, (dp_index + 1) * ROWS // 2)
+        history, overflows = [], None
+        for step, batch in enumerate(batches(torch.float64)):
+            model.forward_backward((batch[0][rows], batch[1][rows]),
+                                   lambda out, target: scaler.scale(loss_fn(out, target)))
+            if step == OVERFLOW_STEP:
+                model.synchronize_gradients()
+                overflows = backend.all_gather(torch.tensor([float(local_overflow(opt))])).tolist()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            history.append((scaler.get_scale(), model.gather_full_parameters()))
+        return history, overflows
+    for history, overflows in spawn(run, 4, timeout=20):
+        assert overflows == [1.0, 1.0, 0.0, 0.0]  # ranks 0, 1: stage 0 (its ZeRO-2 shards); 2, 3: stage 1
+        assert_same_history(history, expected, torch.float64)
