@@ -16,7 +16,10 @@ starts every rank as a fresh interpreter instead.
 fail in the same way, and their own errors are then reported too); ranks still running after it
 are terminated. The first original error (lowest rank, peers' RankFailedError aside) is re-raised
 with a note naming its rank and its remote traceback. A pool whose run timed out, lost a process
-or was terminated starts fresh workers, with fresh backends, on its next run.
+or was terminated starts fresh workers, with fresh backends, on its next run; so does one in
+which a rank raised and a message was sent but not received, or a receive posted with no message
+(``_messages_unmatched``): a later run's receive on that channel would get the stale message, or
+the one meant for the receive after it.
 
 [Note: departures between runs] A rank whose function returns or raises departs
 (``distframe.backends.departures``): peers still waiting for it in a call it never made stop at
@@ -146,6 +149,7 @@ class ProcessPool:
         results: list[Any] = [None] * self.world_size
         errors: dict[int, BaseException] = {}
         pending = {w.rank: w for w in self._workers}
+        p2p_counts: list[dict | None] = [None] * self.world_size
         deadline: float | None = None
         try:
             while pending:
@@ -157,7 +161,7 @@ class ProcessPool:
                     if outcome is None:
                         continue
                     del pending[rank]
-                    ok, value, failed = outcome
+                    ok, value, failed, p2p_counts[rank] = outcome
                     self._needs_restart |= failed
                     if ok:
                         results[rank] = value
@@ -177,6 +181,8 @@ class ProcessPool:
                 errors[rank] = RankFailedError(first, f"rank {rank} was stopped because rank "
                                                       f"{first} failed")
             self._stop_workers(graceful=False)
+            self._needs_restart = True
+        if errors and _messages_unmatched(p2p_counts):
             self._needs_restart = True
         return results, errors
 
@@ -206,8 +212,9 @@ class _Worker:
                  connection: multiprocessing.connection.Connection) -> None:
         self.rank, self.process, self.connection = rank, process, connection
 
-    def poll(self) -> tuple[bool, Any, bool] | None:
-        """``(ok, result or exception, backend failed)`` once this rank has answered or died."""
+    def poll(self) -> tuple[bool, Any, bool, dict | None] | None:
+        """``(ok, result or exception, backend failed, its point-to-point counts)`` once this
+        rank has answered or died (counts None then)."""
         try:
             if self.connection.poll():
                 return _decode_reply(self.connection.recv_bytes(), self.rank)
@@ -216,7 +223,22 @@ class _Worker:
         if self.process.is_alive():
             return None
         return False, RankFailedError(self.rank, f"its process exited with code "
-                                                 f"{self.process.exitcode} before answering"), True
+                                                 f"{self.process.exitcode} before answering"), True, None
+
+
+def _messages_unmatched(p2p_counts: list[dict | None]) -> bool:
+    """Whether, after a run, some rank's count of messages sent to (received from) a peer on a
+    tag differs from that peer's count of those received from (sent to) it, or a rank's counts
+    are unknown: a message then waits unreceived, or a receive stays posted, for the next run."""
+    for rank, mine in enumerate(p2p_counts):
+        if mine is None:
+            return True
+        for (direction, peer, tag), count in mine.items():
+            theirs = p2p_counts[peer]
+            opposite = "recv" if direction == "send" else "send"
+            if theirs is None or theirs.get((opposite, rank, tag), 0) != count:
+                return True
+    return False
 
 
 # ---- the worker side ---------------------------------------------------------------------------
@@ -241,7 +263,7 @@ def _worker_main(rank: int, world_size: int, engine: str, host: str, port: int, 
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         connection.send_bytes(_encode_error(exc, failed=True))
         return
-    connection.send_bytes(pickle.dumps((True, None, False)))
+    connection.send_bytes(pickle.dumps((True, None, False, {})))
     try:
         while True:
             try:
@@ -280,12 +302,13 @@ def _run_task(backend: Any, task: bytes) -> bytes:
         backend.depart(failed=True)
         failed = _drain_after_failure(backend, exc)
         return _encode_error(exc, failed=failed or _has_failed(backend) or isinstance(
-            exc, (CollectiveTimeoutError, RankFailedError)))
+            exc, (CollectiveTimeoutError, RankFailedError)), p2p_counts=_p2p_counts(backend))
     backend.depart()  # [Note: departures between runs]
     try:
-        return pickle.dumps((True, result, _has_failed(backend)))
+        return pickle.dumps((True, result, _has_failed(backend), _p2p_counts(backend)))
     except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
-        return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend))
+        return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend),
+                             p2p_counts=_p2p_counts(backend))
 
 
 def _drain_after_failure(backend: Any, exc: BaseException) -> bool:
@@ -305,8 +328,13 @@ def _has_failed(backend: Any) -> bool:
     return bool(getattr(backend, "has_failed", False))
 
 
+def _p2p_counts(backend: Any) -> dict[tuple[str, int, int], int]:
+    """The backend's messages sent and received so far, per (direction, peer, tag)."""
+    return dict(backend._p2p_counts)
+
+
 # ---- exceptions across the pipe -------------------------------------------------------------------
-def _encode_error(exc: BaseException, *, failed: bool) -> bytes:
+def _encode_error(exc: BaseException, *, failed: bool, p2p_counts: dict | None = None) -> bytes:
     """Exceptions whose __init__ takes other arguments than ``args`` (most of distframe.errors)
     do not survive pickle, so the class, ``args`` and attributes travel separately."""
     remote = "".join(traceback.format_exception(exc)).rstrip()
@@ -314,16 +342,16 @@ def _encode_error(exc: BaseException, *, failed: bool) -> bytes:
         state = pickle.dumps((type(exc), exc.args, dict(vars(exc))))
     except Exception:  # noqa: BLE001 - an unpicklable argument: keep the text
         state = pickle.dumps((RuntimeError, (f"{type(exc).__name__}: {exc}",), {}))
-    return pickle.dumps((False, (state, remote), failed))
+    return pickle.dumps((False, (state, remote), failed, p2p_counts))
 
 
-def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
+def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool, dict | None]:
     try:
-        ok, value, failed = pickle.loads(reply)
+        ok, value, failed, p2p_counts = pickle.loads(reply)
     except Exception as exc:  # noqa: BLE001 - e.g. the result's class is not importable here
-        return False, RuntimeError(f"rank {rank}'s reply could not be unpickled: {exc!r}"), False
+        return False, RuntimeError(f"rank {rank}'s reply could not be unpickled: {exc!r}"), False, None
     if ok:
-        return ok, value, failed
+        return ok, value, failed, p2p_counts
     state, remote = value
     try:
         cls, args, attributes = pickle.loads(state)
@@ -331,4 +359,4 @@ def _decode_reply(reply: bytes, rank: int) -> tuple[bool, Any, bool]:
     except Exception:  # noqa: BLE001
         exc = RuntimeError(remote.splitlines()[-1] if remote else "unknown error")
     exc.add_note(f"Traceback on rank {rank}:\n{remote}")
-    return False, exc, failed
+    return False, exc, failed, p2p_counts

@@ -83,3 +83,28 @@ def test_an_async_failure_left_by_a_raising_function_stays_in_its_run(pool):
     with pytest.raises(ValueError, match="rank 0 stops"):
         pool.run(raise_with_an_async_call_pending)
     assert pool.run(rank_sum) == [float(np.arange(2).sum())] * 2
+
+
+def raise_with_a_message_unreceived(backend):
+    if backend.rank == 0:
+        backend.send(torch.tensor([1.0]), 1, tag=4)  # buffered: returns before rank 1 receives
+    raise ValueError(f"rank {backend.rank} stops")  # rank 1 before its receive
+
+
+def send_and_receive(backend, value: float):
+    if backend.rank == 0:
+        backend.send(torch.tensor([value]), 1, tag=4)
+        return value
+    return backend.recv(torch.zeros(1), 0, tag=4).item()
+
+
+def test_a_message_left_unreceived_by_a_raising_run_is_not_the_next_runs(pool, request):
+    # Before: the pool kept its workers, and the next run's first receive on that channel got
+    # the failed run's message (1.0) instead of its own (2.0), without a word.
+    if not hasattr(pool, "_needs_restart"):  # MPIPool (unchanged by the ProcessPool fix)
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "MPIPool: a message left unreceived by a failed run still reaches the next run's "
+            "receive, although each run dups a communicator of its own; not fixed yet")))
+    with pytest.raises(ValueError, match="rank 0 stops"):
+        pool.run(raise_with_a_message_unreceived)
+    assert pool.run(send_and_receive, 2.0) == [2.0, 2.0]
