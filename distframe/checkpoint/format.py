@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ METADATA_CHECKSUM = "metadata_sha256"
 
 class CheckpointError(DistFrameError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+SHARD_FILE = re.compile(r"shard-\d+-of-\d+\.safetensors")  # the names shard_file_name gives
 
 
 def shard_file_name(rank: int, world_size: int) -> str:

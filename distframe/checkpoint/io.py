@@ -38,9 +38,9 @@ from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
 from distframe.checkpoint import dropout_rng, temporary
-from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, CheckpointError, fsync_path,
-                                         open_reader, read_metadata, sha256_of, shard_file_name,
-                                         verify_files, write_metadata)
+from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, CheckpointError,
+                                         fsync_path, open_reader, read_metadata, sha256_of,
+                                         shard_file_name, verify_files, write_metadata)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, piece_key
@@ -48,7 +48,6 @@ from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_
                                                 optimizer_pieces)
 
 RANK_STATE = "rank_state"
-_SHARD_FILE = re.compile(r"shard-\d+-of-\d+\.safetensors")
 
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
@@ -106,7 +105,7 @@ def _check_target(path: Path) -> None:
         raise ConfigError(f"{path} is a file, and saving a checkpoint there would replace it: "
                           "choose another path or remove the file")
     others = sorted(p.name for p in path.iterdir() if p.name != METADATA and not
-                    _SHARD_FILE.fullmatch(p.name) and not temporary.WRITER_RECORD.fullmatch(p.name))
+                    SHARD_FILE.fullmatch(p.name) and not temporary.WRITER_RECORD.fullmatch(p.name))
     if others:
         raise ConfigError(f"{path} is a directory that is not a checkpoint (it holds {others[:3]}"
                           f"{'...' if len(others) > 3 else ''}), and saving a checkpoint there would "

@@ -7,8 +7,9 @@ after making it, before its shard: its machine (host name, Linux boot id and pid
 and the process's start time (``/proc/<pid>/stat``, clock ticks since boot). The records go into
 place with the directory and are deleted from the checkpoint at once (``drop_writer_records``).
 A save killed midway leaves its directory behind; rank 0 of every later save that completes, in
-the same parent directory, whatever its checkpoint's name, removes each ``.*.tmp-<hex>``
-directory there (``remove_abandoned``) whose every writer is provably gone:
+the same parent directory, whatever its checkpoint's name, removes each ``.*.tmp-<token>``
+directory there (``remove_abandoned``; the token is 12 hex digits) that holds nothing but what a
+save writes (shard files, writer records, metadata.json) and whose every writer is provably gone:
 
 * a writer on this machine is gone when its pid is not alive (or a zombie), or is now another
   process's (that process started at another time);
@@ -20,7 +21,8 @@ directory there (``remove_abandoned``) whose every writer is provably gone:
 
 So the directory of a save that another process (rank, job, host) is still writing stays, and so
 does one this process abandoned while it lives (a save interrupted in a notebook). Nothing else
-is touched: not checkpoints, not ``.NAME.old-*`` (a checkpoint a save moved aside; see io).
+is touched: not checkpoints, not ``.NAME.old-*`` (a checkpoint a save moved aside; see io), not
+another tool's directory whose name merely looks like a save's (it holds other files).
 """
 from __future__ import annotations
 
@@ -33,13 +35,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distframe.checkpoint.format import METADATA, SHARD_FILE
+
 FOREIGN_WRITER_AGE_S = 24 * 3600
 WRITER_RECORD = re.compile(r"writer-\d+\.json")
-_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]+")
+_TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{12}")
 
 
 def temporary_name(name: str, token: str) -> str:
-    return f".{name}.tmp-{token}"
+    """The save's temporary directory's name; ``token``: 12 hex digits (io._agree_token)."""
+    temporary = f".{name}.tmp-{token}"
+    if not _TEMPORARY.fullmatch(temporary):
+        raise ValueError(f"a save's token is 12 hex digits, got {token!r}")
+    return temporary
 
 
 def write_writer_record(tmp: Path, rank: int) -> None:
@@ -70,6 +78,8 @@ def remove_abandoned(directory: Path) -> None:
 
 def _abandoned(tmp: Path) -> bool:
     entries = list(tmp.iterdir())
+    if not all(_written_by_a_save(e) for e in entries):  # another tool's: not ours to remove
+        return False
     newest = max([tmp.stat().st_mtime] + [e.stat().st_mtime for e in entries])
     old = time.time() - newest > FOREIGN_WRITER_AGE_S
     records = [e for e in entries if WRITER_RECORD.fullmatch(e.name)]
@@ -84,6 +94,12 @@ def _abandoned(tmp: Path) -> bool:
         elif _alive(record["pid"], record.get("start_time")):
             return False
     return True
+
+
+def _written_by_a_save(entry: Path) -> bool:
+    name = entry.name
+    return (entry.is_file() and not entry.is_symlink()
+            and (name == METADATA or SHARD_FILE.fullmatch(name) or WRITER_RECORD.fullmatch(name)) is not None)
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:

@@ -125,3 +125,22 @@ def test_a_complete_checkpoint_holds_no_writer_records(tmp_path):
                                          "shard-00001-of-00002.safetensors"]
     _save(tmp_path / "ckpt")  # over it
     assert _names(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("name,content", [
+    (".cache.tmp-abc", {"notes.txt": b"mine"}),
+    (".x.tmp-00000000abcd", {"data.bin": b"\0" * 8}),
+    (".x.tmp-00000000abcd", {"sub/shard-00000-of-00001.safetensors": b""}),
+])
+def test_an_old_directory_that_is_not_a_saves_is_left_alone(tmp_path, name, content):
+    # Another tool's dot-directory whose name happens to end in .tmp-<hex>: a save removed it,
+    # with what it held, once a day old, taking it for one of its own without writer records.
+    other = tmp_path / name
+    for relative, data in content.items():
+        (other / relative).parent.mkdir(parents=True, exist_ok=True)
+        (other / relative).write_bytes(data)
+    _age(other, temporary.FOREIGN_WRITER_AGE_S + 3600)
+    _save(tmp_path / "ckpt")
+    assert _names(tmp_path) == sorted(["ckpt", name])
+    for relative, data in content.items():
+        assert (other / relative).read_bytes() == data
