@@ -43,11 +43,9 @@ _TEMPORARY = re.compile(r"\..+\.tmp-[0-9a-f]{12}")
 
 
 def temporary_name(name: str, token: str) -> str:
-    """The save's temporary directory's name; ``token``: 12 hex digits (io._agree_token)."""
-    temporary = f".{name}.tmp-{token}"
-    if not _TEMPORARY.fullmatch(temporary):
-        raise ValueError(f"a save's token is 12 hex digits, got {token!r}")
-    return temporary
+    """The save's temporary directory's name; ``token``: 12 hex digits (io._agree_token), as
+    ``remove_abandoned`` expects."""
+    return f".{name}.tmp-{token}"
 
 
 def write_writer_record(tmp: Path, rank: int) -> None:
