@@ -178,6 +178,7 @@ class _Job:
         deadline = None if run_timeout is None else time.monotonic() + run_timeout
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
         dead: list[int] = []
+        counts: list[dict | None] = [None] * self.world_size
         while waiting:
             if errors:
                 grace = time.monotonic() + FAILURE_GRACE_SECONDS
@@ -189,7 +190,7 @@ class _Job:
             for conn in ready:
                 rank = waiting.pop(conn)
                 try:
-                    ok, value = pickle.loads(conn.recv_bytes())
+                    ok, value, counts[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     # mpiexec ends every rank once one dies: only the first to go is the cause.
                     if not dead:
@@ -206,7 +207,12 @@ class _Job:
                 raise TimeoutError(f"MPIPool.run did not finish within {run_timeout:g} s; ranks "
                                    f"{sorted(waiting.values())} were still running (job killed)")
         elif not dead:
-            self.usable = True
+            # A run in which a rank raised may leave a message unreceived (or a receive posted):
+            # it would reach the next run's receive on that channel, even over a fresh Dup of
+            # COMM_WORLD (seen with MPICH; likely its reuse of a freed communicator's context id),
+            # so a fresh job then.
+            from distframe.launch import messages_unmatched
+            self.usable = not (errors and messages_unmatched(counts))
         if errors:
             from distframe.launch import raise_first_failure
             raise_first_failure(errors)
@@ -301,6 +307,7 @@ def _serve(host: str, port: int) -> None:
             sys.stderr.flush()
             MPI.Finalize()
             os._exit(0)
+        backend = None
         try:
             fn, args, kwargs, timeout, backend_kwargs = pickle.loads(payload)
             with MPICommunicationBackend(timeout=timeout, **backend_kwargs) as backend:
@@ -313,13 +320,16 @@ def _serve(host: str, port: int) -> None:
                     raise
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             reply = (False, _portable_exception(exc))
+        # The parent compares every rank's message counts after a failed run (see _Job.run).
+        from distframe.launch import p2p_counts
+        reply = (*reply, None if backend is None else p2p_counts(backend))
         # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's
         # pickler that pass tensors as shared file descriptors, which this channel cannot carry.
         try:
             data = pickle.dumps(reply)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
             from distframe.launch import unpicklable_result
-            data = pickle.dumps((False, _portable_exception(unpicklable_result(fn, reply[1], exc))))
+            data = pickle.dumps((False, _portable_exception(unpicklable_result(fn, reply[1], exc)), reply[2]))
         conn.send_bytes(data)
 
 

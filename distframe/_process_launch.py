@@ -18,7 +18,7 @@ are terminated. The first original error (lowest rank, peers' RankFailedError as
 with a note naming its rank and its remote traceback. A pool whose run timed out, lost a process
 or was terminated starts fresh workers, with fresh backends, on its next run; so does one in
 which a rank raised and a message was sent but not received, or a receive posted with no message
-(``_messages_unmatched``): a later run's receive on that channel would get the stale message, or
+(``launch.messages_unmatched``): a later run's receive on that channel would get the stale message, or
 the one meant for the receive after it.
 
 [Note: departures between runs] A rank whose function returns or raises departs
@@ -42,7 +42,8 @@ from typing import Any
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
-from distframe.launch import raise_first_failure, rebuild_exception, unpicklable_result
+from distframe.launch import (messages_unmatched, p2p_counts, raise_first_failure, rebuild_exception,
+                              unpicklable_result)
 
 _GRACE_S = 1.0
 _STOP_S = 10.0
@@ -182,7 +183,7 @@ class ProcessPool:
                                                       f"{first} failed")
             self._stop_workers(graceful=False)
             self._needs_restart = True
-        if errors and _messages_unmatched(p2p_counts):
+        if errors and messages_unmatched(p2p_counts):
             self._needs_restart = True
         return results, errors
 
@@ -224,21 +225,6 @@ class _Worker:
             return None
         return False, RankFailedError(self.rank, f"its process exited with code "
                                                  f"{self.process.exitcode} before answering"), True, None
-
-
-def _messages_unmatched(p2p_counts: list[dict | None]) -> bool:
-    """Whether, after a run, some rank's count of messages sent to (received from) a peer on a
-    tag differs from that peer's count of those received from (sent to) it, or a rank's counts
-    are unknown: a message then waits unreceived, or a receive stays posted, for the next run."""
-    for rank, mine in enumerate(p2p_counts):
-        if mine is None:
-            return True
-        for (direction, peer, tag), count in mine.items():
-            theirs = p2p_counts[peer]
-            opposite = "recv" if direction == "send" else "send"
-            if theirs is None or theirs.get((opposite, rank, tag), 0) != count:
-                return True
-    return False
 
 
 # ---- the worker side ---------------------------------------------------------------------------
@@ -302,13 +288,13 @@ def _run_task(backend: Any, task: bytes) -> bytes:
         backend.depart(failed=True)
         failed = _drain_after_failure(backend, exc)
         return _encode_error(exc, failed=failed or _has_failed(backend) or isinstance(
-            exc, (CollectiveTimeoutError, RankFailedError)), p2p_counts=_p2p_counts(backend))
+            exc, (CollectiveTimeoutError, RankFailedError)), p2p_counts=p2p_counts(backend))
     backend.depart()  # [Note: departures between runs]
     try:
-        return pickle.dumps((True, result, _has_failed(backend), _p2p_counts(backend)))
+        return pickle.dumps((True, result, _has_failed(backend), p2p_counts(backend)))
     except Exception as exc:  # noqa: BLE001 - the function ran: say that its result cannot travel
         return _encode_error(unpicklable_result(fn, result, exc), failed=_has_failed(backend),
-                             p2p_counts=_p2p_counts(backend))
+                             p2p_counts=p2p_counts(backend))
 
 
 def _drain_after_failure(backend: Any, exc: BaseException) -> bool:
@@ -326,11 +312,6 @@ def _drain_after_failure(backend: Any, exc: BaseException) -> bool:
 
 def _has_failed(backend: Any) -> bool:
     return bool(getattr(backend, "has_failed", False))
-
-
-def _p2p_counts(backend: Any) -> dict[tuple[str, int, int], int]:
-    """The backend's messages sent and received so far, per (direction, peer, tag)."""
-    return dict(backend._p2p_counts)
 
 
 # ---- exceptions across the pipe -------------------------------------------------------------------

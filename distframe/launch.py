@@ -99,6 +99,26 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
     return threads
 
 
+def p2p_counts(backend: Any) -> dict[tuple[str, int, int], int]:
+    """The backend's messages sent and received so far, per (direction, peer, tag)."""
+    return dict(backend._p2p_seq)
+
+
+def messages_unmatched(counts: list[dict | None]) -> bool:
+    """Whether, after a run, some rank's count of messages sent to (received from) a peer on a
+    tag differs from that peer's count of those received from (sent to) it, or a rank's counts
+    are unknown: a message then waits unreceived, or a receive stays posted, for the next run."""
+    for rank, mine in enumerate(counts):
+        if mine is None:
+            return True
+        for (direction, peer, tag), count in mine.items():
+            theirs = counts[peer]
+            opposite = "recv" if direction == "send" else "send"
+            if theirs is None or theirs.get((opposite, rank, tag), 0) != count:
+                return True
+    return False
+
+
 def raise_first_failure(errors: dict[int, BaseException]) -> None:
     """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it;
     a rank's ``sys.exit`` is raised as RankFailedError (from the SystemExit)."""

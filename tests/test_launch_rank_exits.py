@@ -98,13 +98,9 @@ def send_and_receive(backend, value: float):
     return backend.recv(torch.zeros(1), 0, tag=4).item()
 
 
-def test_a_message_left_unreceived_by_a_raising_run_is_not_the_next_runs(pool, request):
+def test_a_message_left_unreceived_by_a_raising_run_is_not_the_next_runs(pool):
     # Before: the pool kept its workers, and the next run's first receive on that channel got
     # the failed run's message (1.0) instead of its own (2.0), without a word.
-    if not hasattr(pool, "_needs_restart"):  # MPIPool (unchanged by the ProcessPool fix)
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "MPIPool: a message left unreceived by a failed run still reaches the next run's "
-            "receive, although each run dups a communicator of its own; not fixed yet")))
     with pytest.raises(ValueError, match="rank 0 stops"):
         pool.run(raise_with_a_message_unreceived)
     assert pool.run(send_and_receive, 2.0) == [2.0, 2.0]

@@ -100,7 +100,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._progress_keys = {r: f"{prefix}/progress/{r}" for r in range(world_size)}
         self._my_progress_key = self._progress_keys[rank]
         self._peer_progress_keys = {r: k for r, k in self._progress_keys.items() if r != rank}
-        self._p2p_counts: dict[tuple[str, int, int], int] = {}  # its departure announces the sends
+        self._p2p_counts = self._p2p_seq  # the base's message numbers; its departure announces the sends
         self._shared.board.register(self._my_progress_key, self._p2p_counts)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         self._pg = self._create_process_group(
@@ -256,9 +256,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         return RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))
 
     def _count_p2p(self, direction: str, peer: int, tag: int) -> int:
-        key = (direction, peer, tag)
-        self._p2p_counts[key] = self._p2p_counts.get(key, 0) + 1
-        return self._p2p_counts[key]
+        return self._next_p2p_seq(direction, peer, tag)
 
     # ---- life cycle --------------------------------------------------------------------------
     def depart(self, *, failed: bool = False) -> None:
