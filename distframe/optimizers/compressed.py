@@ -209,8 +209,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             for view, part, (_, ctx) in zip(views, _split(wire, numels), compressed):
                 total = self.compressor.decompress((part.view(view.shape),), ctx)
                 # At least float32: fp16 gradients' sum of shares times p would pass 65504 where
-                # the mean fits (and the payload may be the wire itself: not in place).
-                wide = total.to(torch.promote_types(total.dtype, torch.float32), copy=True)
+                # the mean fits.
+                wide = total.to(torch.promote_types(total.dtype, torch.float32))
                 view.copy_(wide.mul_(share).div_(world))
         return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True)], finish)
 
