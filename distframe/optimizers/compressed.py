@@ -14,8 +14,8 @@ sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only dela
 [Note: shares on the wire] Summable payloads (fp16, bf16) are added on the wire in (or
 rounded once to) the wire dtype, so a rank sends its share of the mean, g / p with p the power of
 two >= world size, not g: the sum of W shares of gradients that each fit fp16 is at most 65504
-and cannot overflow; dividing by a power of two is exact, and the sum is scaled by p / W in the
-gradient's dtype. The cost is at the bottom of the range: a share below fp16's smallest
+and cannot overflow; dividing by a power of two is exact, and the sum is scaled by p / W in
+float32 at least (in fp16 itself the sum times p would overflow where the mean fits). The cost is at the bottom of the range: a share below fp16's smallest
 subnormal (2**-24) is lost where g itself was not, and error feedback keeps it for a later step.
 Summing whole gradients loses the top instead (a sum past 65504 is inf although the mean fits,
 and a GradScaler then skips the step and halves its scale for nothing); under loss scaling the
@@ -208,7 +208,10 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         def finish(results: list[Any]) -> None:
             for view, part, (_, ctx) in zip(views, _split(wire, numels), compressed):
                 total = self.compressor.decompress((part.view(view.shape),), ctx)
-                view.copy_(total.mul_(share).div_(world))
+                # At least float32: fp16 gradients' sum of shares times p would pass 65504 where
+                # the mean fits.
+                wide = total.to(torch.promote_types(total.dtype, torch.float32))
+                view.copy_(wide.mul_(share).div_(world))
         return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True)], finish)
 
     def _exchange_gathered(self, backend: ICommunicationBackend, names: list[str],

@@ -98,3 +98,20 @@ def test_fp16_gradients_are_averaged_not_summed():
     for grad in spawn(fn, 2, timeout=30):
         assert grad.dtype == torch.float16
         assert torch.equal(grad, torch.tensor([1.5, 3.0, 4.5], dtype=torch.float16))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_gradients_whose_mean_fits_fp16_do_not_overflow(world):
+    # Before: the wire sum of shares (the mean times W / p) was scaled back by p in fp16 itself,
+    # so a mean above 65504 / p became inf although it fits fp16 (the fp32 test above missed it).
+    def fn(b):
+        x = torch.tensor([40000.0, 60000.0, -50000.0, 1.0], dtype=torch.float16)
+        model = DDPModel(WeightedHalf(4), b)
+        GradientCompressionOptimizer(model, torch.optim.SGD, lr=0.0, compressor=FP16Compressor())
+        model(x).backward()
+        model.synchronize_gradients()
+        return model.wrapped_model.w.grad.clone(), x
+    for grad, x in spawn(fn, world, timeout=30):
+        # Every rank sends x; the shares x / p are exact; the wire sum and the result are each
+        # rounded to fp16 once (RTOL above).
+        torch.testing.assert_close(grad, x, rtol=RTOL, atol=0.0)

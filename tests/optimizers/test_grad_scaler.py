@@ -292,3 +292,26 @@ def test_hybrid_zero2_pipeline_with_sharded_scaler_equals_one_process():
     for history, overflows in spawn(run, 4, timeout=20):
         assert overflows == [1.0, 1.0, 0.0, 0.0]  # ranks 0, 1: stage 0 (its ZeRO-2 shards); 2, 3: stage 1
         assert_same_history(history, expected, torch.float64)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_a_closure_passed_positionally_to_the_sharded_scaler_step_raises_config_error(strategy):
+    # torch's GradScaler refuses step(opt, closure=...) but passes a positional closure on; the
+    # optimizer then ran it after unscaling, adding the closure's scaled gradients to the
+    # unscaled ones on every rank alike: a silently wrong step. Refused on every rank instead.
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build(torch.float64), backend)
+        opt = opt_cls(model, torch.optim.SGD, **OPTIMIZER)
+        scaler = make_scaler(ShardedGradScaler)
+        x, y = batches(torch.float64, steps=1)[0]
+
+        def closure():
+            loss = scaler.scale(loss_fn(model(x), y))
+            loss.backward()
+            return loss
+        closure()
+        with pytest.raises(ConfigError, match="closure"):
+            scaler.step(opt, closure)
+        return True
+    assert spawn(run, WORLD, timeout=20) == [True] * WORLD
