@@ -63,6 +63,14 @@ so its records await nothing that backward reached. The cost of a stale record (
 grad that never got a backward, such as an evaluation without ``torch.no_grad``) is overlap:
 the units it ran are reduced by ``finish`` in that step, not during the backward.
 
+[Note: double backward] A backward with ``create_graph=True`` (a gradient penalty) builds a graph
+over the unit's gathered parameters, which the unit frees when its backward ends, so a second
+backward through it read freed storage (torch's "setStorage ... out of bounds for storage of size
+0"). Such a backward runs with grad mode on, and the hook on a unit's output refuses it with a
+ConfigError on every rank alike (every rank runs the same backward), before anything is gathered
+(torch's FSDP1 documents double backward as unsupported too). A recomputation in backward
+(activation checkpointing) also runs with grad on, but in forward hooks, which do not check.
+
 [Note: parameters without a gradient] A unit reduces its flat gradient whole, so a parameter
 that got no gradient is averaged as zeros and the optimizer, stepping the unit's master chunk,
 moves it (weight decay, momentum) where one process would leave it alone. Each parameter's
@@ -78,6 +86,7 @@ from typing import Any
 import torch
 
 from distframe.backends.types import Work
+from distframe.errors import ConfigError
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.config import TrainingState
 from distframe.models.parameter_usage import ParameterUsage
@@ -197,12 +206,22 @@ class UnitLifecycle:
             return  # a recomputation in backward (see pre_forward): keep the unit gathered
         if torch.is_grad_enabled():
             record, boundary = self._record, len(self._record.order)
-            self._backward_end.watch(output, lambda grad: self._output_reached(unit, record, boundary))
+            self._backward_end.watch(output, lambda grad: self._gradient_reached(unit, record, boundary))
         if self.reshard_after_forward or not torch.is_grad_enabled():
             unit.reshard()
         unit.state = TrainingState.IDLE
 
     # ---- backward ----------------------------------------------------------------------------
+    def _gradient_reached(self, unit: ShardedUnit, record: ForwardRecord, boundary: int) -> None:
+        """The hook on a unit's output: its backward begins."""
+        if torch.is_grad_enabled():  # a backward with create_graph=True: see [Note: double backward]
+            raise ConfigError(
+                "ZeRO-3/FSDP cannot differentiate through a backward (create_graph=True, e.g. a "
+                "gradient penalty or higher-order gradients): a unit's gathered parameters are freed "
+                "after its backward, and the graph that backward builds would read them; use "
+                "DDPModel, ZeRO1Model or ZeRO2Model (parameters stay whole) for such a loss")
+        self._output_reached(unit, record, boundary)
+
     def _output_reached(self, unit: ShardedUnit, record: ForwardRecord, boundary: int | None) -> None:
         """See [Note: one backward order on every rank] in unit_order.py."""
         if boundary is not None:
