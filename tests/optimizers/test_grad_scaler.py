@@ -204,8 +204,8 @@ def pipeline_net():
         return nn.Sequential(SpikeStage(), nn.Tanh(), nn.Linear(HIDDEN, OUT)).double()
 
 
-def test_pipeline_with_a_plain_optimizer_and_sharded_scaler_equals_one_process():
-    # Stage 0's gradients overflow, stage 1's do not: both stages skip together.
+def pipeline_reference():
+    """One process, plain GradScaler, pipeline_net on whole batches: (scale, state) per step."""
     model = pipeline_net()
     opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
     scaler = make_scaler(torch.amp.GradScaler)
@@ -216,22 +216,35 @@ def test_pipeline_with_a_plain_optimizer_and_sharded_scaler_equals_one_process()
         scaler.update()
         opt.zero_grad()
         expected.append((scaler.get_scale(), copy.deepcopy(model.state_dict())))
+    return expected
+
+
+def model_parallel_history(backend, model, opt, scaler, rows):
+    """(scale, full parameters) after each step of ``model`` on ``rows`` of every batch, and which
+    ranks' parameters held a non-finite gradient at OVERFLOW_STEP."""
+    history, overflows = [], None
+    for step, batch in enumerate(batches(torch.float64)):
+        model.forward_backward((batch[0][rows], batch[1][rows]),
+                               lambda out, target: scaler.scale(loss_fn(out, target)))
+        if step == OVERFLOW_STEP:
+            model.synchronize_gradients()
+            overflows = backend.all_gather(torch.tensor([float(local_overflow(opt))])).tolist()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        history.append((scaler.get_scale(), model.gather_full_parameters()))
+    return history, overflows
+
+
+def test_pipeline_with_a_plain_optimizer_and_sharded_scaler_equals_one_process():
+    # Stage 0's gradients overflow, stage 1's do not: both stages skip together.
+    expected = pipeline_reference()
 
     def run(backend):
         model = PipelineParallelModel(pipeline_net(), backend, num_microbatches=1, split_points=[1])
         opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
         scaler = make_scaler(ShardedGradScaler, backend=model.backend)
-        history, overflows = [], None
-        for step, batch in enumerate(batches(torch.float64)):
-            model.forward_backward(batch, lambda out, target: scaler.scale(loss_fn(out, target)))
-            model.synchronize_gradients()
-            if step == OVERFLOW_STEP:
-                overflows = backend.all_gather(torch.tensor([float(local_overflow(opt))])).tolist()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            history.append((scaler.get_scale(), model.gather_full_parameters()))
-        return history, overflows
+        return model_parallel_history(backend, model, opt, scaler, slice(None))
     for history, overflows in spawn(run, WORLD, timeout=20):
         assert overflows == [1.0, 0.0]
         assert_same_history(history, expected, torch.float64)
@@ -258,16 +271,7 @@ def test_hybrid_zero2_pipeline_with_sharded_scaler_equals_one_process():
     # dp=2 x pp=2 over ZeRO-2: stage 0's gradients overflow and stage 1's do not, so the flag must
     # be agreed across the pipeline and the data-parallel group alike (model.backend: the world).
     from distframe import HybridShardedModel, ParallelDims, ZeRO2Optimizer
-    model = pipeline_net()
-    opt = torch.optim.SGD(model.parameters(), **OPTIMIZER)
-    scaler = make_scaler(torch.amp.GradScaler)
-    expected = []
-    for x, y in batches(torch.float64):
-        scaler.scale(loss_fn(model(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        expected.append((scaler.get_scale(), copy.deepcopy(model.state_dict())))
+    expected = pipeline_reference()
     dims = ParallelDims(dp=2, pp=2)
 
     def run(backend):
@@ -277,18 +281,7 @@ def test_hybrid_zero2_pipeline_with_sharded_scaler_equals_one_process():
         scaler = make_scaler(ShardedGradScaler)
         dp_index = dims.coordinates(backend.rank)["dp"]
         rows = slice(dp_index * ROWS // 2, (dp_index + 1) * ROWS // 2)
-        history, overflows = [], None
-        for step, batch in enumerate(batches(torch.float64)):
-            model.forward_backward((batch[0][rows], batch[1][rows]),
-                                   lambda out, target: scaler.scale(loss_fn(out, target)))
-            if step == OVERFLOW_STEP:
-                model.synchronize_gradients()
-                overflows = backend.all_gather(torch.tensor([float(local_overflow(opt))])).tolist()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            history.append((scaler.get_scale(), model.gather_full_parameters()))
-        return history, overflows
+        return model_parallel_history(backend, model, opt, scaler, rows)
     for history, overflows in spawn(run, 4, timeout=20):
         assert overflows == [1.0, 1.0, 0.0, 0.0]  # ranks 0, 1: stage 0 (its ZeRO-2 shards); 2, 3: stage 1
         assert_same_history(history, expected, torch.float64)
