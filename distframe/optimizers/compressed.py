@@ -15,8 +15,9 @@ sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only dela
 rounded once to) the wire dtype, so a rank sends its share of the mean, g / p with p the power of
 two >= world size, not g: the sum of W shares of gradients that each fit fp16 is at most 65504
 and cannot overflow; dividing by a power of two is exact, and the sum is scaled by p / W in
-float32 at least (in fp16 itself the sum times p would overflow where the mean fits). The cost is at the bottom of the range: a share below fp16's smallest
-subnormal (2**-24) is lost where g itself was not, and error feedback keeps it for a later step.
+float32 at least (in fp16 itself the sum times p would overflow where the mean fits). The cost
+is at the bottom of the range: a share below fp16's smallest subnormal (2**-24) is lost where g
+itself was not, and error feedback keeps it for a later step.
 Summing whole gradients loses the top instead (a sum past 65504 is inf although the mean fits,
 and a GradScaler then skips the step and halves its scale for nothing); under loss scaling the
 gradients sit near the top of the range, so the shares lose less. A share past 65504 still
@@ -102,11 +103,11 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     Collectives per gradient bucket (each rank ends with the same averaged gradient):
     identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
-    fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one ``all_gather`` per
-    payload part (int8 values and scales; top-k values and indices), then every rank decompresses
-    every rank's payload and sums them in rank order; PowerSGD: one ``all_reduce(SUM)`` of the
-    uncompressible parameters and of the P factors (asynchronous, during backward), then one
-    ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
+    fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one
+    ``all_gather`` per payload part (int8 values and scales; top-k values and indices), then
+    every rank decompresses every rank's payload and sums them in rank order; PowerSGD: one
+    ``all_reduce(SUM)`` of the uncompressible parameters and of the P factors (asynchronous,
+    during backward), then one ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
 
     Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan and a
     plain ``torch.amp.GradScaler`` is enough (see [Note: skipped steps]).
