@@ -177,15 +177,22 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Skips the step when a (Sharded)GradScaler found inf/nan; otherwise ``_step``."""
-        if closure is not None and getattr(self, "found_inf", None) is not None:
-            # torch refuses step(opt, closure=...) but hands a positional one on: its backward
-            # would add scaled gradients to the ones just unscaled.
-            raise ConfigError(f"{type(self).__name__}: a closure cannot be used with a GradScaler (its "
-                              "gradients would stay scaled); call scaler.scale(loss).backward() "
-                              "yourself and scaler.step(optimizer) without a closure")
-        if not self._apply_grad_scaler():
-            return None
-        return self._step(closure)
+        try:
+            if closure is not None and getattr(self, "found_inf", None) is not None:
+                # torch refuses step(opt, closure=...) but hands a positional one on: its backward
+                # would add scaled gradients to the ones just unscaled.
+                raise ConfigError(f"{type(self).__name__}: a closure cannot be used with a GradScaler "
+                                  "(its gradients would stay scaled); call scaler.scale(loss).backward() "
+                                  "yourself and scaler.step(optimizer) without a closure")
+            if not self._apply_grad_scaler():
+                return None
+            return self._step(closure)
+        except BaseException:
+            # GradScaler deletes the grad_scale and found_inf it set only after a step that
+            # returned: a later step would otherwise take this one's for its own.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
 
     def _step(self, closure: Any = None) -> Any:
         self.model.synchronize_gradients()

@@ -159,6 +159,27 @@ def test_plain_grad_scaler_on_a_sharded_optimizer_raises_config_error(strategy, 
         sharded_run(strategy, torch.float64, unscale_first, torch.amp.GradScaler)
 
 
+def test_a_refused_scaler_step_leaves_nothing_for_the_next_step():
+    # Before: GradScaler set grad_scale and found_inf on the optimizer and deletes them only after
+    # a step that returned, so a step after the caught ConfigError took them for its own (and
+    # raised again, or unscaled by the old scale).
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES["zero2"]
+        model = model_cls(build(torch.float64), backend)
+        opt = opt_cls(model, torch.optim.SGD, **OPTIMIZER)
+        x, y = batches(torch.float64)[0]
+        scaler = make_scaler(torch.amp.GradScaler)
+        scaler.scale(loss_fn(model(x), y)).backward()
+        with pytest.raises(ConfigError, match="ShardedGradScaler"):
+            scaler.step(opt)
+        left = [name for name in ("grad_scale", "found_inf") if hasattr(opt, name)]
+        before = [p.detach().clone() for p in model.local_parameter_shard()]
+        opt.step()  # the gradients are still scaled by 256: an SGD step on them moves the shard
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.local_parameter_shard()))
+        return left, moved
+    assert spawn(run, WORLD, timeout=20) == [([], True)] * WORLD
+
+
 @pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, ShardedGradScaler])
 def test_ddp_with_either_scaler_equals_one_process(scaler_cls):
     # DDP's ranks hold the same averaged gradients, so a plain GradScaler agrees by itself.
