@@ -88,7 +88,8 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     ``torch.amp.GradScaler`` raises ConfigError at ``scaler.step``. Over a DDPModel every rank
     holds the same averaged gradients (DDPOptimizer, GradientCompressionOptimizer, whose ranks
     all decompress the same sum, ElasticOptimizer on DDP), so a plain GradScaler agrees and is
-    fine; AsyncSGDOptimizer's workers step on their own, each with a plain GradScaler.
+    fine (not for compression with error feedback: its residuals follow the scale, which only
+    ShardedGradScaler reports); AsyncSGDOptimizer's workers step on their own, each with a plain GradScaler.
     See [Note: GradScaler and sharded optimizers].
     """
 
@@ -150,6 +151,12 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         finally:
             self._scaler_flags_agreed = False
 
+    def _needs_sharded_scaler_because(self) -> str:
+        """Why a plain GradScaler is refused (the ConfigError's middle)."""
+        return ("holds this rank's shard of the gradients, so a plain torch.amp.GradScaler finds "
+                "inf/nan on some ranks and not on others (they would skip different steps and keep "
+                "different scales); ShardedGradScaler agrees on it across ranks")
+
     def _apply_grad_scaler(self) -> bool:
         """Takes what a GradScaler set for this step: False when it is to be skipped (inf/nan
         found); otherwise unscales the gradients if the scaler has not (no ``unscale_``)."""
@@ -157,11 +164,8 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         if found_inf is None:
             return True
         if not self._scaler_flags_agreed:
-            raise ConfigError(
-                f"{type(self).__name__} holds this rank's shard of the gradients, so a plain "
-                "torch.amp.GradScaler finds inf/nan on some ranks and not on others (they would "
-                "skip different steps and keep different scales); use distframe.ShardedGradScaler, "
-                "which agrees on it across ranks: scaler = ShardedGradScaler(device, ...)")
+            raise ConfigError(f"{type(self).__name__} {self._needs_sharded_scaler_because()}; use "
+                              "distframe.ShardedGradScaler: scaler = ShardedGradScaler(device, ...)")
         self.model.synchronize_gradients()
         if float(found_inf) > 0:  # every rank skips: parameters and optimizer state stay as they are
             return False

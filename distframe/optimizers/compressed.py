@@ -30,6 +30,14 @@ a bucket is exchanged and become current when ``step()`` applies the gradients t
 (GradScaler skipping a step whose gradients overflowed, to inf/nan residuals that would poison
 every later step) leaves no trace. A second synchronised backward before the step (accumulation
 outside ``no_sync``) keeps the first one's, as its gradients stay in the buffer.
+
+[Note: residuals under loss scaling] Under a GradScaler the hook sees gradients times the loss
+scale S, so residuals are kept in units of S. When the scale moves to S' (growth, or backing off
+after an overflow) they must be multiplied by S'/S before the next backward adds them, or the
+part still to be sent is off by that factor. ShardedGradScaler.update() tells every optimizer it
+stepped this iteration (``loss_scale_changed``); a plain GradScaler cannot, so with error
+feedback this optimizer refuses it (``_step_supports_amp_scaling``: torch then hands ``step()``
+the found-inf flag, and the base class refuses a flag that ShardedGradScaler did not agree).
 """
 from __future__ import annotations
 
@@ -137,8 +145,30 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self._staged_warm: dict[str, torch.Tensor] = {}
         model.register_comm_hook(self._communicate)
 
-    def step(self, closure: Any = None) -> Any:
-        loss = super().step(closure)
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # Residuals are in units of the loss scale (see [Note: residuals under loss scaling]):
+        # GradScaler then hands step() its flag, and a plain one is refused there.
+        return self.error_feedback
+
+    def _needs_sharded_scaler_because(self) -> str:
+        return ("keeps error-feedback residuals in units of the loss scale, and a plain "
+                "torch.amp.GradScaler does not say when its scale changes (the residuals would join "
+                "the next gradients at the old scale); ShardedGradScaler rescales them at update()")
+
+    def loss_scale_changed(self, factor: torch.Tensor) -> None:
+        """Called by ShardedGradScaler.update() with new scale / old scale (a one-element tensor):
+        residuals, current and staged, move to the new scale."""
+        if factor.device.type == "cpu" and float(factor) == 1.0:
+            return
+        for residuals in (self.residuals, self._staged_residuals):
+            for residual in residuals.values():
+                residual.mul_(factor.to(residual.device, residual.dtype))
+
+    def _step(self, closure: Any = None) -> Any:
+        # Not reached for a step a GradScaler skips: its staged residuals stay out (and the
+        # iteration count stays), as when a plain GradScaler never calls step().
+        loss = super()._step(closure)
         # With find_unused_parameters=True a parameter no rank used keeps .grad None and the
         # optimizer skips it, so what its residual sent this step was never applied: it keeps
         # the residual it had (every rank agrees which parameters those are).

@@ -13,6 +13,7 @@ overflow any rank found (torch's FSDP1 ShardedGradScaler does the same).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     keeps the same scale. On a pipeline only the last stage scales the loss; the other stages'
     scalers start their scale at ``init_scale`` in their first ``unscale_``/``step`` (build every
     stage's scaler with the same settings). A DDP optimizer needs none of this (a plain
-    GradScaler agrees there), but the scaler works with it too. ``AsyncSGDOptimizer`` is refused:
+    GradScaler agrees there), but the scaler works with it too; GradientCompressionOptimizer with
+    error feedback needs it (``update()`` rescales its residuals). ``AsyncSGDOptimizer`` is refused:
     its workers step on their own, so each worker keeps a plain GradScaler.
     """
 
@@ -49,6 +51,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
         self.backend = backend
+        # Optimizers checked for inf since the last update(), told there how the scale moved.
+        self._stepped: list[weakref.ref[torch.optim.Optimizer]] = []
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As GradScaler.update; then every optimizer checked since the last update that keeps
+        state in units of the loss scale (GradientCompressionOptimizer's error-feedback
+        residuals) is handed new scale / old scale."""
+        old = self._scale.clone() if self._enabled and self._scale is not None else None
+        super().update(new_scale)
+        stepped, self._stepped = self._stepped, []
+        if old is None:
+            return
+        for ref in stepped:
+            follow = getattr(ref(), "loss_scale_changed", None)
+            if follow is not None:
+                follow(self._scale.double() / old.double())
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, ShardedOptimizerBase):
@@ -68,6 +86,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                         found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         # The one hook both unscale_ and step's check (_check_inf_per_device) go through.
         group = self._group(optimizer)
+        if not any(ref() is optimizer for ref in self._stepped):
+            self._stepped.append(weakref.ref(optimizer))
         model = getattr(optimizer, "model", None)
         if model is not None:
             model.synchronize_gradients()  # the shards' gradients are complete before the check
