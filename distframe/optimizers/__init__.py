@@ -7,7 +7,7 @@ ElasticOptimizer.
 from distframe.optimizers.async_server import AsyncReport
 from distframe.optimizers.async_sgd import AsyncConfig, AsyncSGDOptimizer
 from distframe.optimizers.base import ShardedOptimizerBase, build_optimizer
-from distframe.optimizers.compressed import GradientCompressionOptimizer, make_optimizer
+from distframe.optimizers.compressed import GradientCompressionOptimizer
 from distframe.optimizers.data_parallel import (
     DDPOptimizer,
     FSDPOptimizer,
@@ -17,6 +17,7 @@ from distframe.optimizers.data_parallel import (
 )
 from distframe.optimizers.elastic import Commit, ElasticMember, ElasticOptimizer
 from distframe.optimizers.elastic_membership import ElasticController
+from distframe.optimizers.factory import make_optimizer
 from distframe.optimizers.grad_scaler import ShardedGradScaler
 from distframe.optimizers.protocol import IShardedOptimizer
 

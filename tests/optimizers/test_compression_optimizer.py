@@ -341,7 +341,7 @@ def test_tiny_lm_loss_within_margin_of_ddp(lm_ddp, compressor, margin):
 
 def test_make_optimizer_builds_each_kind_by_name():
     from distframe.optimizers.async_sgd import AsyncSGDOptimizer
-    from distframe.optimizers.compressed import make_optimizer
+    from distframe.optimizers import make_optimizer
     from distframe.optimizers.elastic import ElasticOptimizer
 
     def fn(b):
