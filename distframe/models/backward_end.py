@@ -7,6 +7,15 @@ gradient is the first one a backward through them computes, so the finish lands 
 backward, not on one nested inside it (reentrant activation checkpointing runs a backward of its
 own, which may reach parameters first). ``queue()`` from a parameter hook covers a loss that
 bypasses the watched outputs.
+
+[Note: passes that accumulate nothing] ``torch.autograd.grad(out, x, create_graph=True)`` (a
+gradient penalty's d(out)/d(input), or d(loss)/d(parameters) for a gradient-norm penalty) runs a
+backward through the watched output that accumulates into no parameter's ``.grad``; the step's
+backward comes after it. With ``only_if_accumulated`` the finish runs only at the end of a pass in
+which a parameter hook reported a gradient (``gradient_accumulated``), as torch DDP's reducer is
+armed by its parameters' hooks alone. The output hook still queues the check on the outermost
+pass, so a reentrant checkpoint's nested backwards (which accumulate) do not end the step early.
+A pass that reached no parameter leaves the reductions to ``synchronize_gradients`` (the step's).
 """
 from __future__ import annotations
 
@@ -20,9 +29,11 @@ from torch.utils._pytree import tree_leaves
 class BackwardEnd:
     """Calls ``finish()`` once at the end of each backward pass that ``queue`` was called in."""
 
-    def __init__(self, finish: Callable[[], None]) -> None:
+    def __init__(self, finish: Callable[[], None], only_if_accumulated: bool = False) -> None:
         self._finish = finish
         self._queued = False
+        self._only_if_accumulated = only_if_accumulated
+        self._accumulated = False
 
     def watch(self, output: Any, hook: Callable[..., Any] | None = None) -> None:
         """Registers ``hook`` (default: ``queue``) on every tensor of ``output`` requiring grad."""
@@ -35,10 +46,18 @@ class BackwardEnd:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
 
+    def gradient_accumulated(self) -> None:
+        """From a parameter's hook: this pass reached a ``.grad``; queues the finish if not yet."""
+        self._accumulated = True
+        self.queue()
+
     def reset(self) -> None:
         """Forgets a queued finish whose backward raised before running it."""
         self._queued = False
+        self._accumulated = False
 
     def _run(self) -> None:
         self._queued = False
-        self._finish()
+        accumulated, self._accumulated = self._accumulated, False
+        if accumulated or not self._only_if_accumulated:
+            self._finish()

@@ -81,7 +81,7 @@ class GradientBuckets:
         self._armed = False
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
-        self._backward_end = BackwardEnd(self._finish_backward)
+        self._backward_end = BackwardEnd(self._finish_backward, only_if_accumulated=True)
         self._backward_finished = False
         self._peers_on_thread = peers_on_thread
         self._owner_thread = threading.current_thread()  # the rank's: the one that runs forward
@@ -176,7 +176,7 @@ class GradientBuckets:
                 "backward per forward, or accumulate inside model.no_sync()")
         if not self._armed:
             return
-        self._backward_end.queue()  # in case no output was watched (a loss that bypasses them)
+        self._backward_end.gradient_accumulated()  # queues if no watched output did (a loss bypassing them)
         self._ready[bucket.index].add(k)
         while (self._next_launch < len(self.buckets) and len(self._ready[self._next_launch])
                == len(self.buckets[self._next_launch].parameters)):

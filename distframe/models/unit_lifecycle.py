@@ -218,8 +218,8 @@ class UnitLifecycle:
             raise ConfigError(
                 "ZeRO-3/FSDP cannot differentiate through a backward (create_graph=True, e.g. a "
                 "gradient penalty or higher-order gradients): a unit's gathered parameters are freed "
-                "after its backward, and the graph that backward builds would read them. No "
-                "distframe data-parallel strategy supports such a loss yet")
+                "after its backward, and the graph that backward builds would read them. DDPModel "
+                "and ZeRO1Model/ZeRO2Model, which keep whole parameters, support such a loss")
         self._output_reached(unit, record, boundary)
 
     def _output_reached(self, unit: ShardedUnit, record: ForwardRecord, boundary: int | None) -> None:
