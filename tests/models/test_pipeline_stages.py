@@ -1,6 +1,6 @@
 """Pipeline stages unlike a plain stack of blocks: integer activations between stages, a stage that
 starts with an in-place layer, a stage whose output is not one tensor. Each equals the unsplit
-model (float64, 1e-10) or is a ConfigError naming the fix."""
+model (float64, 1e-10) or is a ConfigError naming the fix, as is state no pipeline layer holds."""
 from __future__ import annotations
 
 import pytest
@@ -95,3 +95,32 @@ def test_split_points_accept_numpy_and_torch_integers():
     from distframe.models.stages import partition
     expected = [range(0, 1), range(1, 3), range(3, 4)]
     assert partition([1, 1, 1, 1], 3, [np.int64(1), torch.tensor(3)]) == expected
+
+
+class _LayersWithRootState(nn.Module):
+    """Its ``pipeline_layers()`` leave out a parameter or buffer held by the module itself."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 4), nn.Linear(4, 3)
+        if root == "parameter":
+            self.scale = nn.Parameter(torch.ones(4))
+        else:
+            self.register_buffer("scale", torch.ones(4))
+
+    def pipeline_layers(self):
+        return [("first", self.first), ("second", self.second)]
+
+
+@pytest.mark.parametrize("root", ["parameter", "buffer"])
+def test_state_that_no_pipeline_layer_holds_is_a_config_error(root):
+    # 'scale' sat on no stage: it was never trained, and gather_full_parameters (and so every
+    # checkpoint) then failed with KeyError('scale').
+    def run(b):
+        try:
+            PipelineParallelModel(_LayersWithRootState(root).double(), b, num_microbatches=2)
+        except ConfigError as error:
+            return str(error)
+
+    for message in spawn(run, 2, timeout=20):
+        assert message is not None and f"{root} 'scale'" in message and "pipeline_layers()" in message
