@@ -124,3 +124,25 @@ def test_state_that_no_pipeline_layer_holds_is_a_config_error(root):
 
     for message in spawn(run, 2, timeout=20):
         assert message is not None and f"{root} 'scale'" in message and "pipeline_layers()" in message
+
+
+class _Spectrum(nn.Module):
+    """A complex activation between stages (an FFT mixer): differentiable, not floating point."""
+
+    def forward(self, x):
+        return torch.fft.fft(x)
+
+
+class _Signal(nn.Module):
+    def forward(self, x):
+        return torch.fft.ifft(x * torch.arange(1, x.shape[-1] + 1)).real
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_complex_activation_between_stages_equals_unsplit(schedule):
+    # Its header had no dtype code (ValueError 'torch.complex128 is not in list'); and a complex
+    # input was not given requires_grad, so the stages before it would get no gradient.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), _Spectrum(), _Signal(), nn.Linear(4, 3)).double()
+    check_equals_unsplit(model, 2, schedule, split_points=[2])
