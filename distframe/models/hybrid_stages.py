@@ -47,8 +47,24 @@ def stage_layers(model: nn.Module, ranges: list[range] | None, pp: int,
     """``[rank] -> every layer the rank holds``."""
     if ranges is None:
         return [[model]]
-    return [[layer for chunk in rank for layer in chunk]
-            for rank in chunk_layers(model, ranges, pp, virtual_stages)]
+    every_rank = [[layer for chunk in rank for layer in chunk]
+                  for rank in chunk_layers(model, ranges, pp, virtual_stages)]
+    _check_layers_hold_everything(model, every_rank)
+    return every_rank
+
+
+def _check_layers_hold_everything(model: nn.Module, every_rank: list[list[nn.Module]]) -> None:
+    """ConfigError naming a parameter or buffer of ``model`` that no pipeline layer holds (one on
+    a module that ``pipeline_layers()`` leaves out): no stage would hold or train it, and the
+    dense state dict could not be put together."""
+    held = {id(t) for layers in every_rank for layer in layers
+            for t in (*layer.parameters(), *layer.buffers())}
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if id(tensor) not in held:
+                raise ConfigError(f"{kind} {name!r} of {type(model).__name__} is in none of its pipeline "
+                                  "layers, so no stage would hold it; make pipeline_layers() return every "
+                                  "module that holds parameters or buffers (or move it into one of them)")
 
 
 def apply_stage_tensor_parallel(model: nn.Module, tp_plan: Mapping[str, str] | None,

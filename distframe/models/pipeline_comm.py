@@ -33,7 +33,7 @@ from distframe.backends.types import Work
 from distframe.models.pipeline_outputs import flatten_output, unflatten_output
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.bool, torch.uint8, torch.int8, torch.int16]
+           torch.bool, torch.uint8, torch.int8, torch.int16, torch.complex64, torch.complex128]
 _HEADER_LEN = 12
 _STRUCTURE = -1  # a broadcast header's dtype code announcing a structure (broadcast_any)
 
@@ -137,6 +137,9 @@ def encode_header(tensor: torch.Tensor | None) -> torch.Tensor:
         return torch.zeros(_HEADER_LEN, dtype=torch.int64)
     if tensor.dim() > _HEADER_LEN - 2:
         raise ValueError(f"pipeline activations of rank > {_HEADER_LEN - 2} are not supported")
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"pipeline activations and outputs of dtype {tensor.dtype} are not supported; "
+                         f"use one of {', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}")
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     header[0] = _DTYPES.index(tensor.dtype)
     header[1] = tensor.dim()

@@ -44,6 +44,11 @@ class _ReceivedActivation(torch.autograd.Function):
         return grad
 
 
+def _differentiable(tensor: torch.Tensor) -> bool:
+    """Whether autograd can carry a gradient for ``tensor``'s dtype (floating point or complex)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
 def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[Any]:
     """``tensor`` cut into ``num_microbatches`` equal pieces along dim 0."""
     if not isinstance(tensor, torch.Tensor):
@@ -148,7 +153,7 @@ class PipelineRunner:
         else:
             x = self.links.recv_activation(self._rank_of(stage - 1), stage)
         stage_input = x
-        if stage > 0 and grad and x.is_floating_point():
+        if stage > 0 and grad and _differentiable(x):
             stage_input = _ReceivedActivation.apply(x.requires_grad_(True))
         with self.timeline.busy("F", chunk, microbatch), self.memory.hooks():
             out = self.chunks[chunk](stage_input)
@@ -163,9 +168,10 @@ class PipelineRunner:
 
     def _backward(self, chunk: int, x: torch.Tensor | None, out: torch.Tensor, microbatch: int) -> None:
         stage = self._stage(chunk)
-        # The next stage sends back the gradient of every floating-point input it receives (it
-        # sets requires_grad on those, see _forward); an integer activation (token ids) has none.
-        grad_out = (None if stage == self.num_stages - 1 or not out.is_floating_point()
+        # The next stage sends back the gradient of every floating-point or complex input it
+        # receives (it sets requires_grad on those, see _forward); an integer activation (token
+        # ids) has none.
+        grad_out = (None if stage == self.num_stages - 1 or not _differentiable(out)
                     else self.links.recv_gradient(out, self._rank_of(stage + 1), stage))
         with self.timeline.busy("B", chunk, microbatch):
             if out.requires_grad:

@@ -129,9 +129,12 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_dense(cls, dense: nn.Embedding, backend: ICommunicationBackend, *,
                    shared: dict | None = None) -> VocabParallelEmbedding:
-        if dense.padding_idx is not None or dense.max_norm is not None:
+        # Each of these changes the gradient or the weights per id, which the masked local
+        # lookup does not reproduce (scale_grad_by_freq would count every foreign id as id 0).
+        if dense.padding_idx is not None or dense.max_norm is not None or dense.scale_grad_by_freq:
             raise ConfigError("VocabParallelEmbedding supports plain embeddings (no padding_idx, "
-                              "no max_norm); drop those options or leave the embedding replicated")
+                              "no max_norm, no scale_grad_by_freq); drop those options or leave "
+                              "the embedding replicated")
         lo, hi = shard_range(dense.num_embeddings, backend, "num_embeddings")
         return cls(_shared_slice(dense.weight, 0, lo, hi, shared), lo, backend)
 

@@ -59,11 +59,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
 
     ``reduction``: ``"mean"`` (over every target not equal to ``ignore_index``, as
     ``F.cross_entropy``), ``"sum"`` or ``"none"``; ignored targets add no loss and no gradient.
-    The loss has the logits' dtype; half-precision logits are computed in float32.
+    The loss has the logits' dtype; half-precision logits are computed in float32. A target
+    outside ``[0, V)`` other than ``ignore_index`` raises IndexError, as ``F.cross_entropy`` does
+    (see [Note: target check]).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     ignored = targets == ignore_index
+    _check_targets(logits, targets, ignored, backend.world_size)
     # The masked_fill also zeroes the ignored positions' gradient.
     losses = _VocabParallelCrossEntropy.apply(logits, targets, backend).masked_fill(ignored, 0.0)
     if reduction == "mean":
@@ -71,3 +74,31 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     elif reduction == "sum":
         losses = losses.sum()
     return losses.to(logits.dtype)  # reduced in the compute dtype, rounded once
+
+
+def _check_targets(logits: torch.Tensor, targets: torch.Tensor, ignored: torch.Tensor, ranks: int) -> None:
+    """ValueError for targets that are not class ids of the logits' shape without the vocabulary
+    dim; IndexError naming their range for an id outside the vocabulary.
+
+    [Note: target check] A target no rank holds would be scored against a target logit of 0 on
+    every rank (the loss logsumexp, the gradient softmax): a silently wrong loss where
+    ``F.cross_entropy`` raises. Targets of a shape ``gather`` accepts but that is not
+    ``logits.shape[:-1]`` (``(B, 1)`` against ``(B, T, V/t)``) broadcast into a wrong loss. Every
+    rank of the tensor group holds the same targets, so each raises alike before the first
+    all-reduce; the id check costs one ``aminmax`` and a host sync, as the embedding's does.
+    """
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"vocab_parallel_cross_entropy takes integer class ids as targets, got "
+                         f"{targets.dtype} (class-probability targets are not supported)")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets of shape {tuple(targets.shape)} do not match logits of shape "
+                         f"{tuple(logits.shape)}: give one class id per position, of shape "
+                         f"{tuple(logits.shape[:-1])}")
+    if targets.numel() == 0:
+        return
+    vocab_size = logits.shape[-1] * ranks
+    lowest, highest = torch.stack(torch.aminmax(targets.masked_fill(ignored, 0))).tolist()
+    if lowest < 0 or highest >= vocab_size:
+        raise IndexError(f"vocab_parallel_cross_entropy got target ids in [{lowest}, {highest}], outside "
+                         f"its vocabulary of {vocab_size} (valid ids: 0 to {vocab_size - 1}, or "
+                         "ignore_index to skip a position)")

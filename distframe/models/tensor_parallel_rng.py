@@ -135,10 +135,23 @@ class ReplicatedDropout(nn.Dropout):
         return generator_dropout(x, self.p, self.rng.replicated_generator(x.device), inplace=self.inplace)
 
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def replace_dropouts(model: nn.Module, rng: TensorParallelRNG,
                      include: Callable[[nn.Module], bool] | None = None) -> int:
     """Replaces, in place, every ``nn.Dropout`` of ``model`` (that ``include`` accepts) by a
-    ReplicatedDropout; returns how many."""
+    ReplicatedDropout; returns how many. Any other dropout module with ``p > 0`` anywhere in
+    ``model`` (so every rank raises alike) is a ConfigError: channel or alpha dropout, or a
+    subclass of nn.Dropout with its own forward, draws from torch's global generator, a
+    different mask on each tensor rank (see [Note: dropout and the tensor group])."""
+    for name, module in model.named_modules():
+        drawn_alike = type(module) in (nn.Dropout, ReplicatedDropout)
+        if isinstance(module, _DROPOUTS) and not drawn_alike and module.p > 0:
+            raise ConfigError(f"{name!r} is a {type(module).__name__}(p={module.p}): under tensor "
+                              "parallelism only nn.Dropout draws the same mask on every rank of the tensor "
+                              "group (this one would let the ranks' replicated parameters drift apart); "
+                              "use nn.Dropout or p=0")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

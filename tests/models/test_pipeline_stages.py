@@ -1,6 +1,6 @@
 """Pipeline stages unlike a plain stack of blocks: integer activations between stages, a stage that
 starts with an in-place layer, a stage whose output is not one tensor. Each equals the unsplit
-model (float64, 1e-10) or is a ConfigError naming the fix."""
+model (float64, 1e-10) or is a ConfigError naming the fix, as is state no pipeline layer holds."""
 from __future__ import annotations
 
 import pytest
@@ -95,3 +95,54 @@ def test_split_points_accept_numpy_and_torch_integers():
     from distframe.models.stages import partition
     expected = [range(0, 1), range(1, 3), range(3, 4)]
     assert partition([1, 1, 1, 1], 3, [np.int64(1), torch.tensor(3)]) == expected
+
+
+class _LayersWithRootState(nn.Module):
+    """Its ``pipeline_layers()`` leave out a parameter or buffer held by the module itself."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 4), nn.Linear(4, 3)
+        if root == "parameter":
+            self.scale = nn.Parameter(torch.ones(4))
+        else:
+            self.register_buffer("scale", torch.ones(4))
+
+    def pipeline_layers(self):
+        return [("first", self.first), ("second", self.second)]
+
+
+@pytest.mark.parametrize("root", ["parameter", "buffer"])
+def test_state_that_no_pipeline_layer_holds_is_a_config_error(root):
+    # 'scale' sat on no stage: it was never trained, and gather_full_parameters (and so every
+    # checkpoint) then failed with KeyError('scale').
+    def run(b):
+        try:
+            PipelineParallelModel(_LayersWithRootState(root).double(), b, num_microbatches=2)
+        except ConfigError as error:
+            return str(error)
+
+    for message in spawn(run, 2, timeout=20):
+        assert message is not None and f"{root} 'scale'" in message and "pipeline_layers()" in message
+
+
+class _Spectrum(nn.Module):
+    """A complex activation between stages (an FFT mixer): differentiable, not floating point."""
+
+    def forward(self, x):
+        return torch.fft.fft(x)
+
+
+class _Signal(nn.Module):
+    def forward(self, x):
+        return torch.fft.ifft(x * torch.arange(1, x.shape[-1] + 1)).real
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_complex_activation_between_stages_equals_unsplit(schedule):
+    # Its header had no dtype code (ValueError 'torch.complex128 is not in list'); and a complex
+    # input was not given requires_grad, so the stages before it would get no gradient.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), _Spectrum(), _Signal(), nn.Linear(4, 3)).double()
+    check_equals_unsplit(model, 2, schedule, split_points=[2])

@@ -1,12 +1,14 @@
 """Dropout under tensor parallelism (Megatron's RNG tracker): the ranks of a tensor group draw the
 same masks for replicated activations, so replicated parameters stay bitwise equal across them;
 data-parallel replicas and the head-split attention probabilities draw their own; a seed makes
-the run reproducible, on threads and on processes alike."""
+the run reproducible, on threads and on processes alike; other dropout modules (channel, alpha)
+are refused."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.mesh import ParallelDims
 from distframe.models.hybrid import HybridShardedModel
@@ -134,6 +136,56 @@ def test_generator_dropout_of_everything_gives_zeros(inplace):
     from attention.autograd_path import generator_dropout
     out = generator_dropout(torch.ones(6), 1.0, torch.Generator().manual_seed(0), inplace=inplace)
     assert torch.equal(out, torch.zeros(6))
+
+
+
+def _mlp_with(dropout):
+    from tests.models.common import SEED_LOCK
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4),
+                                   dropout, torch.nn.Linear(4, 2)).double()
+
+
+class _OwnDropout(torch.nn.Dropout):
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, self.p, self.training) * 1.0
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.Dropout1d(0.5), lambda: torch.nn.AlphaDropout(0.5),
+                                  lambda: torch.nn.FeatureAlphaDropout(0.5), lambda: _OwnDropout(0.5)],
+                         ids=["Dropout1d", "AlphaDropout", "FeatureAlphaDropout", "subclass"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dropout_that_cannot_draw_alike_across_the_tensor_group_is_refused(make, pp):
+    # These drew from torch's global generator, differently on each tensor rank: the replicated
+    # parameters (here the last Linear) silently trained apart. Only nn.Dropout is replaced.
+    # Every rank refuses, the stage without the dropout too (pp=2 puts it on stage 1).
+    def run(b):
+        try:
+            HybridShardedModel(_mlp_with(make()), b, dims=ParallelDims(tp=2, pp=pp),
+                               tp_plan={"0": "column", "2": "row"}, split_points=[3] if pp > 1 else None)
+        except ConfigError as error:
+            return str(error)
+
+    for message in spawn(run, 2 * pp):
+        assert message is not None and "'3' is a" in message and "use nn.Dropout or p=0" in message
+
+
+@pytest.mark.parametrize("make", [lambda: torch.nn.Dropout1d(0.0), lambda: torch.nn.Dropout(0.5)])
+def test_dropout_that_draws_alike_or_not_at_all_keeps_replicated_parameters_equal(make):
+    def run(b):
+        model = TensorParallelModel(_mlp_with(make()), b, plan={"0": "column", "2": "row"}, dropout_seed=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randn(6, 3, 4, generator=g, dtype=torch.float64)
+            y = torch.zeros(6, 3, 2, dtype=torch.float64)
+            model.train_step((x, y), torch.nn.functional.mse_loss, opt)
+        return {lp.name: lp.param.detach() for lp in model.local_parameters if lp.split_dim is None}
+
+    first, second = spawn(run, 2)
+    assert first.keys() == {"2.bias", "4.weight", "4.bias"}
+    assert all(torch.equal(first[name], second[name]) for name in first)
 
 
 # ---- the generators in checkpoints ----------------------------------------------------------------

@@ -1,12 +1,14 @@
 """VocabParallelEmbedding and token ids: an id outside the full vocabulary raises IndexError on
 every rank of the tensor group (as ``nn.Embedding`` does on the CPU), before any collective, and
-ids inside it give exactly ``nn.Embedding``'s output (in-memory engine)."""
+ids inside it give exactly ``nn.Embedding``'s output (in-memory engine); an embedding whose options
+the split cannot honour (scale_grad_by_freq) is a ConfigError."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
+from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models.tensor_parallel import VocabParallelEmbedding
 from distframe.models.tensor_parallel_model import TensorParallelModel
@@ -69,3 +71,23 @@ def test_ids_inside_the_vocabulary_give_exactly_the_dense_output(dtype):
     for out, out_empty in spawn(run, 3, timeout=30):
         assert torch.equal(out, emb(ids))  # one row plus zeros from the other ranks: exact
         assert out_empty.shape == (0, 3, 5)
+
+
+def test_an_embedding_that_scales_gradients_by_frequency_is_refused():
+    # nn.Embedding(scale_grad_by_freq=True) divides each row's gradient by its id's count in the
+    # batch; the parallel layer ignored the flag: the same output, silently other gradients.
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        emb = nn.Embedding(VOCAB, 5, scale_grad_by_freq=True).double()
+    ids = torch.tensor([[1, 1, 1, 7]])
+    emb(ids).sum().backward()
+    assert emb.weight.grad[1, 0] == 1.0  # three uses, scaled by 1/3: the flag matters
+
+    def run(b):
+        VocabParallelEmbedding.from_dense(emb, b)
+
+    with pytest.raises(ConfigError, match="scale_grad_by_freq"):
+        spawn(run, 2, timeout=30)
+    model = nn.Sequential(emb, nn.Linear(5, 2)).double()
+    with pytest.raises(ConfigError, match="scale_grad_by_freq"):
+        spawn(lambda b: TensorParallelModel(model, b, plan={"0": "vocab"}), 2, timeout=30)
