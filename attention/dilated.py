@@ -74,9 +74,13 @@ def validate_is_causal(is_causal) -> None:
 
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
-    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype and device; mask ``(B, T)`` bool."""
+    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype (floating point) and device;
+    mask ``(B, T)`` bool."""
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
+    if not query.is_floating_point():  # the output would be cast back to it: truncated
+        raise ValueError(f"query dtype {query.dtype} is not a floating-point dtype: attention "
+                         "needs float q, k and v (convert them, e.g. with .float())")
     for name, tensor in (("key", key), ("value", value)):
         for what in ("dtype", "device"):
             if getattr(tensor, what) != getattr(query, what):
