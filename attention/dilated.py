@@ -21,15 +21,24 @@ from attention.function import DilatedAttentionFunction, LocalKeySource
 from attention.plan import make_slot_plans
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as an ``int`` if it is a positive integral number (not a bool, not a float)."""
+def positive_int(name: str, value, *, entry: bool = False) -> int:
+    """``value`` as an ``int`` if it is a positive integral number (not a bool, not a float);
+    ``entry``: it is one entry of the argument ``name``."""
     try:
         number = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         number = None
     if number is None or number <= 0:
-        raise ValueError(f"{name} must hold positive integers, got {value!r}")
+        what = "hold positive integers" if entry else "be a positive integer"
+        raise ValueError(f"{name} must {what}, got {value!r}")
     return number
+
+
+def validate_dropout(name: str, value) -> float:
+    """A dropout probability: a real number in ``[0, 1)`` (not a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def validate_softmax_scale(softmax_scale) -> float | None:
@@ -47,8 +56,8 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the branch configuration; raise ``ValueError`` naming the bad argument. Any integral
     number is accepted (numpy integers from a config) and returned as a Python ``int``."""
-    segments = tuple(_positive_int("segment_lengths", value) for value in segment_lengths)
-    rates = tuple(_positive_int("dilation_rates", value) for value in dilation_rates)
+    segments = tuple(positive_int("segment_lengths", value, entry=True) for value in segment_lengths)
+    rates = tuple(positive_int("dilation_rates", value, entry=True) for value in dilation_rates)
     if len(segments) == 0:
         raise ValueError("segment_lengths must name at least one branch")
     if len(segments) != len(rates):
@@ -74,9 +83,13 @@ def validate_is_causal(is_causal) -> None:
 
 def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
-    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype and device; mask ``(B, T)`` bool."""
+    """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype (floating point) and device;
+    mask ``(B, T)`` bool."""
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
+    if not query.is_floating_point():  # the output would be cast back to it: truncated
+        raise ValueError(f"query dtype {query.dtype} is not a floating-point dtype: attention "
+                         "needs float q, k and v (convert them, e.g. with .float())")
     for name, tensor in (("key", key), ("value", value)):
         for what in ("dtype", "device"):
             if getattr(tensor, what) != getattr(query, what):
@@ -134,10 +147,8 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.segment_lengths, self.dilation_rates = validate_branches(segment_lengths,
                                                                       dilation_rates)
-        if not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.softmax_scale = validate_softmax_scale(softmax_scale)
-        self.attention_dropout = attention_dropout
+        self.attention_dropout = validate_dropout("attention_dropout", attention_dropout)
         # Global index of the first head passed in; a head-split (tensor-parallel) subclass sets
         # it so that its pairs draw the dropout decisions the full module's heads draw.
         self.head_start = 0

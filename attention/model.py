@@ -11,6 +11,7 @@ import dataclasses
 import math
 import numbers
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,12 @@ class DilatedTransformerConfig:
         # Integers are checked as integers: a float seq_len failed inside nn.Embedding, and
         # num_layers=True built one layer.
         for name in ("segment_lengths", "dilation_rates"):
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+                raise ConfigError(f"{name} must be a sequence of positive integers (one per "
+                                  f"branch), got {values!r}")
             object.__setattr__(self, name, tuple(_positive_int(name, v, entry=True)
-                                                for v in getattr(self, name)))
+                                                for v in values))
         for name in ("vocab_size", "seq_len", "embed_dim", "num_heads", "num_layers",
                      "mlp_ratio"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
@@ -70,8 +75,11 @@ class DilatedTransformerConfig:
         if self.embed_dim % self.num_heads != 0:
             raise ConfigError(f"embed_dim ({self.embed_dim}) must be divisible by num_heads "
                               f"({self.num_heads})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        dropout = self.dropout
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        if not isinstance(self.tie_embeddings, bool):  # a string such as "false" was truthy: tied
+            raise ConfigError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
         self._validate_branches()
 
     def _validate_branches(self) -> None:

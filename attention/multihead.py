@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from attention.dilated import DilatedAttention
+from attention.dilated import DilatedAttention, positive_int, validate_dropout
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -31,9 +31,7 @@ class MultiheadDilatedAttention(nn.Module):
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim and num_heads must be positive, got {embed_dim}, "
-                             f"{num_heads}")
+        embed_dim, num_heads = positive_int("embed_dim", embed_dim), positive_int("num_heads", num_heads)
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
@@ -45,7 +43,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.attention = DilatedAttention(segment_lengths, dilation_rates,
-                                          attention_dropout=dropout)
+                                          attention_dropout=validate_dropout("dropout", dropout))
         self.norm = (nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
                      if layer_norm else None)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

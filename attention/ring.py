@@ -81,7 +81,7 @@ class RingDilatedAttention(DilatedAttention):
     Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
     and two in backward (keys again, then key gradients); none otherwise; and per forward one
-    ``all_gather`` of 6 integers (48 bytes a rank) that checks the ranks' calls agree. Counted in
+    ``all_gather`` of 8 integers (64 bytes a rank) that checks the ranks' calls agree. Counted in
     ``backend.stats``. Attention dropout is not supported here.
 
     ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
@@ -117,15 +117,19 @@ class RingDilatedAttention(DilatedAttention):
 
     def _check_ranks_agree(self, query: torch.Tensor, is_causal: bool,
                            key_padding_mask: torch.Tensor | None) -> None:
-        """One ``all_gather`` of 6 integers per forward: every rank must pass slices of one
-        shape, and agree on ``is_causal`` and on having a mask, as every rank derives every
-        route from its own call. Checked on every call, not once per shape: a rank whose shape
-        was cached skipped the check while a rank with a new one made it, so slices of unequal
-        lengths after equal ones (the last, shorter batch cut by ``torch.chunk``) mismatched the
-        collectives: Gloo aborted the process ("Received data size doesn't match")."""
+        """One ``all_gather`` of 8 integers per forward: every rank must pass slices of one
+        shape, hold the same heads, and agree on ``is_causal`` and on having a mask, as every
+        rank derives every route from its own call. Checked on every call, not once per shape:
+        a rank whose shape was cached skipped the check while a rank with a new one made it, so
+        slices of unequal lengths after equal ones (the last, shorter batch cut by
+        ``torch.chunk``) mismatched the collectives: Gloo aborted the process ("Received data
+        size doesn't match"). Ranks holding other heads met matching collectives and returned
+        wrong results without a word."""
         batch, local_len, heads, head_dim = query.shape
+        total = heads if self.total_heads is None else self.total_heads
         mine = torch.tensor([batch, local_len, heads, head_dim, int(is_causal),
-                             int(key_padding_mask is not None)], device=query.device)
+                             int(key_padding_mask is not None), self.head_start, total],
+                            device=query.device)
         calls = self.backend.all_gather(mine).view(-1, mine.numel()).tolist()
         lengths = [call[1] for call in calls]
         if len(set(lengths)) > 1:
@@ -133,6 +137,11 @@ class RingDilatedAttention(DilatedAttention):
                              f"{lengths} on ranks 0..{len(lengths) - 1}: pad the sequence to a "
                              "multiple of the world size (masking the padding with "
                              "key_padding_mask) and split it into equal slices")
+        if any(call[6:] != calls[0][6:] for call in calls):
+            described = "; ".join(f"rank {rank}: heads [{call[6]}, {call[6] + call[2]}) of {call[7]}"
+                                  for rank, call in enumerate(calls))
+            raise ValueError("RingDilatedAttention needs every rank to hold the same heads "
+                             f"(head_start, total_heads); got {described}")
         if any(call != calls[0] for call in calls):
             described = "; ".join(
                 f"rank {rank}: (batch, heads, head_dim) = {tuple(call[0:1] + call[2:4])}, "

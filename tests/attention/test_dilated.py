@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from attention import DilatedAttention, MultiheadDilatedAttention, dense_dilated_attention
+from attention import (BlockSparseDilatedAttention, DilatedAttention, MultiheadDilatedAttention,
+                       dense_dilated_attention)
 from attention.autograd_path import dilated_attention_autograd
 from attention_helpers import max_error, outputs_and_grads, random_qkv
 
@@ -181,6 +182,18 @@ def test_mixed_dtypes_are_an_error_that_names_them():
     with pytest.raises(ValueError, match="key dtype torch.float32 differs from query dtype "
                                          "torch.float64"):
         DilatedAttention([4], [1])(q, k.float(), v)
+
+
+@pytest.mark.parametrize("module", [DilatedAttention([4], [1]),
+                                    BlockSparseDilatedAttention(2, local_window=1)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8])
+def test_integer_inputs_are_an_error_naming_the_dtype(module, dtype):
+    """As SDPA: attention needs floating-point q, k, v. DilatedAttention computed in float32 and
+    cast the output back to the integers, truncated without a word ([1, 3, ...] where the
+    weighted means are [1.0003, 3.514, ...]); the block-sparse one failed inside SDPA."""
+    q, k, v = (torch.randint(0, 5, (1, 4, 1, 2), dtype=dtype) for _ in range(3))
+    with pytest.raises(ValueError, match=f"query dtype {dtype} is not a floating-point dtype"):
+        module(q, k, v)
 
 
 @pytest.mark.parametrize("shape", [(0, 8, 2, 4), (2, 0, 2, 4)])

@@ -20,6 +20,10 @@ from distframe.errors import ConfigError
     ("layer_norm_eps", -1e-5, "layer_norm_eps must be a positive finite number"),  # NaN logits
     ("layer_norm_eps", float("nan"), "layer_norm_eps must be a positive finite number"),
     ("layer_norm_eps", 0.0, "layer_norm_eps must be a positive finite number"),
+    ("dropout", "0.1", r"dropout must be a number in \[0, 1\), got '0.1'"),  # failed on '<='
+    ("tie_embeddings", "false", "tie_embeddings must be True or False, got 'false'"),  # tied
+    ("tie_embeddings", 0, "tie_embeddings must be True or False, got 0"),
+    ("segment_lengths", 64, "segment_lengths must be a sequence of positive integers"),
 ])
 def test_values_of_the_wrong_kind_are_a_config_error_naming_the_field(field, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,6 +1,7 @@
 """MultiheadDilatedAttention parity with nn.MultiheadAttention, and the language model."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -90,3 +91,27 @@ def test_config_validation():
         config.seq_len = 5
     untied = DilatedTransformerLM(DilatedTransformerConfig.preset("tiny", tie_embeddings=False))
     assert untied.head.weight is not untied.tok_embedding.weight
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_heads=2.0), "num_heads must be a positive integer, got 2.0"),
+    (dict(num_heads=True), "num_heads must be a positive integer, got True"),
+    (dict(embed_dim=8.0), "embed_dim must be a positive integer, got 8.0"),
+    (dict(num_heads="2"), "num_heads must be a positive integer, got '2'"),
+    (dict(dropout=1.0), r"dropout must be a number in \[0, 1\), got 1.0"),
+    (dict(dropout="0.1"), r"dropout must be a number in \[0, 1\), got '0.1'"),
+])
+def test_arguments_of_the_wrong_kind_are_an_error_naming_them(kwargs, message):
+    """num_heads=2.0 built a module whose forward failed inside view() ('tuple of ints'),
+    num_heads=True built one head, a string failed on '<='; a bad dropout was reported as
+    attention_dropout, a name the caller never used."""
+    arguments = {**dict(embed_dim=8, num_heads=2, segment_lengths=[4], dilation_rates=[1]),
+                 **kwargs}
+    with pytest.raises(ValueError, match=message):
+        MultiheadDilatedAttention(**arguments)
+
+
+def test_numpy_integer_head_counts_are_held_as_python_ints():
+    mha = MultiheadDilatedAttention(np.int64(8), np.int32(2), segment_lengths=[4], dilation_rates=[1])
+    assert (mha.embed_dim, mha.num_heads, mha.head_dim) == (8, 2, 4)
+    assert all(type(n) is int for n in (mha.embed_dim, mha.num_heads, mha.head_dim))
