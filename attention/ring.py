@@ -75,13 +75,21 @@ class RingKeySource:
                 grad_value.view(batch, -1, head_dim).index_add_(1, rows, grads[..., head_dim:])
 
 
+# Codes for the agreement check's dtype entry (a dtype not listed is one more code).
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "another dtype"
+
+
 class RingDilatedAttention(DilatedAttention):
     """Sequence-parallel ``DilatedAttention`` over any ``ICommunicationBackend``.
 
     Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
     and two in backward (keys again, then key gradients); none otherwise; and per forward one
-    ``all_gather`` of 8 integers (64 bytes a rank) that checks the ranks' calls agree. Counted in
+    ``all_gather`` of 9 integers (72 bytes a rank) that checks the ranks' calls agree. Counted in
     ``backend.stats``. Attention dropout is not supported here.
 
     ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
@@ -117,8 +125,8 @@ class RingDilatedAttention(DilatedAttention):
 
     def _check_ranks_agree(self, query: torch.Tensor, is_causal: bool,
                            key_padding_mask: torch.Tensor | None) -> None:
-        """One ``all_gather`` of 8 integers per forward: every rank must pass slices of one
-        shape, hold the same heads, and agree on ``is_causal`` and on having a mask, as every
+        """One ``all_gather`` of 9 integers per forward: every rank must pass slices of one
+        shape and dtype, hold the same heads, and agree on ``is_causal`` and on having a mask, as every
         rank derives every route from its own call. Checked on every call, not once per shape:
         a rank whose shape was cached skipped the check while a rank with a new one made it, so
         slices of unequal lengths after equal ones (the last, shorter batch cut by
@@ -127,8 +135,9 @@ class RingDilatedAttention(DilatedAttention):
         wrong results without a word."""
         batch, local_len, heads, head_dim = query.shape
         total = heads if self.total_heads is None else self.total_heads
+        dtype = _DTYPES.index(query.dtype) if query.dtype in _DTYPES else len(_DTYPES)
         mine = torch.tensor([batch, local_len, heads, head_dim, int(is_causal),
-                             int(key_padding_mask is not None), self.head_start, total],
+                             int(key_padding_mask is not None), self.head_start, total, dtype],
                             device=query.device)
         calls = self.backend.all_gather(mine).view(-1, mine.numel()).tolist()
         lengths = [call[1] for call in calls]
@@ -137,7 +146,7 @@ class RingDilatedAttention(DilatedAttention):
                              f"{lengths} on ranks 0..{len(lengths) - 1}: pad the sequence to a "
                              "multiple of the world size (masking the padding with "
                              "key_padding_mask) and split it into equal slices")
-        if any(call[6:] != calls[0][6:] for call in calls):
+        if any(call[6:8] != calls[0][6:8] for call in calls):
             described = "; ".join(f"rank {rank}: heads [{call[6]}, {call[6] + call[2]}) of {call[7]}"
                                   for rank, call in enumerate(calls))
             raise ValueError("RingDilatedAttention needs every rank to hold the same heads "
@@ -145,10 +154,11 @@ class RingDilatedAttention(DilatedAttention):
         if any(call != calls[0] for call in calls):
             described = "; ".join(
                 f"rank {rank}: (batch, heads, head_dim) = {tuple(call[0:1] + call[2:4])}, "
-                f"is_causal={bool(call[4])}, key_padding_mask {'given' if call[5] else 'None'}"
+                f"{_dtype_name(call[8])}, is_causal={bool(call[4])}, "
+                f"key_padding_mask {'given' if call[5] else 'None'}"
                 for rank, call in enumerate(calls))
-            raise ValueError("RingDilatedAttention needs every rank to pass the same batch, heads "
-                             "and head_dim, the same is_causal, and a key_padding_mask on all "
+            raise ValueError("RingDilatedAttention needs every rank to pass the same batch, heads, "
+                             "head_dim and dtype, the same is_causal, and a key_padding_mask on all "
                              f"ranks or none; got {described}")
 
     def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):

@@ -45,22 +45,26 @@ def test_ragged_slices_after_equal_ones_are_an_error_on_gloo():
         spawn(EqualThenRaggedSlices((12,), (3,)), 2, backend="gloo")
 
 
-@pytest.mark.parametrize("differs", ["is_causal", "mask", "batch"])
+@pytest.mark.parametrize("differs", ["is_causal", "mask", "batch", "dtype"])
 def test_ranks_that_disagree_on_the_call_are_an_error_naming_it(differs):
     """Routes, payload widths and chunk sizes follow from the call: a rank with another
     is_causal, without the mask the others pass, or with another batch would exchange the
-    wrong rows or fail inside the backend."""
+    wrong rows or fail inside the backend; one with another dtype exchanges payloads of another
+    size (in memory a CollectiveMismatchError about all_to_all, on Gloo an abort)."""
     def run(backend):
         odd = backend.rank == 1
         module = RingDilatedAttention((12,), (3,), backend=backend)
         batch = 2 if differs == "batch" and odd else 1
         mine = SEQ[:, 6 * backend.rank:6 * (backend.rank + 1)].expand(batch, -1, -1, -1)
+        if differs == "dtype" and odd:
+            mine = mine.float()
         mask = torch.zeros(batch, 6, dtype=torch.bool)
         module(mine, mine, mine, is_causal=differs == "is_causal" and odd,
                key_padding_mask=None if differs == "mask" and odd else mask)
 
-    with pytest.raises(ValueError, match=r"same batch, heads and head_dim, the same is_causal.*"
-                                         r"rank 1: \(batch, heads, head_dim\) = \((1|2), 2, 4\)"):
+    with pytest.raises(ValueError, match=r"same batch, heads, head_dim and dtype, the same is_causal.*"
+                                         r"rank 1: \(batch, heads, head_dim\) = \((1|2), 2, 4\), "
+                                         r"(float32|float64)"):
         spawn(run, 2)
 
 
@@ -72,7 +76,7 @@ def test_the_check_is_one_small_all_gather_per_forward():
             module(mine, mine, mine, is_causal=True)
         return backend.stats.calls["all_gather"], backend.stats.bytes["all_gather"]
 
-    assert spawn(run, 2) == [(3, 3 * 64)] * 2
+    assert spawn(run, 2) == [(3, 3 * 72)] * 2
 
 
 def test_ranks_holding_other_heads_are_an_error_naming_them():
