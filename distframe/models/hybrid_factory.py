@@ -36,6 +36,10 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     world = backend.world_size
     if strategy not in MODEL_PARALLEL_STRATEGIES:
         raise ConfigError(f"strategy={strategy!r}: choose one of {', '.join(MODEL_PARALLEL_STRATEGIES)}")
+    for axis, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+            raise ConfigError(f"{axis}={degree!r}: a parallel degree is a positive int (or None, for dp, "
+                              "tp and pp, to infer it from the world size)")
     if cp != 1 and strategy != "hybrid":
         raise ConfigError(f"context parallelism (cp={cp}) runs under --strategy hybrid; use it with --cp")
     if strategy == "pipeline":

@@ -343,6 +343,10 @@ def test_factory_picks_the_model_class():
         spawn(lambda b: run(b, "hybrid", dp=1, tp=2, pp=1), 4)
     with pytest.raises(ConfigError, match="strategy"):
         spawn(lambda b: run(b, "diagonal"), 1)
+    # A degree of 0 was taken for "not given" and inferred (tp=0 ran with tp=2).
+    for bad in ({"tp": 0}, {"dp": 0}, {"pp": -1}, {"tp": 2.0}, {"cp": True}):
+        with pytest.raises(ConfigError, match=f"{next(iter(bad))}=.*positive int"):
+            spawn(lambda b, bad=bad: run(b, "tensor" if "tp" in bad else "hybrid", **bad), 2)
 
 
 # ---- Gloo: one pool of 4 processes serves one test per model kind ------------------------------------
