@@ -51,6 +51,31 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
                       f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
 
 
+# torch.optim optimizers whose update of a parameter reads the whole of it (Adafactor factors a
+# matrix's second moment and scales by its norm, Muon orthogonalises a matrix) or of every
+# parameter at once (LBFGS): over flat chunks that split and mix parameters they would compute
+# another update than one process, with no error.
+WHOLE_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
+                                   if hasattr(torch.optim, name))
+
+
+def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
+    """ConfigError when ``model``'s local shards are flat chunks (not its parameters themselves)
+    and ``optimizer`` (class or instance) is one of WHOLE_PARAMETER_OPTIMIZERS."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if not issubclass(cls, WHOLE_PARAMETER_OPTIMIZERS):
+        return
+    parameters = {id(p) for p in model.wrapped_model.parameters()}
+    if all(id(shard) in parameters for shard in model.local_parameter_shard()):
+        return  # whole parameters (DDP): the optimizer sees what it would in one process
+    raise ConfigError(
+        f"{owner}: torch.optim.{cls.__name__} updates a parameter from the whole of it (its shape or "
+        f"norm; LBFGS: from all parameters at once), but {type(model).__name__}'s optimizer updates "
+        "flat chunks that split and mix parameters, so every step would differ from one process's; "
+        "use an element-wise optimizer (AdamW, Adam, SGD, ...) or DDPModel, whose optimizer sees "
+        "whole parameters")
+
+
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """State from a step (Adagrad creates state with step 0 at construction: not a step)."""
     return any("step" not in state or float(state["step"]) > 0 for state in optimizer.state.values())
@@ -107,6 +132,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
             fix = getattr(model, "optimizer_name", "the optimizer its strategy documents")
             raise ConfigError(f"{name} belongs with {self.model_class.__name__}, got "
                               f"{type(model).__name__}; use {fix}(model, ...) for it")
+        check_elementwise(optimizer, model, name)
         self.model = model
         self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
                                                  optimizer_kwargs, name)

@@ -7,7 +7,8 @@ from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models import DDPModel, MixedPrecisionPolicy, ShardingConfig, ZeRO2Model, ZeRO3Model
 from distframe.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
-from tests.models.common import build_model, global_batches, loss_fn
+from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
+                                 rank_slice)
 
 
 def _one_rank(fn):
@@ -118,3 +119,36 @@ def test_an_optimizer_instance_with_groups_of_different_settings_is_refused():
         with pytest.raises(ConfigError, match="already taken steps"):
             ZeRO2Optimizer(model, stepped)
     _one_rank(run)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon])
+def test_optimizers_that_read_whole_parameters_are_refused_over_flat_chunks(strategy, optimizer_cls):
+    # Adafactor over ZeRO/FSDP chunks trained 2e-2 away from one process after 4 steps, silently;
+    # Muon failed with its own "only supports 2D parameters" for a model of 2-D weights.
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        with pytest.raises(ConfigError, match=f"{optimizer_cls.__name__}.*element-wise optimizer"):
+            opt_cls(model, optimizer_cls, lr=0.01)
+        with pytest.raises(ConfigError, match=f"{optimizer_cls.__name__}.*element-wise optimizer"):
+            opt_cls(model, optimizer_cls([p for p in model.parameters() if p.dim() == 2], lr=0.01))
+    spawn(run, 2)
+
+
+def test_ddp_optimizer_sees_whole_parameters_so_adafactor_trains_as_one_process():
+    def run(backend):
+        model = DDPModel(build_model(), backend)
+        opt = DDPOptimizer(model, torch.optim.Adafactor, lr=0.01)
+        for batch in global_batches(3, 4):
+            model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+        return model.gather_full_parameters()
+    reference = build_model()
+    opt = torch.optim.Adafactor(reference.parameters(), lr=0.01)
+    for x, y in global_batches(3, 4):
+        loss_fn(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for params in spawn(run, 2):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-12)
