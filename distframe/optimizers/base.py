@@ -76,6 +76,24 @@ def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> No
         "whole parameters")
 
 
+def check_instance_covers(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
+    """ConfigError when ``optimizer`` is an instance that leaves out trainable parameters of
+    ``model``: rebuilt over the local shards, which hold every one, it would train them too."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if all(id(shard) in given for shard in model.local_parameter_shard()):
+        return  # built over the shards themselves
+    missing = [n for n, p in model.wrapped_model.named_parameters() if p.requires_grad and id(p) not in given]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ConfigError(
+            f"{owner}: the optimizer instance leaves out {len(missing)} trainable parameter(s) of the "
+            f"model ({shown}), but it is rebuilt over {type(model).__name__}'s local shards, which hold "
+            "every trainable parameter, so it would train them too; freeze them (requires_grad_(False)) "
+            "before wrapping the model, or build the optimizer over model.parameters()")
+
+
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """State from a step (Adagrad creates state with step 0 at construction: not a step)."""
     return any("step" not in state or float(state["step"]) > 0 for state in optimizer.state.values())
@@ -136,6 +154,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         self.model = model
         self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
                                                  optimizer_kwargs, name)
+        check_instance_covers(optimizer, model, name)
         self._scaler_flags_agreed = False
         model.attach_optimizer(self)
 

@@ -152,3 +152,22 @@ def test_ddp_optimizer_sees_whole_parameters_so_adafactor_trains_as_one_process(
     for params in spawn(run, 2):
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_an_optimizer_instance_over_some_parameters_is_refused(strategy):
+    # Rebuilt over the local shards, an instance built to train only the head trained every
+    # parameter, silently (fine-tuning the head moved the whole model).
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(), backend, **SETTINGS[strategy])
+        head_only = torch.optim.SGD(model.module[3].parameters(), lr=0.1)
+        with pytest.raises(ConfigError, match=r"leaves out 10 trainable parameter\(s\).*'0.weight'.*freeze"):
+            opt_cls(model, head_only)
+        opt_cls(model, torch.optim.SGD(model.local_parameter_shard(), lr=0.1))  # the shards: fine
+        frozen = build_model()
+        for p in frozen[:3].parameters():
+            p.requires_grad_(False)
+        model = model_cls(frozen, backend, **SETTINGS[strategy])
+        opt_cls(model, torch.optim.SGD(model.module[3].parameters(), lr=0.1))  # the rest frozen: fine
+    spawn(run, 2)
