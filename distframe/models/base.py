@@ -21,7 +21,7 @@ from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
-                                            non_persistent_buffers, shard_pieces)
+                                            full_state_pieces, non_persistent_buffers, shard_pieces)
 
 
 class ShardedModelBase(nn.Module, abc.ABC):
@@ -302,8 +302,11 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
-        checkpoint reader); each rank reads the ranges it holds (``read_shards``), then
-        ``finish_load``. Collective."""
+        checkpoint reader), or the unwrapped model's plain state dict (every key without a "/");
+        each rank reads the ranges it holds (``read_shards``), then ``finish_load``. Collective."""
+        if not isinstance(state_dict, RangeReader) and state_dict and not any("/" in k for k in state_dict):
+            state_dict = full_state_pieces(state_dict, self.parameter_metadata(), self.replicated_names(),
+                                           self.state_aliases(), strict=strict)
         reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
         self.read_shards(reader)
         self.finish_load()

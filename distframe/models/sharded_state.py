@@ -196,3 +196,31 @@ def fill_shards(layout: ShardLayout, reader: RangeReader, kind: str,
             for s in segs:
                 piece = reader.read(kind, s.name, s.param_offset, s.length)
                 flat[s.shard_offset:s.shard_offset + s.length].copy_(piece)
+
+
+def full_state_pieces(state: dict[str, torch.Tensor], trainable: dict[str, dict], replicated: set[str],
+                      aliases: dict[str, str], *, strict: bool = True) -> dict[str, torch.Tensor]:
+    """A plain state dict (the unwrapped model's names, as ``gather_full_parameters()`` and
+    ``distframe.checkpoint.consolidate`` return it) as pieces: one ``param/<name>@0`` per trainable
+    parameter (``trainable``: name -> {"shape": ...}), ``buffer/<name>`` for the ``replicated``
+    names, a tied weight's further names (``aliases``) read as its first. ConfigError for a
+    trainable parameter missing or of another shape, or (``strict``) a name the model lacks."""
+    pieces, unexpected = {}, []
+    for name, tensor in state.items():
+        name = aliases.get(name, name)
+        if name in trainable:
+            if list(tensor.shape) != list(trainable[name]["shape"]):
+                raise ConfigError(f"parameter {name!r} has shape {list(trainable[name]['shape'])} here but "
+                                  f"{list(tensor.shape)} in the state dict loaded")
+            pieces[piece_key("param", name, 0)] = tensor.detach().reshape(-1)
+        elif name in replicated:
+            pieces[f"buffer/{name}"] = tensor.detach()
+        else:
+            unexpected.append(name)
+    missing = [name for name in trainable if piece_key("param", name, 0) not in pieces]
+    if missing or unexpected and strict:
+        raise ConfigError(
+            f"the state dict loaded lacks parameter(s) {missing[:3]} and has unexpected key(s) "
+            f"{unexpected[:3]}: a wrapped model loads the unwrapped model's state dict (names as in "
+            "gather_full_parameters(), without a 'module.' prefix) or every rank's state_dict() merged")
+    return pieces
