@@ -94,6 +94,18 @@ def check_instance_covers(optimizer: Any, model: ShardedModelBase, owner: str) -
             "before wrapping the model, or build the optimizer over model.parameters()")
 
 
+def state_reader(state: Any, owner: str) -> RangeReader:
+    """The pieces of a sharded optimizer's merged ``state_dict()``; ConfigError for anything else."""
+    if not isinstance(state, dict) or not isinstance(state.get("tensors"), dict):
+        got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(
+            f"{owner}.load_state_dict takes every rank's state_dict() merged (keys 'tensors', 'scalars', "
+            f"'param_groups'), got {got}; a torch.optim state dict, keyed by parameter position, cannot "
+            "be mapped to the shards: resume from a sharded optimizer's state or a distframe checkpoint, "
+            "or start the optimizer fresh")
+    return RangeReader.from_tensors(state["tensors"])
+
+
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """State from a step (Adagrad creates state with step 0 at construction: not a step)."""
     return any("step" not in state or float(state["step"]) > 0 for state in optimizer.state.values())
@@ -280,7 +292,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``)."""
-        reader = reader or RangeReader.from_tensors(state["tensors"])
+        reader = reader or state_reader(state, type(self).__name__)
         load_optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, reader,
                               state.get("scalars", {}), state.get("param_groups", []))
 

@@ -54,7 +54,7 @@ from distframe.errors import ConfigError
 from distframe.models.ddp import DDPModel
 from distframe.models.gradient_buckets import GradBucket
 from distframe.models.sharded_state import RangeReader
-from distframe.optimizers.base import ShardedOptimizerBase
+from distframe.optimizers.base import ShardedOptimizerBase, state_reader
 from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
 
 _RESIDUAL = "compression.residual.rank{rank}"
@@ -327,7 +327,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads the optimizer pieces, then this rank's residuals (under another world size see
         [Note: residuals across world sizes]), the warm-start factors and the step."""
-        reader = reader or RangeReader.from_tensors(state["tensors"])
+        reader = reader or state_reader(state, type(self).__name__)
         super().load_state_dict(state, reader)
         kinds = reader.kinds()
         if _ITERATION in kinds:

@@ -171,3 +171,20 @@ def test_an_optimizer_instance_over_some_parameters_is_refused(strategy):
         model = model_cls(frozen, backend, **SETTINGS[strategy])
         opt_cls(model, torch.optim.SGD(model.module[3].parameters(), lr=0.1))  # the rest frozen: fine
     spawn(run, 2)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_a_torch_optimizer_state_dict_is_a_config_error(strategy):
+    # It failed with "KeyError: 'tensors'".
+    reference = build_model()
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    loss_fn(reference(global_batches(1, 4)[0][0]), global_batches(1, 4)[0][1]).backward()
+    plain.step()
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        opt = opt_cls(model_cls(build_model(), backend, **SETTINGS[strategy]), torch.optim.Adam, lr=0.01)
+        expected = r"merged .*got \['param_groups', 'state'\].*torch.optim state dict"
+        with pytest.raises(ConfigError, match=expected):
+            opt.load_state_dict(plain.state_dict())
+    spawn(run, 2)
