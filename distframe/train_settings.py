@@ -72,6 +72,12 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")
     settings = _known_settings(saved, path)
+    trained_with = settings.get("base_optimizer", TrainConfig.base_optimizer)
+    if given.get("base_optimizer", trained_with) != trained_with:
+        # The checkpoint's optimizer state is that optimizer's: another cannot continue it.
+        raise ConfigError(f"--base-optimizer {given['base_optimizer']}: the run in {out} trained "
+                          f"with {trained_with}, whose state --resume continues; leave "
+                          "--base-optimizer out, or start a new run in another --out")
     dropped = set(LAUNCH_SETTINGS)
     if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
         dropped.update(PARALLEL_SETTINGS)

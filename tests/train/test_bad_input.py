@@ -169,6 +169,19 @@ def test_resume_with_steps_the_run_already_reached(capsys, tmp_path, corpus_file
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize(("saved", "given"), [("sgd", "adamw"), ("adamw", "sgd")])
+def test_resume_under_another_base_optimizer(capsys, tmp_path, corpus_file, saved, given):
+    """The checkpoint's optimizer state is the saved run's optimizer's: resuming under another
+    failed with "KeyError: 'step'" (sgd to adamw) or dropped Adam's moments silently."""
+    train(tmp_path, corpus_file, "--steps", "2", "--world-size", "1", "--eval-batches", "1",
+          "--base-optimizer", saved)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    _fails_with(capsys, ["train", "--out", str(tmp_path), "--resume", "--steps", "3",
+                         "--base-optimizer", given], f"--base-optimizer {given}", f"with {saved}")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):
     from distframe import train_loop
     config = TrainConfig(out=str(tmp_path), resume=True)
