@@ -20,7 +20,7 @@ import torch
 
 from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
-from distframe.data import load_corpus
+from distframe.data import check_windows, load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
@@ -46,6 +46,7 @@ def run(config: TrainConfig) -> TrainResult:
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     check_out_writable(config.out)
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
