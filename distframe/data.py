@@ -129,6 +129,17 @@ def _tail_split(tokens: np.ndarray, vocab_size: int, description: str) -> TokenC
     return TokenCorpus(tokens[:cut], tokens[cut:], vocab_size, description)
 
 
+def check_windows(corpus: TokenCorpus, seq_len: int) -> None:
+    """ConfigError, naming the split, unless the training and the validation split each hold one
+    window of ``seq_len + 1`` tokens (checked before any rank starts)."""
+    for split, tokens in (("training", corpus.train), ("validation", corpus.validation)):
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(
+                f"{corpus.description}: its {split} split holds {len(tokens)} tokens, fewer than one "
+                f"window of --seq-len {seq_len} + 1 (validation takes about {VALIDATION_PERCENT}% of "
+                "the data); use a shorter --seq-len or more data")
+
+
 class BatchSampler:
     """Windows of ``tokens``: ``(inputs, targets)`` int64 ``(rows, seq_len)`` pairs, targets
     shifted by one. ``global_offsets(step)`` depends only on (seed, step)."""

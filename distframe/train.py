@@ -20,10 +20,11 @@ import torch
 
 from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
-from distframe.data import load_corpus
+from distframe.data import check_windows, load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
+from distframe.train_settings import saved_run_named
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
 __all__ = ["TrainConfig", "TrainResult", "run"]
@@ -42,10 +43,12 @@ def run(config: TrainConfig) -> TrainResult:
     # (--steps below the checkpoint's step: ConfigError).
     if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
         return _already_finished(config, rank=0)
-    config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
+    with saved_run_named(config.resume, config.out):
+        config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     check_out_writable(config.out)
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
@@ -69,7 +72,8 @@ def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
             raise ConfigError(f"--world-size {config.world_size}, but {launcher} started "
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
-        config = dataclasses.replace(config, world_size=backend.world_size)
+        with saved_run_named(config.resume, config.out):
+            config = dataclasses.replace(config, world_size=backend.world_size)
         try:  # every rank writes its checkpoint shards into OUT
             check_out_writable(config.out)
             error = None

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from attention.model import DilatedTransformerLM
 from distframe import train_checkpoint, train_rng
 from distframe.backends.types import ReduceOp
-from distframe.data import BatchSampler, TokenCorpus, load_corpus, validation_offsets
+from distframe.data import (BatchSampler, TokenCorpus, check_windows, load_corpus,
+                            validation_offsets)
 from distframe.errors import ConfigError, DistFrameError
 from distframe.train_config import TrainConfig
 from distframe.train_metrics import MetricsLog, ProgressBar, peak_memory_bytes, plot_losses
@@ -87,6 +88,7 @@ def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
                   initial_state: dict[str, torch.Tensor] | None = None) -> TrainResult:
     """Runs the whole job on this rank of ``backend`` and returns what it reached."""
     corpus = corpus or load_corpus(config.data, token_dtype=config.token_dtype)
+    check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     initial_state = initial_state or initial_model_state(config, corpus.vocab_size)
     device = _device(backend_name, backend)
     module = DilatedTransformerLM(config.model_config(vocab_size=corpus.vocab_size))

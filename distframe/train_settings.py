@@ -3,14 +3,16 @@
 validated :class:`~distframe.train_config.TrainConfig`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
 from distframe.train_checkpoint import read_config_json
-from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig
+from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig, flag
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
 
@@ -30,7 +32,37 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> Tr
         settings.update(_saved_settings(out, given))
     settings.update(given)
     settings["resume"] = resume
-    return TrainConfig(**settings)
+    with saved_run_named(resume, out):
+        return TrainConfig(**settings)
+
+
+@contextlib.contextmanager
+def saved_run_named(resume: bool, out: str) -> Iterator[None]:
+    """Adds to a ConfigError raised inside, when it is about a resumed run, the saved run's values
+    of the flags it names and its world size (which --resume does not take): its degrees are not
+    on the command line, and a hybrid run saved at --world-size 4 said only that "--dp 2 x --tp 2
+    x --pp 1 = 4, but the world has 2 ranks"."""
+    try:
+        yield
+    except ConfigError as exc:
+        path = os.path.join(out, "config.json") if isinstance(out, str) else ""
+        if not resume or not os.path.isfile(path):
+            raise
+        try:
+            saved = read_config_json(path).get("train")
+        except ConfigError:
+            raise exc from None
+        message = str(exc)
+        named = [f"{flag(k)} {v}" for k, v in (saved if isinstance(saved, dict) else {}).items()
+                 if isinstance(v, int) and not isinstance(v, bool) and k != "world_size"
+                 and re.search(re.escape(flag(k)) + r"\b", message)]
+        world = saved.get("world_size") if isinstance(saved, dict) else None
+        if "world" in message and isinstance(world, int):
+            named.insert(0, f"--world-size {world}")
+        if not named:
+            raise
+        raise ConfigError(f"{message} (the run in {out} was saved with {' '.join(named)}; --resume "
+                          "takes its settings unless given, but not --world-size)") from None
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -72,6 +104,12 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")
     settings = _known_settings(saved, path)
+    trained_with = settings.get("base_optimizer", TrainConfig.base_optimizer)
+    if given.get("base_optimizer", trained_with) != trained_with:
+        # The checkpoint's optimizer state is that optimizer's: another cannot continue it.
+        raise ConfigError(f"--base-optimizer {given['base_optimizer']}: the run in {out} trained "
+                          f"with {trained_with}, whose state --resume continues; leave "
+                          "--base-optimizer out, or start a new run in another --out")
     dropped = set(LAUNCH_SETTINGS)
     if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
         dropped.update(PARALLEL_SETTINGS)

@@ -169,6 +169,7 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
     if optimizer is not None:
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
+        _check_optimizer_class(meta["optimizer"].get("class"), optimizer)
         state = {**meta["optimizer"].get("extra", {}), "tensors": {},
                  "scalars": meta["optimizer"]["scalars"], "param_groups": meta["optimizer"]["param_groups"]}
         if hasattr(optimizer, "wrapped_optimizer"):
@@ -224,6 +225,19 @@ def _whole_step(step: Any) -> int | None:
         return int(step)
     raise ConfigError(f"checkpoint.save: step must be a whole number (the training step) or None, "
                       f"got {step!r}")
+
+
+def _check_optimizer_class(saved: Any, optimizer: Any) -> None:
+    """ConfigError unless ``optimizer`` is of the torch optimizer class the checkpoint's state
+    belongs to (or a subclass of it): another class's state loaded without a word (Adam's
+    moments into SGD, which dropped them) or failed inside torch (SGD's momentum into Adam:
+    KeyError 'step')."""
+    ours = type(getattr(optimizer, "wrapped_optimizer", optimizer))
+    if saved is None or saved in {cls.__name__ for cls in ours.__mro__}:
+        return
+    raise ConfigError(f"the checkpoint holds the optimizer state of {saved}, not of {ours.__name__}: "
+                      f"build the optimizer with {saved} as the saved run did, or load the model "
+                      "without the optimizer")
 
 
 def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:

@@ -197,3 +197,38 @@ def test_optimizer_state_of_a_parameter_frozen_only_when_saved_starts_fresh(tmp_
     for params in spawn(resume, 2, timeout=30):
         for name, value in dense.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+
+
+def _train_with(backend, optimizer_cls, steps, load_from=None, save_to=None, **settings):
+    model = STRATEGIES["zero2"][0](_one_output_model(), backend)
+    opt = STRATEGIES["zero2"][1](model, optimizer_cls, lr=0.1, **settings)
+    if load_from is not None:
+        checkpoint.load(load_from, model, opt)
+    for step in steps:
+        model.train_step(_batch(step, backend.rank, backend.world_size), _mse, opt)
+    if save_to is not None:
+        checkpoint.save(save_to, model, opt, step=len(steps))
+    return model.gather_full_parameters()
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ((torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adam, {})),  # failed in torch: KeyError 'step'
+    ((torch.optim.Adam, {}), (torch.optim.SGD, {"momentum": 0.9})),  # Adam's moments dropped silently
+])
+def test_optimizer_state_of_another_optimizer_class_is_refused(tmp_path, saved, loaded):
+    path = tmp_path / "ckpt"
+    spawn(lambda b: _train_with(b, saved[0], [0, 1], save_to=path, **saved[1]), 2, timeout=30)
+    with pytest.raises(ConfigError, match=f"optimizer state of {saved[0].__name__}, not of "
+                                          f"{loaded[0].__name__}"):
+        spawn(lambda b: _train_with(b, loaded[0], [2], load_from=path, **loaded[1]), 2, timeout=30)
+
+
+def test_optimizer_state_loads_into_a_subclass_of_the_saved_class(tmp_path):
+    # AdamW is a torch.optim.Adam: Adam's state (moments, step) is what it continues from.
+    path = tmp_path / "ckpt"
+    spawn(lambda b: _train_with(b, torch.optim.Adam, [0, 1], save_to=path), 2, timeout=30)
+    resumed = spawn(lambda b: _train_with(b, torch.optim.AdamW, [2], load_from=path, weight_decay=0),
+                    2, timeout=30)
+    expected = spawn(lambda b: _train_with(b, torch.optim.Adam, [0, 1, 2]), 1, timeout=30)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(resumed[0][name], value, rtol=0, atol=1e-12)

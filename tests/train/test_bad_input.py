@@ -169,6 +169,30 @@ def test_resume_with_steps_the_run_already_reached(capsys, tmp_path, corpus_file
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize(("saved", "given"), [("sgd", "adamw"), ("adamw", "sgd")])
+def test_resume_under_another_base_optimizer(capsys, tmp_path, corpus_file, saved, given):
+    """The checkpoint's optimizer state is the saved run's optimizer's: resuming under another
+    failed with "KeyError: 'step'" (sgd to adamw) or dropped Adam's moments silently."""
+    train(tmp_path, corpus_file, "--steps", "2", "--world-size", "1", "--eval-batches", "1",
+          "--base-optimizer", saved)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    _fails_with(capsys, ["train", "--out", str(tmp_path), "--resume", "--steps", "3",
+                         "--base-optimizer", given], f"--base-optimizer {given}", f"with {saved}")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(("size", "tokens"), [(40, 2), (600, 30)])
+def test_data_too_short_for_one_validation_window(capsys, tmp_path, monkeypatch, size, tokens):
+    """Enough text to train on, but the validation split (the last 5%) is shorter than one window:
+    said before any rank starts, naming the split, where the ranks said "the data holds 2 tokens"."""
+    data = tmp_path / "short.txt"
+    data.write_bytes((bytes(range(65, 91)) * 30)[:size])
+    monkeypatch.setattr("distframe.train.spawn", lambda *a, **k: pytest.fail("ranks started"))
+    _fails_with(capsys, ["train", *TINY, "--data", str(data), "--out", str(tmp_path / "out")],
+                f"validation split holds {tokens} tokens", "--seq-len 32")
+
+
 def test_config_json_is_replaced_atomically(tmp_path, monkeypatch):
     from distframe import train_loop
     config = TrainConfig(out=str(tmp_path), resume=True)

@@ -94,3 +94,15 @@ def test_help_documents_the_interleaved_schedule(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "interleaved_1f1b" in out and "--virtual-stages" in out
+
+
+@pytest.mark.parametrize(("flags", "needles"), [
+    # The world size is not taken from the saved run: the default 2 cannot hold its degrees.
+    ((), ("the world has 2 ranks", "saved with --world-size 4 --dp 2 --tp 2", "not --world-size")),
+    (("--world-size", "4", "--pp", "2"), ("--dp 2 x --tp 2 x --pp 2", "saved with --world-size 4 --dp 2")),
+])
+def test_resumed_run_names_the_saved_settings_an_error_is_about(capsys, tmp_path, flags, needles):
+    # The user typed only --resume: an error about --dp and --tp must say where they came from.
+    saved = TrainConfig(preset="tiny", strategy="hybrid", world_size=4, dp=2, tp=2)
+    (tmp_path / "config.json").write_text(json.dumps({"train": saved.to_json()}))
+    _fails_with(capsys, ["train", "--out", str(tmp_path), "--resume", *flags], *needles)
