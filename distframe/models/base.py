@@ -19,6 +19,7 @@ from distframe.models.config import ShardingConfig, TrainingState, resolve_confi
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.parameter_usage import ParameterUsage
+from distframe.models.plain_optimizer_guard import guard
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
@@ -71,6 +72,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._synchronize = True
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
+        guard(self)  # a plain optimizer over parameters its strategy shards is refused at step
 
     def _parameter_usage(self, names: list[str], params: list[nn.Parameter]) -> ParameterUsage:
         """What a strategy's gradient buckets record and do about parameters without a gradient."""

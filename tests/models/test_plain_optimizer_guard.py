@@ -1,0 +1,76 @@
+"""A plain torch.optim optimizer built over a ZeRO/FSDP model's parameters (FSDP2's idiom, where
+parameters are DTensors) never sees the reduced gradients: on ZeRO-2/3 and FSDP their ``.grad``
+stay None and nothing trained, on ZeRO-1 each rank stepped its own un-averaged gradient and the
+replicas drifted apart, all without a word. Its ``step()`` is now a ConfigError naming the
+strategy's optimizer, raised before anything moves; DDP (whose parameters hold the averaged
+gradients, as torch DDP's do) still takes a plain optimizer and trains as one process."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from distframe import ConfigError, spawn
+from distframe.mesh import ParallelDims
+from distframe.models import HybridShardedModel
+from tests.models.common import SEED_LOCK, STRATEGIES, tiny_lm
+
+with SEED_LOCK:
+    torch.manual_seed(0)
+    NET = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def plain_step(backend, strategy):
+    model_cls, _ = STRATEGIES[strategy]
+    model = model_cls(copy.deepcopy(NET), backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = slice(2 * backend.rank, 2 * backend.rank + 2)
+    model(X[rows]).pow(2).sum().backward()
+    before = model.gather_full_parameters()
+    try:
+        opt.step()
+    except ConfigError as exc:
+        after = model.gather_full_parameters()
+        assert all(torch.equal(after[k], before[k]) for k in before), "the refused step moved nothing"
+        return str(exc)
+    return model.gather_full_parameters()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
+def test_a_plain_optimizer_over_a_sharded_model_is_refused_at_step(strategy):
+    want = STRATEGIES[strategy][1].__name__
+    for message in spawn(lambda b: plain_step(b, strategy), 2, timeout=20):
+        assert isinstance(message, str) and want in message and "model.parameters()" in message
+
+
+def test_ddp_still_takes_a_plain_optimizer_and_equals_one_process():
+    one = copy.deepcopy(NET)
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    (one(X).pow(2).sum() / 2).backward()  # DDP averages the two ranks' sums
+    opt.step()
+    for params in spawn(lambda b: plain_step(b, "ddp"), 2, timeout=20):
+        for name, value in one.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-12)
+
+
+def test_the_sharded_optimizers_and_unrelated_optimizers_are_untouched():
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES["zero2"]
+        model = model_cls(copy.deepcopy(NET), backend)
+        opt = opt_cls(model, torch.optim.SGD, lr=0.1)
+        other = nn.Linear(2, 2)
+        torch.optim.SGD(other.parameters(), lr=0.1).step()  # no gradients: a no-op, not refused
+        model(X).pow(2).sum().backward()
+        opt.step()
+        return True
+    assert spawn(run, 2, timeout=20) == [True, True]
+
+
+def test_a_plain_optimizer_over_a_hybrid_zero_model_is_refused():
+    def run(backend):
+        model = HybridShardedModel(tiny_lm(), backend, dims=ParallelDims(dp=2), data_parallel="zero2")
+        with pytest.raises(ConfigError, match="ZeRO2Optimizer"):
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+        return True
+    assert spawn(run, 2, timeout=20) == [True, True]
