@@ -199,9 +199,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self.pull()
 
     def pull(self) -> None:
-        """Waits for the server's next parameters (or its stop; nothing to wait for after one)."""
+        """Waits for the server's next parameters (or its stop; nothing to wait for after one).
+        A no-op while this worker holds parameters it has not pushed a gradient for: the server
+        sends the next ones only in answer to a push (``step()`` pulls them)."""
         self._require_worker("pull")
-        if self.stopped:  # the server has sent its last message to this worker
+        if self.stopped or self._has_parameters:  # no message is on its way: waiting would hang
             return
         backend, server = self.model.backend, self.config.server_rank
         header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)

@@ -25,7 +25,7 @@ def _batch(worker, k):
     return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], dim=1)
 
 
-def _run(world, steps, *, server_rank=0, worker_fn=None, **settings):
+def _run(world, steps, *, server_rank=0, worker_fn=None, timeout=60, **settings):
     """Server's (report, final parameters); workers' (losses, stopped)."""
     def fn(b):
         model = DDPModel(copy.deepcopy(MLP), b)
@@ -37,7 +37,7 @@ def _run(world, steps, *, server_rank=0, worker_fn=None, **settings):
         losses = [opt.train_step(_batch(b.rank, k), nn.functional.mse_loss) for k in range(steps)]
         opt.finish()
         return losses, opt.stopped
-    return spawn(fn, world, timeout=60)
+    return spawn(fn, world, timeout=timeout)
 
 
 def _gradient(params, batch):
@@ -102,6 +102,24 @@ def test_max_staleness_zero_is_sequential_sgd():
             current = _apply_like_the_server(current, _gradient(current, _batch(w, k)), LR)
     assert _equal(params, current)
     assert report.max_staleness_seen == 0 and report.updates == 12
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_loop_that_pulls_before_each_forward_equals_train_step():
+    """pull(); forward; backward; step() per batch (the loop the step() error suggests): step()
+    already pulled the next parameters, so the next pull() must not wait for a message the
+    server never sends (it waited for the backend's timeout, then blamed the server)."""
+    def manual(b, opt):
+        for k in range(3):
+            opt.pull()
+            x, y = _batch(b.rank, k)
+            nn.functional.mse_loss(opt.model(x), y).backward()
+            opt.step()
+        opt.finish()
+        return None
+    (report, params), *_ = _run(3, 3, worker_fn=manual, max_staleness=1, deterministic=True, timeout=5)
+    (expected_report, expected), *_ = _run(3, 3, max_staleness=1, deterministic=True)
+    assert report.updates == expected_report.updates == 6 and _equal(params, expected)
 
 
 def test_staleness_lr_leaves_the_configured_learning_rate_on_the_server_optimizer():
