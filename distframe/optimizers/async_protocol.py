@@ -2,7 +2,9 @@
 
 Every message is a 4-integer header on ``HEADER_TAG``, followed for some kinds by a body:
 
-worker -> server   PUSH    [PUSH, clock, pulled_version, 0]  + flat gradient on BODY_TAG
+worker -> server   PUSH    [PUSH, clock, pulled_version, partial]  + flat gradient on BODY_TAG,
+                           then, when partial is 1, which parameters got a gradient (one
+                           uint8 each) on BODY_TAG: the server leaves the others' .grad None
                    DONE    [DONE, clock, 0, 0]               (the worker has finished)
                    FAILED  [FAILED, clock, 0, 0]             + the error text on TEXT_TAG
 server -> worker   PARAMS  [PARAMS, version, 0, 0]           + flat parameters on BODY_TAG
@@ -35,8 +37,9 @@ class Kind(enum.IntEnum):
     STOP = 5
 
 
-def send_header(backend: ICommunicationBackend, dst: int, kind: Kind, a: int = 0, b: int = 0) -> None:
-    backend.send(torch.tensor([int(kind), a, b, 0], dtype=torch.int64), dst, HEADER_TAG)
+def send_header(backend: ICommunicationBackend, dst: int, kind: Kind, a: int = 0, b: int = 0,
+                c: int = 0) -> None:
+    backend.send(torch.tensor([int(kind), a, b, c], dtype=torch.int64), dst, HEADER_TAG)
 
 
 def post_header(backend: ICommunicationBackend, src: int) -> tuple[torch.Tensor, Work]:
@@ -86,11 +89,17 @@ class FlatParameters:
                           else torch.zeros(p.numel(), dtype=self.dtype, device=self.device)
                           for p in self.params])
 
+    def empty_mask(self) -> torch.Tensor:
+        """A receive buffer for which parameters got a gradient (one uint8 each)."""
+        return torch.empty(len(self.params), dtype=torch.uint8)
+
     def load_values(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
             for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
                 p.copy_(part.view_as(p))
 
-    def load_gradients(self, flat: torch.Tensor) -> None:
-        for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
-            p.grad = part.view_as(p).clone()
+    def load_gradients(self, flat: torch.Tensor, got: torch.Tensor | None = None) -> None:
+        """Sets each parameter's ``.grad``; None where ``got`` says it had none (a torch optimizer
+        skips it then, as it skips a parameter unused in a plain run: no weight decay, no step)."""
+        for i, (p, part) in enumerate(zip(self.params, flat.split([p.numel() for p in self.params]))):
+            p.grad = part.view_as(p).clone() if got is None or got[i] else None

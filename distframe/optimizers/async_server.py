@@ -175,9 +175,10 @@ class ParameterServer:
         kind = Kind(int(header[0]))
         if kind is Kind.PUSH:
             grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
+            got = self.backend.recv(self.flat.empty_mask(), worker, BODY_TAG) if int(header[3]) else None
             # Applied even when stopping: the gate admitted it, and its worker holds its loss.
             # The worker then waits for parameters; stopping, it gets the STOP instead.
-            self._apply(worker, grad, self.version - self.pulled.pop(worker))
+            self._apply(worker, grad, got, self.version - self.pulled.pop(worker))
             self.waiting.append(worker)
         elif kind is Kind.DONE:
             self.pulled.pop(worker)
@@ -186,11 +187,11 @@ class ParameterServer:
         else:
             raise RuntimeError(f"parameter server got message kind {kind.name} from worker {worker}")
 
-    def _apply(self, worker: int, grad: torch.Tensor, staleness: int) -> None:
+    def _apply(self, worker: int, grad: torch.Tensor, got: torch.Tensor | None, staleness: int) -> None:
         if staleness > self.max_staleness:  # the gate makes this impossible; say so if not
             raise RuntimeError(f"gradient of worker {worker} is {staleness} updates stale, over "
                                f"max_staleness={self.max_staleness}")
-        self.flat.load_gradients(grad)
+        self.flat.load_gradients(grad, got)
         for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
             group["lr"] = lr / (1 + staleness) if self.staleness_lr else lr
         self.optimizer.step()

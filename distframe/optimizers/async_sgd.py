@@ -92,7 +92,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
-    parameters (recv). Do not use ``model.train_step`` (it all-reduces the loss, a collective).
+    parameters (recv). With ``find_unused_parameters=True`` (torch DDP's setting) a parameter
+    that a worker's step gave no gradient has none on the server for that update (one more
+    small message says which), so torch.optim skips it as a plain run does: no weight decay, no
+    momentum, no step count; otherwise it is applied as zeros, as DDP averages it. Do not use
+    ``model.train_step`` (it all-reduces the loss, a collective).
 
     Checkpoints: the server's parameters and optimizer state are the trained ones; workers hold
     the parameters they last pulled and no optimizer state. ``state_dict()`` on the server holds
@@ -191,17 +195,32 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.stopped:
             return
         backend, server = self.model.backend, self.config.server_rank
-        send_header(backend, server, Kind.PUSH, self.clock, self.version)
+        got = self._got_gradients()  # None: every parameter has one
+        send_header(backend, server, Kind.PUSH, self.clock, self.version, int(got is not None))
         backend.send(self.flat.gradients(), server, BODY_TAG)
+        if got is not None:
+            backend.send(got, server, BODY_TAG)
         self.clock += 1
         self.zero_grad()
         self._has_parameters = False
         self.pull()
 
+    def _got_gradients(self) -> torch.Tensor | None:
+        """With ``find_unused_parameters``, which parameters got a gradient since the last step
+        (one uint8 each, in ``flat`` order); None when all did or the setting is off."""
+        if not self.model.config.find_unused_parameters:
+            return None
+        usage = self.model.gradient_buckets.usage
+        has = {id(p): flag for p, flag in zip(usage.params, usage.has_gradient)}
+        got = torch.tensor([has[id(p)] for p in self.flat.params], dtype=torch.uint8)
+        return None if bool(got.all()) else got
+
     def pull(self) -> None:
-        """Waits for the server's next parameters (or its stop; nothing to wait for after one)."""
+        """Waits for the server's next parameters (or its stop; nothing to wait for after one).
+        A no-op while this worker holds parameters it has not pushed a gradient for: the server
+        sends the next ones only in answer to a push (``step()`` pulls them)."""
         self._require_worker("pull")
-        if self.stopped:  # the server has sent its last message to this worker
+        if self.stopped or self._has_parameters:  # no message is on its way: waiting would hang
             return
         backend, server = self.model.backend, self.config.server_rank
         header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)

@@ -155,17 +155,11 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
     def local_slice(self, global_batch: Any) -> Any:
         """This rank's equal share (dim 0) of a global batch, which must divide evenly by the
-        world size, so the global batch is the same for every world size."""
+        world size, so the global batch is the same for every world size. The batch is a tensor
+        or (as ``train_step`` takes it) tuples, lists and dicts of them, such as
+        ``({"input_ids": ..., "mask": ...}, targets)``; other values are passed on whole."""
         backend = self.model.backend
-        parts = global_batch if isinstance(global_batch, (tuple, list)) else (global_batch,)
-        sliced = []
-        for t in parts:
-            if t.shape[0] % backend.world_size:
-                raise ConfigError(f"global batch of {t.shape[0]} does not split evenly over "
-                                  f"{backend.world_size} ranks; use a multiple of every world size")
-            n = t.shape[0] // backend.world_size
-            sliced.append(t[backend.rank * n:(backend.rank + 1) * n])
-        return type(global_batch)(sliced) if isinstance(global_batch, (tuple, list)) else sliced[0]
+        return _slice_batch(global_batch, backend.rank, backend.world_size)
 
     # ---- commits ------------------------------------------------------------------------------
     def commit(self) -> Commit:
@@ -266,6 +260,22 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
     from distframe.checkpoint import latest_step
     found = None if directory is None else latest_step(directory)
     return found[0] if found else None
+
+
+def _slice_batch(batch: Any, rank: int, world_size: int) -> Any:
+    """Part ``rank`` of ``world_size`` equal parts (dim 0) of every tensor in ``batch``."""
+    if isinstance(batch, dict):
+        return {k: _slice_batch(v, rank, world_size) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        parts = [_slice_batch(v, rank, world_size) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    if not isinstance(batch, torch.Tensor) or batch.dim() == 0:
+        return batch
+    if batch.shape[0] % world_size:
+        raise ConfigError(f"global batch of {batch.shape[0]} does not split evenly over "
+                          f"{world_size} ranks; use a multiple of every world size")
+    n = batch.shape[0] // world_size
+    return batch[rank * n:(rank + 1) * n]
 
 
 def _encode_json(obj: Any) -> torch.Tensor:

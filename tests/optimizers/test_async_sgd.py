@@ -25,7 +25,7 @@ def _batch(worker, k):
     return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], dim=1)
 
 
-def _run(world, steps, *, server_rank=0, worker_fn=None, **settings):
+def _run(world, steps, *, server_rank=0, worker_fn=None, timeout=60, **settings):
     """Server's (report, final parameters); workers' (losses, stopped)."""
     def fn(b):
         model = DDPModel(copy.deepcopy(MLP), b)
@@ -37,7 +37,7 @@ def _run(world, steps, *, server_rank=0, worker_fn=None, **settings):
         losses = [opt.train_step(_batch(b.rank, k), nn.functional.mse_loss) for k in range(steps)]
         opt.finish()
         return losses, opt.stopped
-    return spawn(fn, world, timeout=60)
+    return spawn(fn, world, timeout=timeout)
 
 
 def _gradient(params, batch):
@@ -102,6 +102,24 @@ def test_max_staleness_zero_is_sequential_sgd():
             current = _apply_like_the_server(current, _gradient(current, _batch(w, k)), LR)
     assert _equal(params, current)
     assert report.max_staleness_seen == 0 and report.updates == 12
+
+
+@pytest.mark.timeout(60)
+def test_a_manual_loop_that_pulls_before_each_forward_equals_train_step():
+    """pull(); forward; backward; step() per batch (the loop the step() error suggests): step()
+    already pulled the next parameters, so the next pull() must not wait for a message the
+    server never sends (it waited for the backend's timeout, then blamed the server)."""
+    def manual(b, opt):
+        for k in range(3):
+            opt.pull()
+            x, y = _batch(b.rank, k)
+            nn.functional.mse_loss(opt.model(x), y).backward()
+            opt.step()
+        opt.finish()
+        return None
+    (report, params), *_ = _run(3, 3, worker_fn=manual, max_staleness=1, deterministic=True, timeout=5)
+    (expected_report, expected), *_ = _run(3, 3, max_staleness=1, deterministic=True)
+    assert report.updates == expected_report.updates == 6 and _equal(params, expected)
 
 
 def test_staleness_lr_leaves_the_configured_learning_rate_on_the_server_optimizer():
@@ -344,3 +362,49 @@ def test_gloo_processes_match_the_in_memory_run_and_free_running_works():
     assert _equal(det[0][1], threads[0][1]) and det[0][0].updates == 8
     free = spawn(functools.partial(_gloo_rank, max_staleness=1, deterministic=False), 3, "gloo", timeout=30)
     assert free[0][0].updates == 8 and free[0][0].max_staleness_seen <= 1
+
+
+class _Branchy(nn.Module):
+    """``extra`` takes part only for batches of even size: unused in some steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra = nn.Linear(5, 2), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.main(x) + (self.extra(x) if x.shape[0] % 2 == 0 else 0)
+
+
+def _branchy_batch(worker, k):
+    x, y = _batch(worker, k)
+    return (x, y) if (worker + k) % 3 == 0 else (x[:5], y[:5])
+
+
+def test_a_parameter_a_step_did_not_use_is_skipped_as_in_sequential_sgd():
+    """find_unused_parameters=True and max_staleness=0: the server must leave the .grad of a
+    parameter the step did not use None, as a plain run does, so AdamW neither decays it nor
+    counts a step for it (it applied zeros: the unused branch decayed)."""
+    torch.manual_seed(3)
+    net, steps = _Branchy().double(), 4
+
+    def fn(b):
+        model = DDPModel(copy.deepcopy(net), b, find_unused_parameters=True)
+        opt = AsyncSGDOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=0.5, max_staleness=0,
+                                deterministic=True)
+        if opt.is_server:
+            opt.serve()
+            return {k: v.detach().clone() for k, v in model.wrapped_model.state_dict().items()}
+        for k in range(steps):
+            opt.train_step(_branchy_batch(b.rank, k), nn.functional.mse_loss)
+        opt.finish()
+        return None
+    params = spawn(fn, 3, timeout=30)[0]
+    reference = copy.deepcopy(net)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.5)
+    for k in range(steps):
+        for w in (1, 2):
+            x, y = _branchy_batch(w, k)
+            opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            opt.step()
+    assert max((params[k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-12

@@ -163,6 +163,42 @@ def test_uneven_global_batch_and_bad_schedule_are_config_errors():
     assert ElasticMember(5).commit is None
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = copy.deepcopy(MLP)
+
+    def forward(self, x, scale):
+        return self.body(x) * scale
+
+
+@pytest.mark.parametrize("packing", ["dict", "tuple"])
+def test_local_slice_splits_inputs_given_as_a_dict_or_a_tuple_as_train_step_takes_them(packing):
+    """train_step takes inputs as a dict or tuple (unpacked into the call): local_slice must
+    slice every tensor in them (it raised AttributeError: 'dict' object has no attribute 'shape')."""
+    def batch(step):
+        x, y = _global_batch(step)
+        scale = 1 + torch.arange(GLOBAL_BATCH, dtype=torch.float64).unsqueeze(1) / GLOBAL_BATCH
+        return ({"x": x, "scale": scale} if packing == "dict" else (x, scale)), y
+
+    def fn(b):
+        model = DDPModel(_Scaled(), b)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR)
+        for step in range(3):
+            model.train_step(opt.local_slice(batch(step)), nn.functional.mse_loss, opt)
+        return model.gather_full_parameters()
+    reference = _Scaled()
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    for step in range(3):
+        inputs, y = batch(step)
+        opt.zero_grad()
+        out = reference(**inputs) if packing == "dict" else reference(*inputs)
+        nn.functional.mse_loss(out, y).backward()
+        opt.step()
+    for params in spawn(fn, 3, timeout=30):
+        assert _max_diff(params, reference.state_dict()) <= 1e-12
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     ({"schedule": {True: 3}}, "schedule entry True: 3"),
     ({"schedule": {2: False}}, "schedule entry 2: False"),
