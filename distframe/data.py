@@ -19,6 +19,7 @@ r of n reads only rows ``[r*b/n, (r+1)*b/n)``, so the global batch is the same a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import sysconfig
@@ -40,6 +41,19 @@ class TokenCorpus:
     validation: np.ndarray
     vocab_size: int
     description: str
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 of the tokens of both splits (a resumed run compares it with the saved run's),
+        about 1 s per GB; of a split over 512 MiB, its length and its first and last 256 MiB."""
+        h, part = hashlib.sha256(), 256 << 20
+        for tokens in (self.train, self.validation):
+            data = np.ascontiguousarray(tokens).view(np.uint8)
+            if data.nbytes > 2 * part:
+                h.update(str(data.nbytes).encode())
+                data = np.concatenate([data[:part], data[-part:]])
+            h.update(data.data)
+        return h.hexdigest()
 
 
 def load_corpus(path: str | None, *, token_dtype: str = "uint8") -> TokenCorpus:

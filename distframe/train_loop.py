@@ -80,7 +80,7 @@ def run_info(config: TrainConfig, corpus: TokenCorpus, world_size: int, backend:
     model = dataclasses.asdict(config.model_config(vocab_size=corpus.vocab_size))
     return {"train": {**config.to_json(), "world_size": world_size, "backend": backend},
             "model": {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()},
-            "data": corpus.description}
+            "data": corpus.description, "data_sha256": corpus.digest}
 
 
 def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
@@ -149,9 +149,23 @@ def prepare_out(config: TrainConfig, info: dict, log: MetricsLog) -> None:
     # Written aside and renamed into place: an interrupted write must not leave a truncated
     # config.json, without which no checkpoint of the run can be resumed or sampled from.
     path = os.path.join(out, "config.json")
+    if config.resume:
+        _warn_if_the_data_changed(path, info)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
     os.replace(path + ".tmp", path)
+
+
+def _warn_if_the_data_changed(path: str, info: dict) -> None:
+    """One line on stderr when a resumed run reads other tokens than the run it continues (the
+    default corpus is the running Python's standard library; a --data file edited since): it
+    goes on, but no longer equals the uninterrupted run."""
+    saved = train_checkpoint.read_config_json(path) if os.path.isfile(path) else {}
+    before = saved.get("data_sha256")
+    if isinstance(before, str) and before != info.get("data_sha256"):
+        print(f"distframe train: warning: --resume reads other data than the run in "
+              f"{os.path.dirname(path) or '.'} trained on ({info.get('data')}, was {saved.get('data')}; "
+              "sha256 differs), so it does not continue the same sequence of batches", file=sys.stderr)
 
 
 class Job:

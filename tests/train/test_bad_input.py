@@ -182,6 +182,22 @@ def test_resume_under_another_base_optimizer(capsys, tmp_path, corpus_file, save
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+def test_resume_on_other_data_says_so(capsys, tmp_path, corpus_file):
+    """A resumed run reading other tokens (the default corpus under another Python, a --data file
+    edited since) went on without a word; it still goes on, with one line saying so."""
+    out = tmp_path / "out"
+    train(out, corpus_file, "--steps", "2", "--world-size", "1", "--eval-batches", "1")
+    resume = ["train", "--out", str(out), "--resume", "--eval-batches", "1"]
+    capsys.readouterr()
+    assert main([*resume, "--steps", "3", "--data", corpus_file]) == 0
+    assert "other data" not in capsys.readouterr().err
+    edited = tmp_path / "edited.txt"
+    edited.write_bytes(Path(corpus_file).read_bytes()[::-1])
+    assert main([*resume, "--steps", "4", "--data", str(edited)]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "other data" in line]
+    assert len(warning) == 1 and "sha256 differs" in warning[0] and str(edited) in warning[0]
+
+
 @pytest.mark.parametrize(("size", "tokens"), [(40, 2), (600, 30)])
 def test_data_too_short_for_one_validation_window(capsys, tmp_path, monkeypatch, size, tokens):
     """Enough text to train on, but the validation split (the last 5%) is shorter than one window:
