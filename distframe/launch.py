@@ -78,7 +78,8 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
     to ``results[rank]``, what it raises to ``errors[rank]`` (and aborts the group, so peers stop
     at once). Either way the rank then finishes: its backends, subgroups included, shut down, so
     peers still waiting for it in a call it never made stop at once; an asynchronous call that
-    failed unseen is its error then. The caller joins the threads (spawn, the elastic controller)."""
+    failed unseen is its error then. The caller joins the threads (spawn, the elastic controller);
+    if one cannot start, those started are stopped and joined before the error is raised."""
     def run(rank: int) -> None:
         backend = backends[rank]
         try:
@@ -94,8 +95,18 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
 
     threads = [threading.Thread(target=run, args=(r,), name=f"{name}{r}", daemon=True)
                for r in range(len(backends))]
-    for t in threads:
-        t.start()
+    try:
+        for t in threads:
+            t.start()
+    except BaseException as exc:
+        # No thread for a rank ("can't start new thread"), or Ctrl-C: the ranks started would
+        # wait for it until their timeout, after the caller has seen the error. Stop them now
+        # (a thread that Ctrl-C interrupted in start() may have started: it has an ident).
+        backends[0].world.abort(-1, exc)
+        for t in threads:
+            if t.ident is not None:
+                t.join(timeout=5)
+        raise
     return threads
 
 

@@ -64,3 +64,24 @@ def test_auto_under_torchrun_picks_nccl_only_with_a_gpu_per_local_rank(monkeypat
     monkeypatch.setattr(torch_dist, "from_environment", lambda name, **kw: name)
     monkeypatch.setattr("distframe.launch._departs_with_script", lambda backend: backend)
     assert init_backend("auto") == expected
+
+
+@pytest.mark.parametrize("error", [RuntimeError("can't start new thread"), KeyboardInterrupt()])
+def test_a_rank_thread_that_cannot_start_stops_those_started(monkeypatch, error):
+    """Starting rank 2's thread fails (no thread left for it, or Ctrl-C while starting): spawn
+    raises that at once, and ranks 0 and 1, already waiting for rank 2 in a barrier, have ended
+    too. Before, they stayed blocked until the backend's timeout, after spawn had returned."""
+    import threading
+    import time
+    start = threading.Thread.start
+
+    def failing_start(thread):
+        if thread.name == "distframe-rank2":
+            raise error
+        start(thread)
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    began = time.monotonic()
+    with pytest.raises(type(error)):
+        spawn(lambda b: b.barrier(), 3, timeout=60)
+    assert time.monotonic() - began < 10
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("distframe-rank")]

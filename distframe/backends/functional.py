@@ -3,7 +3,10 @@
 Each function is an autograd Function whose backward runs the adjoint collective on the same
 backend: all_gather <-> reduce_scatter, all_reduce(SUM) <-> all_reduce(SUM), all_to_all <->
 all_to_all in reverse. Every rank of the group must run the backward (they communicate), as
-with torch.distributed.nn.functional.
+with torch.distributed.nn.functional. The backward runs the adjoint through these Functions, not
+the backend's plain call, so it is differentiable in turn: second derivatives (a gradient
+penalty, a Hessian-vector product) are exact with ``create_graph=True``; a plain call there
+dropped the collective's part of them without a word.
 
 Megatron's tensor-parallel regions (Shoeybi et al., 2019), named by what they do to activations:
 ``copy_to_parallel_region`` (forward identity, backward all-reduce: the f operator),
@@ -35,7 +38,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.backend.reduce_scatter(grad.contiguous(), ReduceOp.SUM), None
+        return _ReduceScatter.apply(grad, ctx.backend), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -46,7 +49,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.backend.all_gather(grad.contiguous()), None
+        return _AllGather.apply(grad, ctx.backend), None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -59,7 +62,7 @@ class _AllReduce(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # d/dx_r of sum_k x_k is the identity for every r, so the gradient is the sum of the
         # cotangents of every rank's output (divided by n for AVG).
-        return ctx.backend.all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.op), None, None
+        return _AllReduce.apply(grad, ctx.backend, ctx.op), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -71,7 +74,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         # Output j came from rank j's chunk for us, so its cotangent goes back to rank j.
-        return (None, *ctx.backend.all_to_all([g.contiguous() for g in grads]))
+        return (None, *_AllToAll.apply(ctx.backend, *grads))
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -82,17 +85,19 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.backend.all_reduce(grad.clone(memory_format=torch.contiguous_format)), None
+        return _ReduceFromParallel.apply(grad, ctx.backend), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
+        ctx.backend = backend
         return backend.all_reduce(tensor.clone(memory_format=torch.contiguous_format))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        # Identity, as f (its conjugate), whose backward all-reduces: right for second derivatives.
+        return _CopyToParallel.apply(grad, ctx.backend), None
 
 
 class _ScatterToParallel(torch.autograd.Function):
@@ -103,7 +108,7 @@ class _ScatterToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _gather_last_dim(grad, ctx.backend), None
+        return _GatherFromParallel.apply(grad, ctx.backend), None
 
 
 class _GatherFromParallel(torch.autograd.Function):
@@ -114,7 +119,7 @@ class _GatherFromParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _last_dim_slice(grad, ctx.backend).clone(), None
+        return _ScatterToParallel.apply(grad, ctx.backend), None
 
 
 def _last_dim_slice(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:

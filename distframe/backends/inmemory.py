@@ -95,6 +95,14 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     # ---- raw collectives -----------------------------------------------------------------------
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
         def body(slot: Slot) -> None:
+            if op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+                sharing = self._rdv.compute_once(slot, "sharing", lambda: _sharing_ranks(slot.inputs))
+                if sharing:
+                    raise ValueError(
+                        f"all_reduce: ranks {sharing} passed tensors that share memory; in-memory "
+                        f"ranks are threads of one process, so a {op.name} in place into one tensor "
+                        "would count it more than once: give each rank a tensor of its own "
+                        "(tensor.clone(), or copy.deepcopy(model) per rank)")
             part = self._element_range(tensor.numel())
             flats = [slot.inputs[r].view(-1)[part] for r in range(self._world_size)]
             # Only this rank touches range `part` of the inputs, so it may reduce into rank 0's
@@ -180,6 +188,21 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
 
     def departures(self) -> dict[int, Departure]:
         return {r: d for r, d in list(self._rdv.departures.items()) if r != self._rank}
+
+
+def _sharing_ranks(inputs: dict[int, torch.Tensor]) -> list[int]:
+    """The ranks whose (contiguous) inputs overlap another rank's in memory, sorted; [] if none.
+    Threads can hand a collective one tensor, which separate processes never can."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), r)
+                   for r, t in inputs.items() if t.numel())
+    sharing: set[int] = set()
+    reach, owner = -1, -1  # the furthest end seen so far, and whose span it is
+    for start, end, rank in spans:
+        if start < reach:
+            sharing.update((rank, owner))
+        if end > reach:
+            reach, owner = end, rank
+    return sorted(sharing)
 
 
 class _RecvWork(Work):

@@ -354,3 +354,22 @@ def test_a_departure_records_the_messages_sent_and_the_receives_posted():
         return b.departures().get(1)
     left = spawn(fn, 2, timeout=60)[0]
     assert (left.sent, left.received) == ({(0, 3): 1}, {(0, 2): 1})
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce", "reduce_scatter"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_and_max_of_complex_tensors_are_refused_before_communicating(call, op):
+    """Complex numbers have no order. Every rank raises ValueError before any communication (it
+    was torch's RuntimeError mid-call, and from reduce on dst only: the other ranks returned),
+    and the group goes on working."""
+    def fn(b):
+        t = torch.ones(2 * b.world_size, dtype=torch.complex128)
+        args = {"reduce": (0,)}.get(call, ())
+        with pytest.raises(ValueError, match="complex numbers have no order"):
+            getattr(b, call)(t, *args, op)
+        assert b.stats.total_calls() == 0
+        # PRODUCT of complex numbers stays allowed: (1)(1+i)(1+2i) = -1+3i
+        return b.all_reduce(torch.full((2,), 1.0 + b.rank * 1j, dtype=torch.complex128), "product")
+    for result in spawn(fn, 3, timeout=10):
+        torch.testing.assert_close(result, torch.full((2,), -1.0 + 3j, dtype=torch.complex128),
+                                   rtol=0, atol=1e-15)
