@@ -41,7 +41,7 @@ def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
     stop at once with CollectiveTimeoutError (Gloo and MPI ranks: within a fraction of a second;
     see distframe.backends.departures for what NCCL and MPI ranks on other nodes see).
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
     if backend == "inmemory":
         return _spawn_threads(fn, world_size, timeout=timeout, **backend_kwargs)

@@ -12,6 +12,13 @@ def test_spawn_returns_results_in_rank_order():
     assert spawn(lambda b: (b.rank, b.world_size), 3) == [(0, 3), (1, 3), (2, 3)]
 
 
+@pytest.mark.parametrize("world_size", [0, -1, 2.0, True, "2"])
+def test_spawn_refuses_a_world_size_that_is_not_a_positive_int(world_size):
+    # True is an int to Python: it ran one rank.
+    with pytest.raises(ConfigError, match="world_size must be a positive int"):
+        spawn(lambda b: None, world_size)
+
+
 def test_spawn_passes_timeout_to_backends():
     assert spawn(lambda b: b.timeout, 2, timeout=7.5) == [7.5, 7.5]
 
