@@ -132,7 +132,10 @@ class Int8Compressor(Compressor):
         self._generator.manual_seed(_mixed_seed(self.seed, rank))
 
     def compress(self, tensor: torch.Tensor, *, key: str | None = None) -> tuple[Payload, Any]:
-        flat = tensor.detach().reshape(-1)
+        # [Note: int8 of half gradients] Quantised in float32 at least: an fp16 scale (a / 127)
+        # of a chunk below about 8e-3 is subnormal or zero (a chunk of 1e-6 would send nothing),
+        # and x / scale in fp16 or bf16 is off by more than the half step promised.
+        flat = tensor.detach().reshape(-1).to(_at_least_float32(tensor.dtype))
         numel = flat.numel()
         chunks = -(-numel // self.chunk_size)
         padded = torch.zeros(chunks * self.chunk_size, dtype=flat.dtype, device=flat.device)
@@ -157,10 +160,11 @@ class Int8Compressor(Compressor):
         q, scales = payload
         shape, dtype = ctx
         numel = q.numel()
-        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=dtype, device=q.device)
-        padded[:numel] = q.to(dtype)
-        rows = padded.view(scales.numel(), self.chunk_size) * scales.to(dtype).unsqueeze(1)
-        return rows.reshape(-1)[:numel].reshape(shape)
+        wide = _at_least_float32(dtype)  # see [Note: int8 of half gradients]
+        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=wide, device=q.device)
+        padded[:numel] = q.to(wide)
+        rows = padded.view(scales.numel(), self.chunk_size) * scales.to(wide).unsqueeze(1)
+        return rows.reshape(-1)[:numel].reshape(shape).to(dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The stochastic rounding generator's state, so a resumed run rounds as an uninterrupted
@@ -367,6 +371,11 @@ def make_compressor(name: str, **settings: Any) -> Compressor:
         return classes[name](**settings)
     except TypeError as exc:
         raise ConfigError(f"compressor {name!r} does not take {sorted(settings)}: {exc}") from None
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision dtypes, else ``dtype`` itself (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _checked_seed(owner: str, seed: Any) -> int:
