@@ -258,7 +258,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
         def finish(gathered: list[torch.Tensor]) -> None:
             per_rank = [g.view(world, -1) for g in gathered]  # part j: (world, its length)
-            totals = [torch.zeros_like(v) for v in views]
+            # At least float32: W fp16 contributions can pass 65504 where their mean fits.
+            totals = [torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for v in views]
             for r in range(world):
                 pieces = [_split(per_rank[j][r], sizes[j]) for j in range(parts)]
                 for k, (_, ctx) in enumerate(compressed):
