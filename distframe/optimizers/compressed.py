@@ -114,8 +114,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one
     ``all_gather`` per payload part (int8 values and scales; top-k values and indices), then
     every rank decompresses every rank's payload and sums them in rank order; PowerSGD: one
-    ``all_reduce(SUM)`` of the uncompressible parameters and of the P factors (asynchronous,
-    during backward), then one ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
+    ``all_reduce(AVG)`` of the uncompressible parameters and one ``all_reduce(SUM)`` of the P
+    factors (asynchronous, during backward), then one ``all_reduce(SUM)`` of the Q factors when the
+    bucket is waited for (factors in float32 at least: see ``PowerSGDCompressor``).
 
     Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan and a
     plain ``torch.amp.GradScaler`` is enough (see [Note: skipped steps]).
@@ -281,8 +282,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             works.append(backend.all_reduce(flat_full, ReduceOp.AVG, async_op=True))
             for k in full:
                 self._keep_residual(names[k], views[k], views[k])
-        matrices = {k: psgd.as_matrix(views[k]).clone() for k in low}
-        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, views[k].dtype,
+        matrices = {k: psgd.as_matrix(views[k]).to(psgd.factor_dtype(views[k].dtype), copy=True) for k in low}
+        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, matrices[k].dtype,
                                                                    views[k].device))
               for k in low}
         if low:
@@ -303,8 +304,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             backend.all_reduce(flat_q, ReduceOp.SUM)
             for k, part in zip(low, _split(flat_q, [q_local[k].numel() for k in low])):
                 q_sum = part.view(q_local[k].shape)
-                sent = psgd.approximate(p[k], q_local[k], views[k].shape)
-                self._keep_residual(names[k], matrices[k].view(views[k].shape), sent)
+                # The residual keeps the gradient's dtype, as other compressors' residuals do.
+                sent = psgd.approximate(p[k], q_local[k], views[k].shape).to(views[k].dtype)
+                self._keep_residual(names[k], views[k], sent)
                 self._staged_warm[names[k]] = q_sum / world
                 views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
         return _Then(works, finish)

@@ -224,6 +224,11 @@ class PowerSGDCompressor(Compressor):
     ranks; the mean gradient is P Q_sum^T / world_size and this rank's contribution P Q_local^T.
     Q_sum / world_size is the next step's warm start. The first Q of a parameter is drawn from a
     generator seeded with ``seed`` and the parameter's name, so every rank draws the same one.
+
+    The factors are computed, sent and summed in float32 at least (twice the bytes of P and Q for
+    fp16/bf16 gradients): in fp16, P = M Q with a warm-start Q of the gradient's size overflows, and
+    bf16's or fp16's rounding is so coarse that orthogonalisation took every column (bf16) or all
+    but the first (fp16) for dependent and sent nothing of them. The result has the gradient's dtype.
     """
 
     exchange = "powersgd"
@@ -257,6 +262,11 @@ class PowerSGDCompressor(Compressor):
 
     def effective_rank(self, shape: torch.Size | tuple[int, ...]) -> int:
         return min(self.rank, *self.matrix_shape(shape))
+
+    @staticmethod
+    def factor_dtype(dtype: torch.dtype) -> torch.dtype:
+        """The dtype P and Q of a ``dtype`` gradient are computed and sent in (see the class doc)."""
+        return _at_least_float32(dtype)
 
     # ---- the pieces the exchange composes ---------------------------------------------------
     def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype,
@@ -332,17 +342,17 @@ class PowerSGDCompressor(Compressor):
         if not self.compressible(tensor.shape):
             return (tensor,), (tensor.shape, None)
         key = "" if key is None else key
-        matrix = self.as_matrix(tensor.detach())
+        matrix = self.as_matrix(tensor.detach()).to(self.factor_dtype(tensor.dtype))
         p = self.orthogonalize(self.project(matrix, self.warm_start(key, tensor.shape, matrix.dtype, matrix.device)))
         q = self.back_project(matrix, p)
         self.remember(key, q)
-        return (p, q), (tensor.shape, "low_rank")
+        return (p, q), (tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        shape, kind = ctx
-        if kind is None:
+        shape, dtype = ctx
+        if dtype is None:
             return payload[0]
-        return self.approximate(payload[0], payload[1], shape)
+        return self.approximate(payload[0], payload[1], shape).to(dtype)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
