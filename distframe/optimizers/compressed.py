@@ -118,8 +118,10 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     factors (asynchronous, during backward), then one ``all_reduce(SUM)`` of the Q factors when the
     bucket is waited for (factors in float32 at least: see ``PowerSGDCompressor``).
 
-    Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan and a
-    plain ``torch.amp.GradScaler`` is enough (see [Note: skipped steps]).
+    Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan (see
+    [Note: skipped steps]); with error feedback use ``ShardedGradScaler``, whose ``update()``
+    rescales the residuals (a plain ``torch.amp.GradScaler`` is refused at ``step()``: see
+    [Note: residuals under loss scaling]); without it, or for lossless compressors, either will do.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
     (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
