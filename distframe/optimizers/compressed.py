@@ -340,15 +340,24 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         params = dict(self.model.wrapped_model.named_parameters())
         self._load_residuals(reader, kinds, params)
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
-            warm = {}
-            for name, param in params.items():
-                if reader.holds(_WARM_Q, name):
-                    _, m = self.compressor.matrix_shape(param.shape)
-                    r = self.compressor.effective_rank(param.shape)
-                    warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
-            self.compressor.load_state_dict(warm)
+            held = [name for name, param in params.items()
+                    if reader.holds(_WARM_Q, name) and self.compressor.compressible(param.shape)]
+            self.compressor.load_state_dict(
+                {f"powersgd_q/{name}": self._saved_warm_start(reader, name, params[name]) for name in held})
         elif not isinstance(self.compressor, PowerSGDCompressor):
             self._load_own_compressor_state(reader)
+
+    def _saved_warm_start(self, reader: RangeReader, name: str, param: torch.Tensor) -> torch.Tensor:
+        """``name``'s saved warm start as this compressor's m x r Q. Saved at another ``rank``, its
+        leading columns are kept and the missing ones left zero, which ``warm_start`` replaces by
+        seeded ones (see [Note: dead columns])."""
+        psgd: PowerSGDCompressor = self.compressor  # type: ignore[assignment]
+        _, m = psgd.matrix_shape(param.shape)
+        saved = reader.whole(_WARM_Q, name).reshape(m, -1)  # (m, saved rank)
+        q = saved.new_zeros(m, psgd.effective_rank(param.shape))
+        kept = min(q.shape[1], saved.shape[1])
+        q[:, :kept] = saved[:, :kept]
+        return q
 
     def _load_residuals(self, reader: RangeReader, kinds: set[str],
                         params: dict[str, torch.nn.Parameter]) -> None:
