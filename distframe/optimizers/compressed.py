@@ -114,11 +114,14 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one
     ``all_gather`` per payload part (int8 values and scales; top-k values and indices), then
     every rank decompresses every rank's payload and sums them in rank order; PowerSGD: one
-    ``all_reduce(SUM)`` of the uncompressible parameters and of the P factors (asynchronous,
-    during backward), then one ``all_reduce(SUM)`` of the Q factors when the bucket is waited for.
+    ``all_reduce(AVG)`` of the uncompressible parameters and one ``all_reduce(SUM)`` of the P
+    factors (asynchronous, during backward), then one ``all_reduce(SUM)`` of the Q factors when the
+    bucket is waited for (factors in float32 at least: see ``PowerSGDCompressor``).
 
-    Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan and a
-    plain ``torch.amp.GradScaler`` is enough (see [Note: skipped steps]).
+    Loss scaling: every rank decompresses the same sum, so its ranks agree on inf/nan (see
+    [Note: skipped steps]); with error feedback use ``ShardedGradScaler``, whose ``update()``
+    rescales the residuals (a plain ``torch.amp.GradScaler`` is refused at ``step()``: see
+    [Note: residuals under loss scaling]); without it, or for lossless compressors, either will do.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
     (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
@@ -258,7 +261,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
         def finish(gathered: list[torch.Tensor]) -> None:
             per_rank = [g.view(world, -1) for g in gathered]  # part j: (world, its length)
-            totals = [torch.zeros_like(v) for v in views]
+            # At least float32: W fp16 contributions can pass 65504 where their mean fits.
+            totals = [torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for v in views]
             for r in range(world):
                 pieces = [_split(per_rank[j][r], sizes[j]) for j in range(parts)]
                 for k, (_, ctx) in enumerate(compressed):
@@ -280,8 +284,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             works.append(backend.all_reduce(flat_full, ReduceOp.AVG, async_op=True))
             for k in full:
                 self._keep_residual(names[k], views[k], views[k])
-        matrices = {k: psgd.as_matrix(views[k]).clone() for k in low}
-        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, views[k].dtype,
+        matrices = {k: psgd.as_matrix(views[k]).to(psgd.factor_dtype(views[k].dtype), copy=True) for k in low}
+        ps = {k: psgd.project(matrices[k], psgd.warm_start(names[k], views[k].shape, matrices[k].dtype,
                                                                    views[k].device))
               for k in low}
         if low:
@@ -302,8 +306,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             backend.all_reduce(flat_q, ReduceOp.SUM)
             for k, part in zip(low, _split(flat_q, [q_local[k].numel() for k in low])):
                 q_sum = part.view(q_local[k].shape)
-                sent = psgd.approximate(p[k], q_local[k], views[k].shape)
-                self._keep_residual(names[k], matrices[k].view(views[k].shape), sent)
+                # The residual keeps the gradient's dtype, as other compressors' residuals do.
+                sent = psgd.approximate(p[k], q_local[k], views[k].shape).to(views[k].dtype)
+                self._keep_residual(names[k], views[k], sent)
                 self._staged_warm[names[k]] = q_sum / world
                 views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
         return _Then(works, finish)
@@ -335,15 +340,24 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         params = dict(self.model.wrapped_model.named_parameters())
         self._load_residuals(reader, kinds, params)
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
-            warm = {}
-            for name, param in params.items():
-                if reader.holds(_WARM_Q, name):
-                    _, m = self.compressor.matrix_shape(param.shape)
-                    r = self.compressor.effective_rank(param.shape)
-                    warm[f"powersgd_q/{name}"] = reader.read(_WARM_Q, name, 0, m * r).view(m, r)
-            self.compressor.load_state_dict(warm)
+            held = [name for name, param in params.items()
+                    if reader.holds(_WARM_Q, name) and self.compressor.compressible(param.shape)]
+            self.compressor.load_state_dict(
+                {f"powersgd_q/{name}": self._saved_warm_start(reader, name, params[name]) for name in held})
         elif not isinstance(self.compressor, PowerSGDCompressor):
             self._load_own_compressor_state(reader)
+
+    def _saved_warm_start(self, reader: RangeReader, name: str, param: torch.Tensor) -> torch.Tensor:
+        """``name``'s saved warm start as this compressor's m x r Q. Saved at another ``rank``, its
+        leading columns are kept and the missing ones left zero, which ``warm_start`` replaces by
+        seeded ones (see [Note: dead columns])."""
+        psgd: PowerSGDCompressor = self.compressor  # type: ignore[assignment]
+        _, m = psgd.matrix_shape(param.shape)
+        saved = reader.whole(_WARM_Q, name).reshape(m, -1)  # (m, saved rank)
+        q = saved.new_zeros(m, psgd.effective_rank(param.shape))
+        kept = min(q.shape[1], saved.shape[1])
+        q[:, :kept] = saved[:, :kept]
+        return q
 
     def _load_residuals(self, reader: RangeReader, kinds: set[str],
                         params: dict[str, torch.nn.Parameter]) -> None:

@@ -132,7 +132,10 @@ class Int8Compressor(Compressor):
         self._generator.manual_seed(_mixed_seed(self.seed, rank))
 
     def compress(self, tensor: torch.Tensor, *, key: str | None = None) -> tuple[Payload, Any]:
-        flat = tensor.detach().reshape(-1)
+        # [Note: int8 of half gradients] Quantised in float32 at least: an fp16 scale (a / 127)
+        # of a chunk below about 8e-3 is subnormal or zero (a chunk of 1e-6 would send nothing),
+        # and x / scale in fp16 or bf16 is off by more than the half step promised.
+        flat = tensor.detach().reshape(-1).to(_at_least_float32(tensor.dtype))
         numel = flat.numel()
         chunks = -(-numel // self.chunk_size)
         padded = torch.zeros(chunks * self.chunk_size, dtype=flat.dtype, device=flat.device)
@@ -157,10 +160,11 @@ class Int8Compressor(Compressor):
         q, scales = payload
         shape, dtype = ctx
         numel = q.numel()
-        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=dtype, device=q.device)
-        padded[:numel] = q.to(dtype)
-        rows = padded.view(scales.numel(), self.chunk_size) * scales.to(dtype).unsqueeze(1)
-        return rows.reshape(-1)[:numel].reshape(shape)
+        wide = _at_least_float32(dtype)  # see [Note: int8 of half gradients]
+        padded = torch.zeros(scales.numel() * self.chunk_size, dtype=wide, device=q.device)
+        padded[:numel] = q.to(wide)
+        rows = padded.view(scales.numel(), self.chunk_size) * scales.to(wide).unsqueeze(1)
+        return rows.reshape(-1)[:numel].reshape(shape).to(dtype)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The stochastic rounding generator's state, so a resumed run rounds as an uninterrupted
@@ -220,6 +224,11 @@ class PowerSGDCompressor(Compressor):
     ranks; the mean gradient is P Q_sum^T / world_size and this rank's contribution P Q_local^T.
     Q_sum / world_size is the next step's warm start. The first Q of a parameter is drawn from a
     generator seeded with ``seed`` and the parameter's name, so every rank draws the same one.
+
+    The factors are computed, sent and summed in float32 at least (twice the bytes of P and Q for
+    fp16/bf16 gradients): in fp16, P = M Q with a warm-start Q of the gradient's size overflows, and
+    bf16's or fp16's rounding is so coarse that orthogonalisation took every column (bf16) or all
+    but the first (fp16) for dependent and sent nothing of them. The result has the gradient's dtype.
     """
 
     exchange = "powersgd"
@@ -253,6 +262,11 @@ class PowerSGDCompressor(Compressor):
 
     def effective_rank(self, shape: torch.Size | tuple[int, ...]) -> int:
         return min(self.rank, *self.matrix_shape(shape))
+
+    @staticmethod
+    def factor_dtype(dtype: torch.dtype) -> torch.dtype:
+        """The dtype P and Q of a ``dtype`` gradient are computed and sent in (see the class doc)."""
+        return _at_least_float32(dtype)
 
     # ---- the pieces the exchange composes ---------------------------------------------------
     def warm_start(self, key: str, shape: torch.Size, dtype: torch.dtype,
@@ -328,17 +342,17 @@ class PowerSGDCompressor(Compressor):
         if not self.compressible(tensor.shape):
             return (tensor,), (tensor.shape, None)
         key = "" if key is None else key
-        matrix = self.as_matrix(tensor.detach())
+        matrix = self.as_matrix(tensor.detach()).to(self.factor_dtype(tensor.dtype))
         p = self.orthogonalize(self.project(matrix, self.warm_start(key, tensor.shape, matrix.dtype, matrix.device)))
         q = self.back_project(matrix, p)
         self.remember(key, q)
-        return (p, q), (tensor.shape, "low_rank")
+        return (p, q), (tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        shape, kind = ctx
-        if kind is None:
+        shape, dtype = ctx
+        if dtype is None:
             return payload[0]
-        return self.approximate(payload[0], payload[1], shape)
+        return self.approximate(payload[0], payload[1], shape).to(dtype)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -367,6 +381,11 @@ def make_compressor(name: str, **settings: Any) -> Compressor:
         return classes[name](**settings)
     except TypeError as exc:
         raise ConfigError(f"compressor {name!r} does not take {sorted(settings)}: {exc}") from None
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision dtypes, else ``dtype`` itself (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _checked_seed(owner: str, seed: Any) -> int:

@@ -61,6 +61,26 @@ def test_int8_nearest_error_is_at_most_half_a_step(chunk_size, shape):
     assert torch.allclose(out.reshape(-1).abs().max(), flat.abs().max(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("magnitude", [1e-6, 3e-5, 1e-3, 1.0, 1e4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_of_half_precision_gradients_is_within_half_a_step(magnitude, dtype):
+    """Before, the scale and the quantisation ran in the gradient's own dtype: an fp16 chunk of
+    1e-6 (unscaled fp16 gradients) got scale 0 and sent nothing, one of 3e-5 a subnormal scale
+    off by a third. The bound: half a step, plus rounding the result to ``dtype`` (half an ulp)."""
+    t = (_tensor(200, seed=7) * magnitude).to(dtype)
+    comp = Int8Compressor(chunk_size=50, stochastic=False)
+    (q, scales), ctx = comp.compress(t)
+    out = comp.decompress((q, scales), ctx)
+    assert out.dtype == dtype and scales.dtype == torch.float32
+    exact, got = t.to(torch.float64), out.to(torch.float64)
+    step = scales.to(torch.float64).repeat_interleave(50)
+    finfo = torch.finfo(dtype)
+    rounding = finfo.eps / 2 * exact.abs() + finfo.smallest_normal * finfo.eps / 2
+    assert ((got - exact).abs() <= step / 2 + rounding).all()
+    torch.testing.assert_close(step * 127, exact.view(4, 50).abs().amax(1).repeat_interleave(50),
+                               rtol=2.0 ** -23, atol=0.0)
+
+
 def test_int8_stochastic_rounding_is_unbiased_and_within_one_step():
     t = _tensor(64, seed=3)
     comp = Int8Compressor(chunk_size=16, stochastic=True, seed=5)

@@ -1,8 +1,11 @@
 """FP16Compressor's range on the wire (in-memory engine, float32 gradients): a sum of ranks'
 gradients that each fit fp16 does not overflow (each rank sends its share of the mean), a value
 whose share does not fit becomes inf (so a GradScaler skips the step), and the error-feedback
-residual is exactly what the compression lost."""
+residual is exactly what the compression lost; fp16 gradients whose mean fits fp16 arrive finite,
+summed (fp16) or gathered (top-k, int8)."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from torch import nn
 from distframe import spawn
 from distframe.models import DDPModel
 from distframe.optimizers.compressed import GradientCompressionOptimizer
-from distframe.optimizers.compression import FP16Compressor
+from distframe.optimizers.compression import FP16Compressor, Int8Compressor, TopKCompressor
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 # Each share is rounded to fp16 (half an ulp: at most 2**-11 of it, and of the sum of shares that
@@ -115,3 +118,24 @@ def test_fp16_gradients_whose_mean_fits_fp16_do_not_overflow(world):
         # Every rank sends x; the shares x / p are exact; the wire sum and the result are each
         # rounded to fp16 once (RTOL above).
         torch.testing.assert_close(grad, x, rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("compressor", [TopKCompressor(1.0), Int8Compressor(chunk_size=2, stochastic=False)],
+                         ids=repr)
+def test_gathered_fp16_gradients_whose_mean_fits_fp16_do_not_overflow(world, compressor):
+    # Before: every rank's decompressed payload was summed in fp16 and then divided by the
+    # world size, so W ranks sending 40000 summed to inf; GradScaler would skip the step.
+    x = torch.tensor([40000.0, 60000.0, -50000.0, 1.0], dtype=torch.float16)
+    one_rank = compressor.decompress(*compressor.compress(x))  # what each rank sends
+
+    def fn(b):
+        model = DDPModel(WeightedHalf(4), b)
+        GradientCompressionOptimizer(model, torch.optim.SGD, lr=0.0, compressor=copy.deepcopy(compressor))
+        model(x).backward()
+        model.synchronize_gradients()
+        return model.wrapped_model.w.grad.clone()
+    for grad in spawn(fn, world, timeout=30):
+        assert grad.dtype == torch.float16
+        # W equal contributions summed and divided in float32, rounded to fp16 once.
+        torch.testing.assert_close(grad, one_rank, rtol=2.0 ** -11, atol=0.0)

@@ -253,6 +253,37 @@ def test_state_dict_carries_residuals_and_warm_start(compressor):
         assert _bitwise_equal(straight, resumed)
 
 
+@pytest.mark.parametrize("saved_rank, rank", [(1, 2), (2, 1), (2, 3)])
+def test_powersgd_resumes_at_another_rank_from_the_saved_leading_columns(saved_rank, rank):
+    """Before, a checkpoint saved at a lower PowerSGD rank failed to load with "stored
+    compression.powersgd_q data ... does not cover element 12", and one saved at a higher rank
+    was read as its first m * r elements, interleaving the saved columns. Now the saved leading
+    columns are kept and the missing ones seeded, as for a column gone dead."""
+    def fn(b):
+        def build(r):
+            model = DDPModel(copy.deepcopy(MLP), b)
+            return model, _sgd(model, PowerSGDCompressor(rank=r, start_iter=0))
+        model, opt = build(saved_rank)
+        for s in range(2):
+            model.train_step(_batch(s, b.rank, 1), nn.functional.mse_loss, opt)
+        saved = opt.compressor.state_dict()
+        model2, opt2 = build(rank)
+        model2.load_state_dict(model.state_dict())
+        opt2.load_state_dict(opt.state_dict())
+        loaded = opt2.compressor.state_dict()
+        # at rank 1 the 3 x 16 weight is compressible too (38 <= 48 elements), at 2 and 3 not
+        assert loaded and loaded.keys() <= saved.keys()
+        kept = min(rank, saved_rank)
+        for key, q in loaded.items():
+            assert q.shape == (saved[key].shape[0], rank)
+            assert torch.equal(q[:, :kept], saved[key][:, :kept])
+            assert torch.equal(q[:, kept:], torch.zeros_like(q[:, kept:]))
+        losses = [model2.train_step(_batch(s, b.rank, 1), nn.functional.mse_loss, opt2) for s in range(2, 4)]
+        assert all(math.isfinite(x) for x in losses)
+        assert all(q.abs().amax(0).min() > 0 for q in opt2.compressor.state_dict().values())
+    spawn(fn, 1, timeout=60)
+
+
 _EXCHANGE = {}
 
 

@@ -1,7 +1,9 @@
 """PowerSGD through GradientCompressionOptimizer (in-memory engine): it keeps sending after a
-step with a zero gradient, and it is scale-equivariant down to tiny gradients."""
+step with a zero gradient, it is scale-equivariant down to tiny gradients, and it sends fp16 and
+bf16 gradients as well as float32 ones."""
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -69,3 +71,48 @@ def test_powersgd_is_scale_equivariant_down_to_tiny_gradients():
     for scale in (1e-6, 1e-12):
         for (applied, _), (expected, _) in zip(_powersgd_applied(scale), reference):
             torch.testing.assert_close(applied, expected, rtol=1e-9, atol=1e-12)
+
+
+class Weighted(nn.Module):
+    """``(w * x).sum()``: the gradient of ``w`` is ``x``, so each rank chooses its gradient."""
+
+    def __init__(self, shape, dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(shape, dtype=dtype))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_powersgd_sends_a_rank_2_half_precision_gradient_whole(dtype):
+    """Before, P was orthogonalised in the gradient's dtype with a cut-off of 1000 ulps: in bf16
+    (7.8 times a column's norm) every column was dropped and nothing was sent, in fp16 (0.98)
+    the second one; and from the second step, when the warm start Q has the gradient's size,
+    P = M Q of fp16 entries in the hundreds (loss-scaled gradients) overflowed: nothing was sent.
+    Rank 2 sends a rank-2 gradient whole, at every step: to the gradient's own rounding."""
+    g = torch.Generator().manual_seed(3)
+    u, v = (torch.linalg.qr(torch.randn(n, 2, generator=g)).Q for n in (20, 16))
+    # Singular values 4000 and 3000 (entries up to 1211): one power iteration finds their span.
+    gradient = (u @ torch.diag(torch.tensor([4000.0, 3000.0])) @ v.t()).to(dtype)
+
+    def fn(b):
+        model = DDPModel(Weighted(gradient.shape, dtype), b)
+        opt = GradientCompressionOptimizer(model, torch.optim.SGD, lr=0.0,
+                                           compressor=PowerSGDCompressor(rank=2, start_iter=0))
+        applied = []
+        for _ in range(3):
+            model(gradient).backward()
+            model.synchronize_gradients()
+            applied.append(model.wrapped_model.w.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        return applied
+    single = PowerSGDCompressor(rank=2, start_iter=0)
+    alone = [single.decompress(*single.compress(gradient, key="w")) for _ in range(3)]
+    eps = torch.finfo(dtype).eps
+    for applied in [alone] + spawn(fn, 2, timeout=30):
+        for step, got in enumerate(applied):
+            assert got.dtype == dtype
+            error = (got.double() - gradient.double()).norm() / gradient.double().norm()
+            assert error <= 2 * eps, f"step {step}: relative error {float(error):.3g}"
