@@ -19,11 +19,14 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered (compute) parameters and of their gradients;
     ``reduce_dtype``: dtype gradients are averaged in (defaults to ``param_dtype``).
-    ``master_dtype``: dtype of the sharded master weights the optimizer updates."""
+    ``master_dtype``: dtype of the sharded master weights the optimizer updates when
+    ``param_dtype`` is set; by default (None) the model's own dtype, but at least float32 (fp16 or
+    bf16 models get float32 masters; float64 models keep float64, as FSDP2 keeps the original
+    dtype). A dtype given is taken as it is (bfloat16 masters to save memory)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    master_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "master_dtype"):
@@ -42,9 +45,13 @@ class MixedPrecisionPolicy:
         return self.reduce_dtype or self.param_dtype or original
 
     def master(self, original: torch.dtype) -> torch.dtype:
-        """The dtype of master weights: ``master_dtype`` when the policy lowers precision,
-        else the model's own dtype (float64 models stay float64)."""
-        return self.master_dtype if self.param_dtype is not None else original
+        """The dtype of master weights of a model in ``original``: the model's own without a
+        ``param_dtype``; with one, ``master_dtype`` if given, else ``original`` promoted to at
+        least float32. (The masters were float32 whenever ``param_dtype`` was set, so a float64
+        model's fell to float32.)"""
+        if self.param_dtype is None:
+            return original
+        return self.master_dtype or torch.promote_types(original, torch.float32)
 
     @property
     def enabled(self) -> bool:

@@ -100,6 +100,32 @@ def test_mixed_precision_keeps_float32_masters_and_tracks_full_precision(strateg
             torch.testing.assert_close(initial[name] - params[name], p.grad, rtol=0.05, atol=2e-3)
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero3", "fsdp"])
+def test_master_weights_never_fall_below_the_models_dtype_unless_asked(strategy):
+    # The masters were float32 whenever param_dtype was set: a float64 model with a no-op policy
+    # (param_dtype=float64) trained in float32 masters, 1e-8 away from one process.
+    def run(backend, policy, dtype=torch.float64):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(dtype), backend, mixed_precision=policy, **SETTINGS[strategy])
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        masters = {s.dtype for s in model.local_parameter_shard()}
+        if dtype == torch.float64 and policy.param_dtype == torch.float64:
+            for batch in global_batches(5, 12):
+                model.train_step(rank_slice(batch, backend.rank, 2), loss_fn, opt)
+        return masters, model.gather_full_parameters()
+
+    expected = reference_run(global_batches(5, 12))[-1]
+    for masters, params in spawn(lambda b: run(b, MixedPrecisionPolicy(param_dtype=torch.float64)), 2):
+        assert masters == {torch.float64}
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10)
+    lowered = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert spawn(lambda b: run(b, lowered)[0], 2) == [{torch.float64}] * 2
+    assert spawn(lambda b: run(b, lowered, torch.float16)[0], 2) == [{torch.float32}] * 2
+    asked = MixedPrecisionPolicy(param_dtype=torch.bfloat16, master_dtype=torch.bfloat16)
+    assert spawn(lambda b: run(b, asked, torch.float32)[0], 2) == [{torch.bfloat16}] * 2
+
+
 class TwoHeads(nn.Module):
     """Head `b` is used only when asked: parameters that get no gradient in some steps."""
 
