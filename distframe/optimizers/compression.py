@@ -193,7 +193,7 @@ class TopKCompressor(Compressor):
         self.ratio = float(ratio)
 
     def k_for(self, numel: int) -> int:
-        return min(numel, max(1, math.ceil(self.ratio * numel)))
+        return min(numel, max(1, math.ceil(round(self.ratio * numel, 6))))  # 0.07 * 100 = 7.000...01
 
     def compress(self, tensor: torch.Tensor, *, key: str | None = None) -> tuple[Payload, Any]:
         flat = tensor.detach().reshape(-1)

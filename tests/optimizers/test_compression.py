@@ -119,6 +119,13 @@ def test_int8_keeps_a_non_finite_gradient_non_finite(bad, stochastic):
     for lo in (0, 8):
         assert (out[lo:lo + 4] - t[lo:lo + 4]).abs().max() <= t[lo:lo + 4].abs().max() / 127
 
+
+@pytest.mark.parametrize("ratio, numel, k", [(0.07, 100, 7), (0.1, 30, 3), (0.3, 10, 3), (0.01, 10, 1),
+                                             (1.0, 5, 5), (0.5, 1, 1)])
+def test_topk_sends_ceil_of_ratio_times_numel_exactly(ratio, numel, k):
+    # 0.07 * 100 is 7.000000000000001 in floating point: ceil sent one element too many.
+    assert TopKCompressor(ratio).k_for(numel) == k
+
 @pytest.mark.parametrize("ratio", [0.01, 0.1, 0.5, 1.0])
 def test_topk_keeps_the_largest_magnitudes(ratio):
     t = _tensor(20, 10, seed=1)
