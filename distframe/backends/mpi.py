@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -316,36 +317,47 @@ class _P2PWork(Work):
         self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        if self._error is not None:
-            raise self._error
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
-            try:
-                wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
-                    self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
-            except self._backend._MPI.Exception as exc:
-                if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
-                    self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
-                    raise self._error from None
-                raise
-            self._finish()
+            self._settle(lambda: self._wait_request(limit))
+        if self._error is not None:
+            raise self._error
         return self._target
 
+    def _wait_request(self, limit: float) -> bool:
+        wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
+            self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
+        return True
+
     def is_completed(self) -> bool:
-        if not self._done and self._request.Test(self._status):
-            self._finish()
+        """True once the message has moved, a receive of another size included (``wait`` then
+        raises the mismatch); asking never raises it."""
+        if not self._done:
+            self._settle(lambda: self._request.Test(self._status))
         return self._done
 
-    def _finish(self) -> None:
-        if self._done:
+    def _settle(self, test: Callable[[], bool]) -> None:
+        """Finishes the operation if ``test()`` (a wait or a Test of the request) says it has
+        completed. MPI ends a receive of a message larger than its buffer with an error, after
+        which the request is gone (asking again reads "0 bytes"): that is recorded as the
+        mismatch, for every later wait to raise."""
+        try:
+            completed = test()
+        except self._backend._MPI.Exception as exc:
+            if exc.Get_error_class() != self._backend._MPI.ERR_TRUNCATE:
+                raise
+            self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
             return
+        if completed:
+            self._finish()
+
+    def _finish(self) -> None:
         self._done = True
         if self._op == "recv":
             received = self._status.Get_count(self._backend._MPI.BYTE)
             if received != self._buffer.nbytes:
                 self._error = self._mismatch(str(received))
-                raise self._error
-            if self._target is not None:
+            elif self._target is not None:
                 write_back(self._target, self._buffer)
 
     def _mismatch(self, received: str) -> CollectiveMismatchError:

@@ -79,6 +79,25 @@ def run_p2p_mismatch(b, received):
     return None
 
 
+def run_p2p_mismatch_polled(b, received):
+    """As ``run_p2p_mismatch``, but rank 1 polls ``is_completed()`` before it waits: what polling
+    raised (nothing is due), whether it said True, and what the wait raised."""
+    if b.rank == 0:
+        b.send(torch.arange(4.0), 1, tag=3)
+    if b.rank != 1:
+        return None
+    work = b.irecv(torch.empty(received), 0, tag=3)
+    deadline, completed, raised = time.monotonic() + 10.0, False, None
+    while not completed and time.monotonic() < deadline:
+        try:
+            completed = work.is_completed()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            raised = f"{type(exc).__name__}: {exc}"
+            break
+        time.sleep(0.001)
+    return raised, completed, _outcome(work.wait), _outcome(work.wait)
+
+
 def run_use_after_shutdown(b):
     other = MPICommunicationBackend(b.comm)
     other.shutdown()
@@ -147,6 +166,17 @@ def test_recv_of_another_size_is_a_mismatch(pool3, received):
     name, _, _, message = pool3.run(run_p2p_mismatch, received)[1]
     assert name == "CollectiveMismatchError"
     assert "rank 0 sent" in message and f"({received * 4} bytes)" in message
+
+
+@pytest.mark.parametrize("received, sent", [(5, "sent 16 bytes"), (3, "sent more than 12 bytes")])
+def test_polling_a_recv_of_another_size_completes_and_the_wait_names_the_mismatch(pool3, received, sent):
+    # is_completed() raised the mismatch itself, and for a larger message MPI's raw "Message
+    # truncated" error stack, after which wait() said the sender had sent 0 bytes.
+    raised, completed, first, second = pool3.run(run_p2p_mismatch_polled, received)[1]
+    assert raised is None and completed
+    for name, _, seq, message in (first, second):
+        assert name == "CollectiveMismatchError" and seq == 1, message
+        assert f"rank 0 {sent} with tag 3" in message and f"({received * 4} bytes)" in message, message
 
 
 def test_use_after_shutdown_raises_value_error(pool3):
