@@ -45,8 +45,8 @@ UNREDUCIBLE = frozenset(getattr(torch, name) for name in (
 
 def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
     """The op actually applied for ``dtype``: bool SUM is logical OR and PRODUCT logical AND,
-    as in torch.distributed; AVG needs a floating or complex dtype; ``UNREDUCIBLE`` dtypes are
-    moved (all_gather, broadcast, ...) but never reduced."""
+    as in torch.distributed; AVG needs a floating or complex dtype, MIN and MAX a real one;
+    ``UNREDUCIBLE`` dtypes are moved (all_gather, broadcast, ...) but never reduced."""
     if dtype in UNREDUCIBLE:
         wider = "torch.float32" if dtype.is_floating_point else "torch.int64"
         raise ValueError(f"a {op.name} reduction of {dtype}: torch has no arithmetic for this dtype, so "
@@ -55,6 +55,10 @@ def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
         if op is ReduceOp.AVG:
             raise ValueError("ReduceOp.AVG is undefined for bool tensors; use MAX (any) or MIN (all)")
         return {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
+    if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
+        # Else MPI raised its raw "Invalid MPI_Op" error stack, the others torch's RuntimeError.
+        raise ValueError(f"ReduceOp.{op.name} is undefined for complex tensors ({dtype}), which have no "
+                         "order; reduce torch.view_as_real(t) for the parts, or t.abs() for the magnitudes")
     if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}; "
                          "use ReduceOp.SUM and divide, or convert to a float dtype first")

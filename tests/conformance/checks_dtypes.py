@@ -120,3 +120,28 @@ def check_rarer_dtypes_move_alike(backend) -> None:
             else:
                 raise AssertionError(f"{backend.engine}: a reduction of {name} did not raise")
     backend.barrier()  # every rank raised before communicating: they are still in step
+
+
+def check_complex_min_max_is_refused_alike(backend) -> None:
+    """MIN and MAX of complex tensors, which have no order, are a ValueError naming the op on
+    every rank of every engine, before anything moves (all_reduce, reduce, reduce_scatter,
+    synchronous or not), so the group stays in step. MPI raised its raw "Invalid MPI_Op" error
+    stack, Gloo torch's RuntimeError after a wasted all-gather, the in-memory engine torch's."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    for dtype in (torch.complex64, torch.complex128):
+        mine = torch.full((2 * n,), complex(r, 1), dtype=dtype, device=device)
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            calls = (("all_reduce", lambda: backend.all_reduce(mine.clone(), op)),
+                     ("async all_reduce", lambda: backend.all_reduce(mine.clone(), op, async_op=True)),
+                     ("reduce", lambda: backend.reduce(mine.clone(), n - 1, op)),
+                     ("reduce_scatter", lambda: backend.reduce_scatter(mine, op)))
+            for what, call in calls:
+                try:
+                    call()
+                except ValueError as exc:
+                    if op.name not in str(exc) or "complex" not in str(exc):
+                        raise AssertionError(f"{what} {op.name} of {dtype}: {exc}") from exc
+                else:
+                    raise AssertionError(f"{backend.engine}: {what} {op.name} of {dtype} did not raise")
+    total = backend.all_reduce(torch.tensor([float(r)], device=device))
+    np.testing.assert_array_equal(as_numpy(total), [np.arange(n).sum()])
