@@ -299,8 +299,16 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _shutdown(self) -> None:
         self.depart()
         self._board.close()
-        if not self._abandoned:
+        # A receive whose Work.wait(timeout=...) expired is among them, though a later wait
+        # may have completed it: only a request still pending keeps the communicator.
+        if all(self._settled(request) for request, _ in self._abandoned):
             self._comm.Free()
+
+    def _settled(self, request: Any) -> bool:
+        try:
+            return request.Test()
+        except self._MPI.Exception:  # it completed, with an error (a truncated receive)
+            return True
 
 
 class _P2PWork(Work):
@@ -310,11 +318,8 @@ class _P2PWork(Work):
                  peer: int, tag: int, buffer: torch.Tensor, target: torch.Tensor | None = None) -> None:
         self._backend, self._request, self._op, self._seq = backend, request, op, seq
         self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
-        self._status = backend._MPI.Status()
-        self._done = False
-        # A receive of another size completed with this error: every later wait raises it too
-        # (the request is gone, so asking MPI again read "0 bytes").
-        self._error: CollectiveMismatchError | None = None
+        self._status, self._done = backend._MPI.Status(), False
+        self._error: CollectiveMismatchError | None = None  # a receive of another size: every wait raises it
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         if not self._done:
@@ -330,17 +335,14 @@ class _P2PWork(Work):
         return True
 
     def is_completed(self) -> bool:
-        """True once the message has moved, a receive of another size included (``wait`` then
-        raises the mismatch); asking never raises it."""
+        """True once the message has moved (a receive of another size too: ``wait`` raises that)."""
         if not self._done:
             self._settle(lambda: self._request.Test(self._status))
         return self._done
 
     def _settle(self, test: Callable[[], bool]) -> None:
-        """Finishes the operation if ``test()`` (a wait or a Test of the request) says it has
-        completed. MPI ends a receive of a message larger than its buffer with an error, after
-        which the request is gone (asking again reads "0 bytes"): that is recorded as the
-        mismatch, for every later wait to raise."""
+        """Finishes the operation if ``test()`` (a wait or a Test) says it completed. A receive of a
+        larger message ends in an MPI error, and the request is gone: recorded as the mismatch."""
         try:
             completed = test()
         except self._backend._MPI.Exception as exc:
