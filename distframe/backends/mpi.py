@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -298,8 +299,16 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _shutdown(self) -> None:
         self.depart()
         self._board.close()
-        if not self._abandoned:
+        # A receive whose Work.wait(timeout=...) expired is among them, though a later wait
+        # may have completed it: only a request still pending keeps the communicator.
+        if all(self._settled(request) for request, _ in self._abandoned):
             self._comm.Free()
+
+    def _settled(self, request: Any) -> bool:
+        try:
+            return request.Test()
+        except self._MPI.Exception:  # it completed, with an error (a truncated receive)
+            return True
 
 
 class _P2PWork(Work):
@@ -309,43 +318,48 @@ class _P2PWork(Work):
                  peer: int, tag: int, buffer: torch.Tensor, target: torch.Tensor | None = None) -> None:
         self._backend, self._request, self._op, self._seq = backend, request, op, seq
         self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
-        self._status = backend._MPI.Status()
-        self._done = False
-        # A receive of another size completed with this error: every later wait raises it too
-        # (the request is gone, so asking MPI again read "0 bytes").
-        self._error: CollectiveMismatchError | None = None
+        self._status, self._done = backend._MPI.Status(), False
+        self._error: CollectiveMismatchError | None = None  # a receive of another size: every wait raises it
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        if self._error is not None:
-            raise self._error
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
-            try:
-                wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
-                    self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
-            except self._backend._MPI.Exception as exc:
-                if exc.Get_error_class() == self._backend._MPI.ERR_TRUNCATE:
-                    self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
-                    raise self._error from None
-                raise
-            self._finish()
+            self._settle(lambda: self._wait_request(limit))
+        if self._error is not None:
+            raise self._error
         return self._target
 
+    def _wait_request(self, limit: float) -> bool:
+        wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
+            self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
+        return True
+
     def is_completed(self) -> bool:
-        if not self._done and self._request.Test(self._status):
-            self._finish()
+        """True once the message has moved (a receive of another size too: ``wait`` raises that)."""
+        if not self._done:
+            self._settle(lambda: self._request.Test(self._status))
         return self._done
 
-    def _finish(self) -> None:
-        if self._done:
+    def _settle(self, test: Callable[[], bool]) -> None:
+        """Finishes the operation if ``test()`` (a wait or a Test) says it completed. A receive of a
+        larger message ends in an MPI error, and the request is gone: recorded as the mismatch."""
+        try:
+            completed = test()
+        except self._backend._MPI.Exception as exc:
+            if exc.Get_error_class() != self._backend._MPI.ERR_TRUNCATE:
+                raise
+            self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
             return
+        if completed:
+            self._finish()
+
+    def _finish(self) -> None:
         self._done = True
         if self._op == "recv":
             received = self._status.Get_count(self._backend._MPI.BYTE)
             if received != self._buffer.nbytes:
                 self._error = self._mismatch(str(received))
-                raise self._error
-            if self._target is not None:
+            elif self._target is not None:
                 write_back(self._target, self._buffer)
 
     def _mismatch(self, received: str) -> CollectiveMismatchError:

@@ -27,7 +27,11 @@ def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
       precision costs half the bytes of float32 on the wire, as torch DDP's and FSDP's do.
       float16 is first divided by ``p``, the power of two >= ``world_size`` (exact), so the sum
       cannot overflow; ``average_`` scales it by ``p / world_size`` in float32.
+
+    torch cannot divide complex32, so every engine averages a complex64 copy of it.
     """
+    if op is ReduceOp.AVG and tensor.dtype == torch.complex32:
+        return tensor.to(torch.complex64, memory_format=torch.contiguous_format)
     if op is ReduceOp.AVG and tensor.dtype in LOW_PRECISION:
         if not keep_dtype:
             return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)

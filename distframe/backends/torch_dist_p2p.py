@@ -124,12 +124,22 @@ class RecvWork(Work):
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or (self._payload_work is not None and self._payload_work.is_completed())
+        """True once the message is in the tensor, or the receive has failed (``wait`` raises why).
+        A Gloo receive says it has completed only to a wait, and a debug-mode payload is posted
+        only once its header has arrived, so asking its work stayed False for good and a loop
+        polling this never ended: the first call starts the waiting thread, later ones ask it."""
+        if self._done:
+            return True
+        return self._start_waiter().done()
 
-    def _wait_on_thread(self, timeout: float | None) -> torch.Tensor:
+    def _start_waiter(self) -> Future:
         if self._waiter is None:
             self._waiter = Future()
             threading.Thread(target=self._wait_for_waiter, name="distframe-recv-wait", daemon=True).start()
+        return self._waiter
+
+    def _wait_on_thread(self, timeout: float | None) -> torch.Tensor:
+        self._start_waiter()
         try:
             return self._waiter.result(timeout)
         except FutureTimeout:

@@ -57,8 +57,9 @@ def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
             raise ValueError("ReduceOp.AVG is undefined for bool tensors; use MAX (any) or MIN (all)")
         return {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
     if dtype.is_complex and op in (ReduceOp.MIN, ReduceOp.MAX):
+        # Else MPI raised its raw "Invalid MPI_Op" error stack, the others torch's RuntimeError.
         raise ValueError(f"ReduceOp.{op.name} is undefined for {dtype}: complex numbers have no order; "
-                         "reduce t.abs() or t.real instead")
+                         "reduce torch.view_as_real(t) for the parts, or t.abs() for the magnitudes")
     if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"ReduceOp.AVG needs a floating dtype, got {dtype}; "
                          "use ReduceOp.SUM and divide, or convert to a float dtype first")

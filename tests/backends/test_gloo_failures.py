@@ -193,6 +193,13 @@ def test_calls_queued_behind_a_failed_async_call_are_not_left_running(debug_pool
     assert debug_pool.run(rank_pid_and_sum) == [(pid, 3.0) for pid in pids]
 
 
+def test_debug_mode_receive_polled_with_is_completed_completes(debug_pool):
+    # In debug mode the payload's receive is posted only once its header has arrived, so
+    # is_completed() of a receive stayed False for good unless something waited for it.
+    from tests.conformance.checks_async import check_polled_receive_completes
+    debug_pool.run(check_polled_receive_completes)
+
+
 def test_use_after_shutdown_raises_value_error(debug_pool):
     for text in debug_pool.run(rank_use_after_shutdown):
         assert "after shutdown()" in text

@@ -79,6 +79,46 @@ def run_p2p_mismatch(b, received):
     return None
 
 
+def run_p2p_mismatch_polled(b, received):
+    """As ``run_p2p_mismatch``, but rank 1 polls ``is_completed()`` before it waits: what polling
+    raised (nothing is due), whether it said True, and what the wait raised."""
+    if b.rank == 0:
+        b.send(torch.arange(4.0), 1, tag=3)
+    if b.rank != 1:
+        return None
+    work = b.irecv(torch.empty(received), 0, tag=3)
+    deadline, completed, raised = time.monotonic() + 10.0, False, None
+    while not completed and time.monotonic() < deadline:
+        try:
+            completed = work.is_completed()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            raised = f"{type(exc).__name__}: {exc}"
+            break
+        time.sleep(0.001)
+    return raised, completed, _outcome(work.wait), _outcome(work.wait)
+
+
+def run_recv_wait_expires_then_completes(b):
+    """On a group of its own, rank 0's receive from rank 1 first waits with a timeout that
+    expires (rank 1 waits for rank 0's go-ahead), then completes. Every rank shuts the group down
+    and says whether its communicator was freed, with what rank 0 received."""
+    from mpi4py import MPI
+    group = MPICommunicationBackend(b.comm, timeout=30)
+    got = torch.zeros(3)
+    if group.rank == 0:
+        work = group.irecv(got, 1, tag=2)
+        with pytest.raises(CollectiveTimeoutError):
+            work.wait(timeout=0.2)
+        group.send(torch.ones(1), 1)
+        work.wait()
+    elif group.rank == 1:
+        group.recv(torch.zeros(1), 0)
+        group.send(torch.arange(3.0) + 1, 0, tag=2)
+    comm = group.comm
+    group.shutdown()
+    return comm == MPI.COMM_NULL, got.tolist()
+
+
 def run_use_after_shutdown(b):
     other = MPICommunicationBackend(b.comm)
     other.shutdown()
@@ -147,6 +187,24 @@ def test_recv_of_another_size_is_a_mismatch(pool3, received):
     name, _, _, message = pool3.run(run_p2p_mismatch, received)[1]
     assert name == "CollectiveMismatchError"
     assert "rank 0 sent" in message and f"({received * 4} bytes)" in message
+
+
+@pytest.mark.parametrize("received, sent", [(5, "sent 16 bytes"), (3, "sent more than 12 bytes")])
+def test_polling_a_recv_of_another_size_completes_and_the_wait_names_the_mismatch(pool3, received, sent):
+    # is_completed() raised the mismatch itself, and for a larger message MPI's raw "Message
+    # truncated" error stack, after which wait() said the sender had sent 0 bytes.
+    raised, completed, first, second = pool3.run(run_p2p_mismatch_polled, received)[1]
+    assert raised is None and completed
+    for name, _, seq, message in (first, second):
+        assert name == "CollectiveMismatchError" and seq == 1, message
+        assert f"rank 0 {sent} with tag 3" in message and f"({received * 4} bytes)" in message, message
+
+
+def test_shutdown_frees_the_communicator_once_an_expired_wait_has_completed(pool3):
+    # The expired wait kept its request among the timed-out ones for good, so shutdown never
+    # freed the communicator: one leaked per such group (MPICH has a few thousand context ids).
+    freed = pool3.run(run_recv_wait_expires_then_completes)
+    assert freed == [(True, [1.0, 2.0, 3.0]), (True, [0.0] * 3), (True, [0.0] * 3)]
 
 
 def test_use_after_shutdown_raises_value_error(pool3):

@@ -2,6 +2,8 @@
 repeated or out of issue order. Each runs on every rank of a group, on any engine."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -81,3 +83,27 @@ def make_a_call_the_others_do_not(backend, wait: bool) -> str:
                 work.wait()
             return "seen"
     return "returned"
+
+
+def check_polled_receive_completes(backend) -> None:
+    """Rank 0 posts a receive from the last rank and polls ``is_completed()`` (no wait) until it
+    is True, as a loop that overlaps work with communication does; then ``wait()`` returns the
+    message. On Gloo ``is_completed()`` of a receive stayed False for good (Gloo's work says it
+    has completed only to a wait), so such a loop never ended; the deadline here stands in for it."""
+    n, r = backend.world_size, backend.rank
+    payload = np.arange(5, dtype=np.float32) - 2
+    if r == 0 and n > 1:
+        got = torch.zeros(5)
+        work = backend.irecv(got, n - 1, tag=3)
+        deadline = time.monotonic() + 10.0
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{backend.engine}: is_completed() of a receive whose message "
+                                     "was sent stayed False for 10 s")
+            time.sleep(0.001)
+        if not work.is_completed() or work.wait() is not got:
+            raise AssertionError("a completed receive must stay completed and wait() return its tensor")
+        np.testing.assert_array_equal(got.numpy(), payload)
+    elif r == n - 1 and n > 1:
+        backend.send(torch.from_numpy(payload), 0, tag=3)
+    backend.barrier()

@@ -120,3 +120,53 @@ def check_rarer_dtypes_move_alike(backend) -> None:
             else:
                 raise AssertionError(f"{backend.engine}: a reduction of {name} did not raise")
     backend.barrier()  # every rank raised before communicating: they are still in step
+
+
+def check_complex_min_max_is_refused_alike(backend) -> None:
+    """MIN and MAX of complex tensors, which have no order, are a ValueError naming the op on
+    every rank of every engine, before anything moves (all_reduce, reduce, reduce_scatter,
+    synchronous or not), so the group stays in step. MPI raised its raw "Invalid MPI_Op" error
+    stack, Gloo torch's RuntimeError after a wasted all-gather, the in-memory engine torch's."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+    for dtype in (torch.complex64, torch.complex128):
+        mine = torch.full((2 * n,), complex(r, 1), dtype=dtype, device=device)
+        for op in (ReduceOp.MIN, ReduceOp.MAX):
+            calls = (("all_reduce", lambda: backend.all_reduce(mine.clone(), op)),
+                     ("async all_reduce", lambda: backend.all_reduce(mine.clone(), op, async_op=True)),
+                     ("reduce", lambda: backend.reduce(mine.clone(), n - 1, op)),
+                     ("reduce_scatter", lambda: backend.reduce_scatter(mine, op)))
+            for what, call in calls:
+                try:
+                    call()
+                except ValueError as exc:
+                    if op.name not in str(exc) or "complex" not in str(exc):
+                        raise AssertionError(f"{what} {op.name} of {dtype}: {exc}") from exc
+                else:
+                    raise AssertionError(f"{backend.engine}: {what} {op.name} of {dtype} did not raise")
+    total = backend.all_reduce(torch.tensor([float(r)], device=device))
+    np.testing.assert_array_equal(as_numpy(total), [np.arange(n).sum()])
+
+
+def check_complex32_average(backend) -> None:
+    """AVG of complex32, which torch cannot divide: every engine averages a complex64 copy and
+    rounds once (all_reduce, reduce_scatter, reduce). It raised torch's NotImplementedError
+    ("div_cpu" not implemented for 'ComplexHalf') on every engine, after the data had moved."""
+    n, r, device = backend.world_size, backend.rank, input_device()
+
+    def values(k: int, size: int) -> torch.Tensor:  # small integers: every mean is exact
+        parts = torch.arange(2 * size, dtype=torch.float32).reshape(size, 2) + 4 * k
+        return torch.view_as_complex(parts).to(device)
+    mean = sum(values(k, 2 * n) for k in range(n)).cpu().numpy() / n
+    mine = values(r, 2 * n).to(torch.complex32)
+    reduced = mine.clone()
+    backend.all_reduce(reduced, ReduceOp.AVG)
+    chunk = backend.reduce_scatter(mine, ReduceOp.AVG)
+    at_root = mine.clone()
+    backend.reduce(at_root, n - 1, ReduceOp.AVG)
+    kept = values(r, 2 * n).cpu().numpy()  # what a rank other than the root keeps
+    for what, got, expected in (("all_reduce", reduced, mean),
+                                ("reduce_scatter", chunk, mean[2 * r:2 * r + 2]),
+                                ("reduce", at_root, mean if r == n - 1 else kept)):
+        if got.dtype != torch.complex32:
+            raise AssertionError(f"{what} AVG of complex32 gave {got.dtype}")
+        np.testing.assert_array_equal(got.to(torch.complex64).cpu().numpy(), expected, err_msg=what)

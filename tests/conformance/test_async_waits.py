@@ -34,3 +34,7 @@ def test_an_asynchronous_call_never_waited_for_fails_the_run(runner):
     # A failure the rank has seen (and handled) is not raised again when the run ends.
     seen = runner.run(checks_async.make_a_call_the_others_do_not, wait=True)
     assert seen == ["seen"] + ["returned"] * (n - 1)
+
+
+def test_polled_receive_completes(runner):
+    runner.run(checks_async.check_polled_receive_completes)

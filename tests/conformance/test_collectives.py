@@ -125,3 +125,11 @@ def test_scatter_of_rarer_dtypes(runner):
 
 def test_rarer_dtypes_move_alike(runner):
     runner.run(checks_dtypes.check_rarer_dtypes_move_alike)
+
+
+def test_complex_min_max_is_refused_alike(runner):
+    runner.run(checks_dtypes.check_complex_min_max_is_refused_alike)
+
+
+def test_complex32_average(runner):
+    runner.run(checks_dtypes.check_complex32_average)
