@@ -206,7 +206,8 @@ def _sharing_ranks(inputs: dict[int, torch.Tensor]) -> list[int]:
 
 
 class _RecvWork(Work):
-    """A receive completes when its message is taken from the mailbox, in ``wait``."""
+    """A receive completes when its message is taken from the mailbox, in ``wait`` or in an
+    ``is_completed`` that finds it there."""
 
     def __init__(self, backend: InMemoryCommunicationBackend, tensor: torch.Tensor, src: int,
                  tag: int, seq: int) -> None:
@@ -235,5 +236,14 @@ class _RecvWork(Work):
         return self._tensor
 
     def is_completed(self) -> bool:
-        return self._done or self._error is not None or self._backend._rdv.has_message(
-            self._src, self._backend.rank, self._tag, self._seq)
+        """True once the message is in the tensor (taken now if it has arrived, as MPI and Gloo
+        fill the tensor before they say so), or once a mismatched one was taken (wait raises)."""
+        if self._done or self._error is not None:
+            return True
+        if not self._backend._rdv.has_message(self._src, self._backend.rank, self._tag, self._seq):
+            return False
+        try:
+            self.wait()
+        except CollectiveMismatchError:
+            pass  # kept in self._error for wait()
+        return True
