@@ -34,8 +34,9 @@ from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendB
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.departures import (Departure, departure_error, receive_departure_error,
                                            send_departure_error)
-from distframe.backends.mpi_buffers import (AddressWire, device_aware, import_mpi, mpi_ops, needs_staging,
-                                            reduction_dtype, stage_back, stage_in, wire, write_back)
+from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacements, import_mpi, mpi_ops,
+                                            needs_staging, stage_back, stage_in,
+                                            upcast_for_mpi, wire, write_back)
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
 from distframe.backends.types import ReduceOp, Work
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -160,7 +161,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, call: Call) -> None:
         stage = needs_staging(tensor, self._device_aware)
         host = stage_in(tensor, stage)
-        work = _upcast(host)
+        work = upcast_for_mpi(host)
         self._board.publish(call.seq)
         self._wait(call, self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(work), self._ops[op]), work)
         write_back(host, work)
@@ -178,7 +179,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         stage = needs_staging(tensor, self._device_aware)
-        work = _upcast(stage_in(tensor, stage))
+        work = upcast_for_mpi(stage_in(tensor, stage))
         if stage or out is None or out.dtype != work.dtype:  # else reduce straight into the caller's buffer
             out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
         self._board.publish(call.seq)
@@ -198,7 +199,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
         stage = needs_staging(tensor, self._device_aware)
         host = stage_in(tensor, stage)
-        work = _upcast(host)
+        work = upcast_for_mpi(host)
         buf = wire(work)
         root = self._rank == dst
         send = self._MPI.IN_PLACE if root else buf
@@ -243,8 +244,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         recv_counts = (recv_rows * per_row).tolist()
         flat_in = torch.cat([c.reshape(-1) for c in host])
         flat_out = flat_in.new_empty(sum(recv_counts))
-        send = [wire(flat_in), (send_counts, _offsets(send_counts))]
-        recv = [wire(flat_out), (recv_counts, _offsets(recv_counts))]
+        send = [wire(flat_in), (send_counts, displacements(send_counts))]
+        recv = [wire(flat_out), (recv_counts, displacements(recv_counts))]
         self._complete(call, lambda: self._comm.Ialltoallv(send, recv), (send, recv))
         parts = flat_out.split(recv_counts)
         return [stage_back(p.view(int(n), *trailing), chunks[0], stage)
@@ -362,6 +363,12 @@ class _P2PWork(Work):
             elif self._target is not None:
                 write_back(self._target, self._buffer)
 
+    def __del__(self) -> None:
+        # Dropped before it completed: MPI still reads or writes its buffer, which must outlive the
+        # request; both stay with the backend, whose shutdown tests them (a later call may too).
+        if not self._done:
+            self._backend._abandoned.append((self._request, self._buffer))
+
     def _mismatch(self, received: str) -> CollectiveMismatchError:
         t = self._buffer
         return CollectiveMismatchError(
@@ -384,16 +391,3 @@ class _P2PWork(Work):
         return CollectiveTimeoutError(self._op, self._seq, [self._peer], limit,
                                       f"rank {self._peer} did not {what} with tag {self._tag}")
 
-
-def _upcast(tensor: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a float16/bfloat16 tensor (MPI cannot reduce those), else the tensor."""
-    dtype = reduction_dtype(tensor.dtype)
-    return tensor if dtype == tensor.dtype else tensor.to(dtype)
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out

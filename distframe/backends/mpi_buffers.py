@@ -163,3 +163,17 @@ def write_back(tensor: torch.Tensor, staged: torch.Tensor) -> None:
     """Copies an in-place result from its staging buffer into ``tensor`` (no-op if not staged)."""
     if staged is not tensor:
         tensor.copy_(staged)
+
+
+def upcast_for_mpi(tensor: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a float16/bfloat16 tensor (MPI cannot reduce those), else the tensor."""
+    dtype = reduction_dtype(tensor.dtype)
+    return tensor if dtype == tensor.dtype else tensor.to(dtype)
+
+
+def displacements(counts: list[int]) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out

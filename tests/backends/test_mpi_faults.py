@@ -119,6 +119,27 @@ def run_recv_wait_expires_then_completes(b):
     return comm == MPI.COMM_NULL, got.tolist()
 
 
+def run_dropped_recv(b):
+    """Rank 0 posts a receive and drops its Work and tensor before the message comes: MPI still
+    writes into that memory, so it must stay allocated until the receive has completed."""
+    import gc
+    import weakref
+    with MPICommunicationBackend(b.comm, timeout=20) as group:
+        if group.rank == 0:
+            target = torch.zeros(64)
+            alive = weakref.ref(target)
+            group.irecv(target, 1, tag=7)  # the Work is dropped at once
+            del target
+            gc.collect()
+            kept = alive() is not None
+            group.barrier()
+            return kept
+        group.barrier()
+        if group.rank == 1:
+            group.send(torch.arange(64.0), 0, tag=7)
+    return None
+
+
 def run_use_after_shutdown(b):
     other = MPICommunicationBackend(b.comm)
     other.shutdown()
@@ -205,6 +226,13 @@ def test_shutdown_frees_the_communicator_once_an_expired_wait_has_completed(pool
     # freed the communicator: one leaked per such group (MPICH has a few thousand context ids).
     freed = pool3.run(run_recv_wait_expires_then_completes)
     assert freed == [(True, [1.0, 2.0, 3.0]), (True, [0.0] * 3), (True, [0.0] * 3)]
+
+
+def test_a_dropped_receive_keeps_its_buffer_until_it_completes(pool3):
+    # The buffer was freed with the Work while MPI still had the receive posted: the message
+    # then landed in freed memory (whatever the allocator had put there since).
+    assert pool3.run(run_dropped_recv) == [True, None, None]
+    assert pool3.run(ranks_times_two) == [0, 2, 4]
 
 
 def test_use_after_shutdown_raises_value_error(pool3):
