@@ -64,6 +64,13 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, bias, backend, gather_output=gather_output, copy_input=copy_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() and x.shape[-1] != self.weight.shape[1]:
+            sliced = x.shape[-1] * self.backend.world_size == self.weight.shape[1]
+            raise ValueError(f"{_planned(self, 'column')} expects the full input width "
+                             f"{self.weight.shape[1]} but got {x.shape[-1]}"
+                             + (", one rank's slice: its input is the split output of another 'column' "
+                                "layer; plan the layer that consumes a 'column' output 'row'"
+                                if sliced else ""))
         if self.copy_input:
             x = copy_to_parallel_region(x, self.backend)
         y = F.linear(x, self.weight, self.bias)  # (..., out/t)
@@ -94,6 +101,15 @@ class RowParallelLinear(nn.Module):
         return cls(weight, bias, backend, input_is_parallel=input_is_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.weight.shape[1]
+        if self.input_is_parallel and x.dim() and x.shape[-1] != local:
+            full = local * self.backend.world_size
+            raise ValueError(f"{_planned(self, 'row')} expects its input split over the "
+                             f"{self.backend.world_size} tensor ranks (last dim {local} of {full}) but got "
+                             + (f"the full width {full}: in the forward it must take its 'column' "
+                                "sibling's output; plan it on its own (no 'column' sibling) or change "
+                                "the plan"
+                                if x.shape[-1] == full else f"last dim {x.shape[-1]}"))
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.backend)
         y = reduce_from_parallel_region(F.linear(x, self.weight), self.backend)  # (..., out)
@@ -180,6 +196,12 @@ class ShardedLayerNorm(nn.Module):
         if self.weight is not None:
             y = y * self.weight
         return y if self.bias is None else y + self.bias
+
+
+def _planned(layer: nn.Module, style: str) -> str:
+    """How a wiring error names the layer: by the plan's name for it when a plan made it."""
+    name = getattr(layer, "plan_name", None)
+    return f"{type(layer).__name__}" if name is None else f"{name!r} ({style})"
 
 
 def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:

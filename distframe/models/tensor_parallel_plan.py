@@ -89,6 +89,7 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
             name = f"{parent_name}.{child}" if parent_name else child
             with _naming(name):
                 layer = _parallel_layer(dense, style, styles, backend, shared, name)
+            layer.plan_name = name  # named in its wiring errors
             setattr(parent, child, layer)
             _record(origins, dense, layer)
     return origins
