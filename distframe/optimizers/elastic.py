@@ -33,7 +33,8 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase
-from distframe.optimizers.elastic_rollback import ElasticRollbackError, describe_source, lost_commit
+from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source, lost_commit,
+                                                  unsaved_load)
 
 _META_KEY = "__elastic_meta__"
 
@@ -71,13 +72,15 @@ class Commit:
 @dataclasses.dataclass
 class ElasticMember:
     """One worker's identity across membership changes (owned by whoever runs the workers):
-    the newest commit it holds, the step at which its current group ends cleanly, and the step
-    of the run's newest commit (which restoring must reach; None: unknown)."""
+    the newest commit it holds, the step at which its current group ends cleanly, the step of
+    the run's newest commit (which restoring must reach; None: unknown), and the step of a
+    state loaded by hand that is not committed yet (``ElasticOptimizer.load_state_dict``)."""
 
     worker_id: int
     commit: Commit | None = None
     until_step: int | None = None
     newest_committed_step: int | None = None
+    loaded_step: int | None = None
 
 
 class ElasticOptimizer(ShardedOptimizerBase):
@@ -92,7 +95,14 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``allow_rollback``: when every worker that held the run's newest commit failed and no
     checkpoint of its step exists, go on from the newest older state (a checkpoint, an older
     commit, or the initial state) with a RuntimeWarning naming the steps lost, instead of
-    raising ElasticRollbackError; every worker of the group must pass True.
+    raising ElasticRollbackError (so too for a load by hand not yet committed, below); every
+    worker of the group must pass True.
+
+    A state loaded by hand (``distframe.checkpoint.load(path, model, optimizer)``, or the model's
+    and this optimizer's ``load_state_dict``) is committed by the next ``step()``, before it
+    steps (checkpoint.load reads before its ranks agree that every read worked, so the load
+    itself cannot commit). A failure before that step stops the restore with
+    ElasticRollbackError; call ``commit()`` right after the load to commit it at once.
 
     ``lr_scheduler``: a function that builds a torch learning-rate scheduler on this optimizer
     (``lambda opt: LambdaLR(opt, f)``). The optimizer then owns it, as DeepSpeed's engine does:
@@ -108,9 +118,10 @@ class ElasticOptimizer(ShardedOptimizerBase):
     count in ``step_count``, step the scheduler or commit.
 
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
-    one all_gather (each member's committed step, the run's newest step, allow_rollback) and,
-    when a member's commit is restored, two broadcasts; a checkpoint restored is loaded
-    (distframe.checkpoint.load), then committed.
+    one all_gather (each member's committed step, the run's newest step, any load not yet
+    committed, allow_rollback) and, when a member's commit is restored, two broadcasts; a
+    checkpoint restored is loaded (distframe.checkpoint.load), then committed; the first
+    ``step()`` after a load by hand commits it first.
     ``step_count`` is the number of optimizer steps the model has taken, across restarts.
     """
 
@@ -155,6 +166,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self._loaded_scheduler = None
 
     # ---- training ---------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        """Commits a state loaded by hand first (see the class docstring), then steps."""
+        if self.member.loaded_step is not None:
+            self.commit()
+        return super().step(closure)
+
     def _step(self, closure: Any = None) -> Any:
         # Not step(): a step a GradScaler skips (on every rank alike) counts and commits nothing.
         loss = super()._step(closure)
@@ -197,6 +214,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
                         "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size,
                         parts[0].lr_scheduler)
         self.member.commit = commit
+        self.member.loaded_step = None
         interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
         if interval is not None and self.step_count > 0 and self.step_count % interval == 0:
             from distframe.checkpoint import save
@@ -210,10 +228,11 @@ class ElasticOptimizer(ShardedOptimizerBase):
         backend = self.model.backend
         member = self.member
         mine = [member.commit.step if member.commit is not None else -1,
-                _or_minus_one(member.newest_committed_step), int(self.allow_rollback)]
-        rows = backend.all_gather(torch.tensor(mine, dtype=torch.int64)).view(backend.world_size, 3)
-        held, required = rows[:, 0], int(rows[:, 1].max())
-        allow, newest = bool(rows[:, 2].min()), int(held.max())
+                _or_minus_one(member.newest_committed_step), _or_minus_one(member.loaded_step),
+                int(self.allow_rollback)]
+        rows = backend.all_gather(torch.tensor(mine, dtype=torch.int64)).view(backend.world_size, 4)
+        held, required, loaded = rows[:, 0], int(rows[:, 1].max()), int(rows[:, 2].max())
+        allow, newest = bool(rows[:, 3].min()), int(held.max())
         found = latest_checkpoint_and_step(self.checkpoint_dir)
         # A commit held wins, unless it is behind the run's newest and a checkpoint is newer.
         from_commit = newest >= 0 and (newest >= required or found is None or newest >= found[1])
@@ -221,6 +240,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
         source = describe_source(newest if from_commit else None, found)
         if step < required:
             self._roll_back(lost_commit(required, step, source, found, self.checkpoint_dir, allow), allow)
+        if loaded >= 0:
+            self._roll_back(unsaved_load(loaded, source, allow), allow)
         rolled = f" (rolled back from step {required})" if step < required else ""
         if from_commit:
             return self._restore_commit(held, newest) + rolled
@@ -258,6 +279,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.load_state_dict(commit.optimizer)
         self.step_count = commit.step
         self.member.commit = commit
+        self.member.loaded_step = None
         if self.lr_scheduler is not None and commit.lr_scheduler is not None:
             self._load_scheduler(commit.lr_scheduler)
 
@@ -268,6 +290,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
                 "lr_scheduler": self._scheduler_state()}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        """Loads as the strategy's optimizer does, plus ``step_count`` and the scheduler's state;
+        the next ``step()`` commits what was loaded (``commit()`` commits it at once)."""
         super().load_state_dict(state, reader)
         if state.get("step_count") is not None:
             self.step_count = int(state["step_count"])
@@ -276,6 +300,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
             self._load_scheduler(saved)
         elif saved is not None:  # restoring in the constructor: the scheduler is built after
             self._loaded_scheduler = saved
+        # Until committed, a failure would roll the survivors back to before this load. The
+        # restore's own loads (a commit, a checkpoint) clear it as they commit.
+        self.member.loaded_step = self.step_count
 
     def _scheduler_state(self) -> dict[str, Any] | None:
         if self.lr_scheduler is None:

@@ -9,8 +9,8 @@ from distframe.errors import DistFrameError
 
 class ElasticRollbackError(DistFrameError, RuntimeError):
     """Restoring would silently go back behind the run's newest commit: every worker that held
-    it failed. The message says which steps would be lost and what to do; ElasticController
-    ends the run with it."""
+    it failed, or a state loaded by hand was lost before it was committed. The message says
+    which steps would be lost and what to do; ElasticController ends the run with it."""
 
 
 def describe_source(commit_step: int | None, found: tuple[Path, int] | None) -> str:
@@ -39,6 +39,19 @@ def lost_commit(required: int, step: int, source: str, found: tuple[Path, int] |
             f"checkpoint_every= so that checkpoints back the commits, {restart}or pass "
             f"allow_rollback=True to every worker's ElasticOptimizer to go on from step {step} with "
             "a warning")
+
+
+def unsaved_load(loaded: int, source: str, allow: bool) -> str:
+    """Why the restore would drop a state loaded by hand (at step ``loaded``) that no commit
+    holds yet, and (unless ``allow``) what to do."""
+    what = (f"a state loaded by hand at step {loaded} (checkpoint.load or load_state_dict) was not "
+            "committed yet when its group ended (a worker failed, or the membership changed, "
+            "before the first step() after the load, which commits it)")
+    if allow:
+        return f"{what}: it is lost; going on from {source}"
+    return (f"{what}: going on from {source} would silently drop it. Load it again and call "
+            "commit() right after loading, or pass allow_rollback=True to every worker's "
+            f"ElasticOptimizer to go on from {source} with a warning")
 
 
 def _steps(first: int, last: int) -> str:
