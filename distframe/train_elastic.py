@@ -9,7 +9,9 @@ makes the group's last worker raise after STEP steps (once): the survivors roll 
 newest commit (``--commit-every``) and go on one fewer. Each group runs the ordinary ``Job``
 loop from the step its ElasticOptimizer restored, so the metrics, validation, checkpoints and
 plot are the same as under ``--optimizer none``; steps redone after a rollback replace the
-records written before the failure. Rank 0 of each group prints one line per membership change
+records written before the failure. A group that could restore only an older state than the
+run's newest commit (every worker that held it failed) stops the run with one line on stderr
+(ElasticRollbackError, exit status 1). Rank 0 of each group prints one line per membership change
 on stderr.
 """
 from __future__ import annotations

@@ -8,7 +8,11 @@ restores the newest commit any member holds (one broadcast from a member that ha
 joining worker receives it) and re-shards it for the new world size through the strategies'
 range-keyed ``load_state_dict``; with no commit in memory it resumes from the newest checkpoint
 in ``checkpoint_dir`` (a torchrun/mpiexec restart at a new world size), else starts fresh and
-commits step 0. Works with DDP, ZeRO-1/2/3 and FSDP models.
+commits step 0. It never goes back silently: when the members know the run's newest commit
+(``ElasticMember.newest_committed_step``, set by ElasticController) and every worker that held
+it failed, it restores a checkpoint of that step, or raises ElasticRollbackError naming the
+steps that would be lost (``allow_rollback=True``: goes on from the newest older state, with a
+warning). Works with DDP, ZeRO-1/2/3 and FSDP models.
 
 How membership changes on the in-memory engine is ``elastic_membership.py``.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,8 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase
+from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source, lost_commit,
+                                                  unsaved_load)
 
 _META_KEY = "__elastic_meta__"
 
@@ -65,11 +72,15 @@ class Commit:
 @dataclasses.dataclass
 class ElasticMember:
     """One worker's identity across membership changes (owned by whoever runs the workers):
-    the newest commit it holds and the step at which its current group ends cleanly."""
+    the newest commit it holds, the step at which its current group ends cleanly, the step of
+    the run's newest commit (which restoring must reach; None: unknown), and the step of a
+    state loaded by hand that is not committed yet (``ElasticOptimizer.load_state_dict``)."""
 
     worker_id: int
     commit: Commit | None = None
     until_step: int | None = None
+    newest_committed_step: int | None = None
+    loaded_step: int | None = None
 
 
 class ElasticOptimizer(ShardedOptimizerBase):
@@ -81,6 +92,17 @@ class ElasticOptimizer(ShardedOptimizerBase):
     multiples of commit_every * checkpoint_every) also save a checkpoint
     ``<checkpoint_dir>/step-<N>`` (distframe.checkpoint). ``member``: this worker's
     ``ElasticMember`` (None: a fresh one). Construction is collective (the restore).
+    ``allow_rollback``: when every worker that held the run's newest commit failed and no
+    checkpoint of its step exists, go on from the newest older state (a checkpoint, an older
+    commit, or the initial state) with a RuntimeWarning naming the steps lost, instead of
+    raising ElasticRollbackError (so too for a load by hand not yet committed, below); every
+    worker of the group must pass True.
+
+    A state loaded by hand (``distframe.checkpoint.load(path, model, optimizer)``, or the model's
+    and this optimizer's ``load_state_dict``) is committed by the next ``step()``, before it
+    steps (checkpoint.load reads before its ranks agree that every read worked, so the load
+    itself cannot commit). A failure before that step stops the restore with
+    ElasticRollbackError; call ``commit()`` right after the load to commit it at once.
 
     ``lr_scheduler``: a function that builds a torch learning-rate scheduler on this optimizer
     (``lambda opt: LambdaLR(opt, f)``). The optimizer then owns it, as DeepSpeed's engine does:
@@ -96,7 +118,10 @@ class ElasticOptimizer(ShardedOptimizerBase):
     count in ``step_count``, step the scheduler or commit.
 
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
-    one all_gather of committed steps and, when some member holds a commit, two broadcasts.
+    one all_gather (each member's committed step, the run's newest step, any load not yet
+    committed, allow_rollback) and, when a member's commit is restored, two broadcasts; a
+    checkpoint restored is loaded (distframe.checkpoint.load), then committed; the first
+    ``step()`` after a load by hand commits it first.
     ``step_count`` is the number of optimizer steps the model has taken, across restarts.
     """
 
@@ -104,7 +129,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
                  member: ElasticMember | None = None,
                  lr_scheduler: Callable[[ElasticOptimizer], Any] | None = None,
-                 **optimizer_kwargs: Any) -> None:
+                 allow_rollback: bool = False, **optimizer_kwargs: Any) -> None:
         if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
             raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
@@ -116,10 +141,13 @@ class ElasticOptimizer(ShardedOptimizerBase):
                               "on the optimizer, such as lambda opt: LambdaLR(opt, f)")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ConfigError("ElasticOptimizer checkpoint_every needs checkpoint_dir=<directory>")
+        if not isinstance(allow_rollback, bool):
+            raise ConfigError(f"ElasticOptimizer allow_rollback={allow_rollback!r}: use True or False")
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.commit_every = commit_every
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
+        self.allow_rollback = allow_rollback
         self.member = member or ElasticMember(model.backend.rank)
         self.step_count = 0
         self.lr_scheduler = None
@@ -138,6 +166,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self._loaded_scheduler = None
 
     # ---- training ---------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        """Commits a state loaded by hand first (see the class docstring), then steps."""
+        if self.member.loaded_step is not None:
+            self.commit()
+        return super().step(closure)
+
     def _step(self, closure: Any = None) -> Any:
         # Not step(): a step a GradScaler skips (on every rank alike) counts and commits nothing.
         loss = super()._step(closure)
@@ -180,6 +214,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
                         "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size,
                         parts[0].lr_scheduler)
         self.member.commit = commit
+        self.member.loaded_step = None
         interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
         if interval is not None and self.step_count > 0 and self.step_count % interval == 0:
             from distframe.checkpoint import save
@@ -188,27 +223,54 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
     def _restore(self) -> str:
         """Loads the newest commit any member holds, else the newest checkpoint, else commits
-        the initial state. Returns where the state came from."""
+        the initial state, never going behind the run's newest commit without saying so (see
+        the module docstring). Returns where the state came from."""
         backend = self.model.backend
-        held = self.member.commit.step if self.member.commit is not None else -1
-        steps = backend.all_gather(torch.tensor([held], dtype=torch.int64))
-        newest = int(steps.max())
-        if newest >= 0:
-            source = int((steps == newest).nonzero()[0])
-            blob = self.member.commit.to_bytes() if backend.rank == source else b""
-            commit = Commit.from_bytes(broadcast_bytes(backend, blob, source))
-            self.load_commit(commit)
-            return f"commit of step {commit.step} (held by rank {source})"
-        checkpoint = latest_checkpoint(self.checkpoint_dir)
-        if checkpoint is not None:
+        member = self.member
+        mine = [member.commit.step if member.commit is not None else -1,
+                _or_minus_one(member.newest_committed_step), _or_minus_one(member.loaded_step),
+                int(self.allow_rollback)]
+        rows = backend.all_gather(torch.tensor(mine, dtype=torch.int64)).view(backend.world_size, 4)
+        held, required, loaded = rows[:, 0], int(rows[:, 1].max()), int(rows[:, 2].max())
+        allow, newest = bool(rows[:, 3].min()), int(held.max())
+        found = latest_checkpoint_and_step(self.checkpoint_dir)
+        # A commit held wins, unless it is behind the run's newest and a checkpoint is newer.
+        from_commit = newest >= 0 and (newest >= required or found is None or newest >= found[1])
+        step = newest if from_commit else found[1] if found is not None else 0
+        source = describe_source(newest if from_commit else None, found)
+        if step < required:
+            self._roll_back(lost_commit(required, step, source, found, self.checkpoint_dir, allow), allow)
+        if loaded >= 0:
+            self._roll_back(unsaved_load(loaded, source, allow), allow)
+        rolled = f" (rolled back from step {required})" if step < required else ""
+        if from_commit:
+            return self._restore_commit(held, newest) + rolled
+        if found is not None:
             from distframe.checkpoint import load
-            meta = load(checkpoint, self.model, self)  # sets step_count (and the scheduler's state)
+            meta = load(found[0], self.model, self)  # sets step_count (and the scheduler's state)
             if meta["optimizer"].get("extra", {}).get("step_count") is None:  # older checkpoints
                 self.step_count = int(meta["step"])
             self.commit()
-            return f"checkpoint {checkpoint}"
+            return f"checkpoint {found[0]}{rolled}"
         self.commit()
-        return "initial state"
+        return "initial state" + rolled
+
+    def _restore_commit(self, held: torch.Tensor, newest: int) -> str:
+        """Broadcasts the commit of step ``newest`` from the first rank that holds it; loads it."""
+        backend = self.model.backend
+        source = int((held == newest).nonzero()[0])
+        blob = self.member.commit.to_bytes() if backend.rank == source else b""
+        commit = Commit.from_bytes(broadcast_bytes(backend, blob, source))
+        self.load_commit(commit)
+        return f"commit of step {commit.step} (held by rank {source})"
+
+    def _roll_back(self, message: str, allow: bool) -> None:
+        """Raises ElasticRollbackError, or with allow_rollback warns (once, on rank 0)."""
+        if not allow:
+            raise ElasticRollbackError(f"ElasticOptimizer: {message}")
+        if self.model.backend.rank == 0:
+            warnings.warn(f"ElasticOptimizer (allow_rollback=True): {message}", RuntimeWarning,
+                          stacklevel=4)
 
     def load_commit(self, commit: Commit) -> None:
         """Re-shards ``commit`` onto this model and optimizer (any saved world size); collective
@@ -217,6 +279,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.load_state_dict(commit.optimizer)
         self.step_count = commit.step
         self.member.commit = commit
+        self.member.loaded_step = None
         if self.lr_scheduler is not None and commit.lr_scheduler is not None:
             self._load_scheduler(commit.lr_scheduler)
 
@@ -227,6 +290,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
                 "lr_scheduler": self._scheduler_state()}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        """Loads as the strategy's optimizer does, plus ``step_count`` and the scheduler's state;
+        the next ``step()`` commits what was loaded (``commit()`` commits it at once)."""
         super().load_state_dict(state, reader)
         if state.get("step_count") is not None:
             self.step_count = int(state["step_count"])
@@ -235,6 +300,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
             self._load_scheduler(saved)
         elif saved is not None:  # restoring in the constructor: the scheduler is built after
             self._loaded_scheduler = saved
+        # Until committed, a failure would roll the survivors back to before this load. The
+        # restore's own loads (a commit, a checkpoint) clear it as they commit.
+        self.member.loaded_step = self.step_count
 
     def _scheduler_state(self) -> dict[str, Any] | None:
         if self.lr_scheduler is None:
@@ -257,9 +325,18 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
 def latest_checkpoint(directory: Path | None) -> Path | None:
     """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
-    from distframe.checkpoint import latest_step
-    found = None if directory is None else latest_step(directory)
+    found = latest_checkpoint_and_step(directory)
     return found[0] if found else None
+
+
+def latest_checkpoint_and_step(directory: Path | None) -> tuple[Path, int] | None:
+    """``latest_checkpoint(directory)`` and its N, or None."""
+    from distframe.checkpoint import latest_step
+    return None if directory is None else latest_step(directory)
+
+
+def _or_minus_one(step: int | None) -> int:
+    return -1 if step is None else step
 
 
 def _slice_batch(batch: Any, rank: int, world_size: int) -> Any:

@@ -14,6 +14,13 @@ ends in one of two ways:
   dropped, not they; a thread that has still not returned ``timeout`` seconds after a peer
   ended is abandoned ([Note: a worker that never returns]).
 
+The controller tells every member the step of the run's newest commit
+(``ElasticMember.newest_committed_step``). Where every worker that held it failed (the holders
+died before joiners received it), the next group's restore cannot reach it: it restores a
+checkpoint of that step, or raises ElasticRollbackError, and the controller ends the run with
+that error instead of going on from an older state (workers whose ElasticOptimizer has
+``allow_rollback=True`` go on from it with a warning naming the steps lost).
+
 ``worker_fn(backend, member)`` builds the model and an ``ElasticOptimizer(..., member=member)``
 and trains until ``optimizer.membership_changes`` or its own end; it is called once per member
 per generation. The group's world size changes, the global batch does not
@@ -31,6 +38,7 @@ from distframe.backends.inmemory import InMemoryCommunicationBackend
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.launch import start_rank_threads
 from distframe.optimizers.elastic import ElasticMember
+from distframe.optimizers.elastic_rollback import ElasticRollbackError
 
 
 @dataclasses.dataclass
@@ -53,7 +61,8 @@ class ElasticController:
     and joins. ``max_generations`` bounds the run (a worker that fails in every generation).
     ``timeout``: the in-memory backend's timeout per collective, and how long a worker may run
     on after a peer of its generation has ended. ``start_step``: the step the
-    first generation starts from (that of the checkpoint its workers restore, when resuming).
+    first generation starts from (that of the checkpoint its workers restore, when resuming):
+    their restore must reach it, as any later generation's must reach the run's newest commit.
     """
 
     def __init__(self, worker_fn: Callable[[Any, ElasticMember], Any], *, initial_world: int,
@@ -73,6 +82,9 @@ class ElasticController:
             raise ConfigError(f"ElasticController start_step={start_step!r}: use an int >= 0")
         self.worker_fn = worker_fn
         self.start_step = start_step
+        # The step of the run's newest commit, which every generation is told so that its
+        # restore never goes behind it silently (ElasticMember.newest_committed_step).
+        self.newest_committed_step = start_step
         self.schedule = dict(sorted((schedule or {}).items()))
         self.max_generations = max_generations
         self.timeout = timeout
@@ -89,13 +101,19 @@ class ElasticController:
         """Runs generations until one finishes with no change pending; returns them all."""
         while len(self.generations) < self.max_generations:
             start = max((m.commit.step for m in self.members if m.commit is not None),
-                        default=self.start_step)
+                        default=self.newest_committed_step)
             change = next((s for s in self.schedule if s > start), None)
             for m in self.members:
                 m.until_step = change
+                m.newest_committed_step = self.newest_committed_step
             generation = Generation([m.worker_id for m in self.members], start)
             self.generations.append(generation)
             outcomes = _run_group(self.worker_fn, self.members, self.timeout)
+            self._note_newest_commit()
+            rollback = next((o for o in outcomes if isinstance(o, ElasticRollbackError)), None)
+            if rollback is not None:  # every member's restore refused: another try would too
+                generation.end, generation.error = "failed", str(rollback)
+                raise rollback
             self._refuse_early_return(outcomes)
             failed = _blamed(outcomes)
             if failed:
@@ -121,6 +139,14 @@ class ElasticController:
             self.members = self.members[:size] + [self._new_member()
                                                   for _ in range(size - len(self.members))]
         raise RuntimeError(f"elastic run did not finish within {self.max_generations} generations")
+
+    def _note_newest_commit(self) -> None:
+        """After a generation: its members' newest commit, failed members' included, is the
+        run's (it may be of an earlier step than before, after a load by hand that went back).
+        Where no member holds one, the run's newest stays what it was."""
+        held = [m.commit.step for m in self.members if m.commit is not None]
+        if held:
+            self.newest_committed_step = max(held)
 
     def _refuse_early_return(self, outcomes: list[Any]) -> None:
         """A worker that returned while its peers waited for it in a collective (they raise the
