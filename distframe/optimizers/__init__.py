@@ -17,6 +17,7 @@ from distframe.optimizers.data_parallel import (
 )
 from distframe.optimizers.elastic import Commit, ElasticMember, ElasticOptimizer
 from distframe.optimizers.elastic_membership import ElasticController
+from distframe.optimizers.elastic_rollback import ElasticRollbackError
 from distframe.optimizers.factory import make_optimizer
 from distframe.optimizers.grad_scaler import ShardedGradScaler
 from distframe.optimizers.protocol import IShardedOptimizer
@@ -30,6 +31,7 @@ __all__ = [
     "ElasticController",
     "ElasticMember",
     "ElasticOptimizer",
+    "ElasticRollbackError",
     "FSDPOptimizer",
     "GradientCompressionOptimizer",
     "IShardedOptimizer",

@@ -19,7 +19,7 @@ def make_optimizer(name: str, model: Any, optimizer: Any, **settings: Any) -> Sh
     ``async``: AsyncSGDOptimizer on a DDPModel (max_staleness, server_rank, staleness_lr,
     deterministic, on_worker_failure, worker_timeout).
     ``elastic``: ElasticOptimizer on any data-parallel model (commit_every, checkpoint_dir,
-    checkpoint_every, member).
+    checkpoint_every, member, lr_scheduler, allow_rollback).
     Remaining keywords go to the torch.optim optimizer (lr, weight_decay, ...).
     """
     if name == "compressed":
