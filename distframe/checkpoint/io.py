@@ -151,6 +151,9 @@ def load(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *,
         error = exc
     agree(model.backend, error, f"loading checkpoint {path}", meta if error is None else None)
     model.finish_load()
+    finish = getattr(optimizer, "finish_load", None)  # an ElasticOptimizer commits what it loaded
+    if finish is not None:
+        finish()
     return meta
 
 

@@ -98,11 +98,11 @@ class ElasticOptimizer(ShardedOptimizerBase):
     raising ElasticRollbackError (so too for a load by hand not yet committed, below); every
     worker of the group must pass True.
 
-    A state loaded by hand (``distframe.checkpoint.load(path, model, optimizer)``, or the model's
-    and this optimizer's ``load_state_dict``) is committed by the next ``step()``, before it
-    steps (checkpoint.load reads before its ranks agree that every read worked, so the load
-    itself cannot commit). A failure before that step stops the restore with
-    ElasticRollbackError; call ``commit()`` right after the load to commit it at once.
+    A state loaded by hand is committed: by ``distframe.checkpoint.load(path, model, optimizer)``
+    once its ranks agree that every read worked (``finish_load``); after the model's and this
+    optimizer's ``load_state_dict``, by the next ``step()``, before it steps. A failure before
+    that step stops the restore with ElasticRollbackError; call ``commit()`` right after such a
+    load to commit it at once.
 
     ``lr_scheduler``: a function that builds a torch learning-rate scheduler on this optimizer
     (``lambda opt: LambdaLR(opt, f)``). The optimizer then owns it, as DeepSpeed's engine does:
@@ -152,7 +152,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.step_count = 0
         self.lr_scheduler = None
         self._loaded_scheduler: dict[str, Any] | None = None  # loaded before the scheduler existed
+        self._restoring = True  # the restore commits what it loads itself (finish_load)
         self.restored_from = self._restore()
+        self._restoring = False
         if lr_scheduler is not None:
             self.lr_scheduler = lr_scheduler(self)
             saved = self.member.commit.lr_scheduler or self._loaded_scheduler
@@ -164,6 +166,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
             self.member.commit = dataclasses.replace(self.member.commit,
                                                      lr_scheduler=self._scheduler_state())
         self._loaded_scheduler = None
+
+    def finish_load(self) -> None:
+        """Called by ``distframe.checkpoint.load`` on every rank once every rank's read worked:
+        commits the loaded state (collective; the restore commits its own loads)."""
+        if self.member.loaded_step is not None and not self._restoring:
+            self.commit()
 
     # ---- training ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> Any:

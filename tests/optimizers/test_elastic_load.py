@@ -101,12 +101,13 @@ def test_survivors_of_a_failure_resume_from_a_state_loaded_by_hand(tmp_path, how
         assert max((params[k] - v).abs().max().item() for k, v in reference.items()) <= 1e-10
 
 
-@pytest.mark.parametrize("commit_at_once", [False, True])
-def test_a_failure_before_the_load_is_committed_is_not_silent(tmp_path, commit_at_once):
-    """The next step() commits a load (checkpoint.load cannot: its reads run before the ranks
-    agree that every one succeeded). A worker that dies between the load and that step would
-    roll the survivors back to before the load: the run stops instead, unless the user
-    committed the load at once with commit()."""
+@pytest.mark.parametrize("how,commit_at_once", [("load_state_dict", False), ("load_state_dict", True),
+                                                ("checkpoint.load", False)])
+def test_a_failure_before_the_load_is_committed_is_not_silent(tmp_path, how, commit_at_once):
+    """checkpoint.load commits what it loaded once its ranks agree that every read worked; the
+    next step() commits a load through load_state_dict. A worker that dies between such a load
+    and that step would roll the survivors back to before the load: the run stops instead,
+    unless the user committed the load at once with commit()."""
     other = _other_state(tmp_path)
     loaded = threading.Event()
 
@@ -114,7 +115,7 @@ def test_a_failure_before_the_load_is_committed_is_not_silent(tmp_path, commit_a
         model = ZeRO2Model(copy.deepcopy(MLP), backend)
         opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, commit_every=4)
         if not loaded.is_set():
-            _load("checkpoint.load", model, opt, other)
+            _load(how, model, opt, other)
             if commit_at_once:
                 opt.commit()
             backend.barrier()
@@ -124,7 +125,7 @@ def test_a_failure_before_the_load_is_committed_is_not_silent(tmp_path, commit_a
         _train(model, opt, TOTAL)
         return opt.step_count
     controller = ElasticController(worker, initial_world=3, timeout=30)
-    if commit_at_once:
+    if commit_at_once or how == "checkpoint.load":
         generations = controller.run()
         assert [g.start_step for g in generations] == [0, 4]
         assert generations[-1].results == [TOTAL, TOTAL]
