@@ -76,7 +76,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--lr", group=opt, type=float, help="peak learning rate (linear warm-up, cosine to a "
         "tenth)" + _default("lr"))
     add("--warmup-steps", group=opt, type=int, help="warm-up steps; more than --steps and the "
-        "peak --lr is never reached (a warning)" + _default("warmup_steps"))
+        "peak --lr is never reached (warned after the run)" + _default("warmup_steps"))
     add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
@@ -148,7 +148,10 @@ def train_command(args: argparse.Namespace) -> int:
     from distframe import train, train_checkpoint
     from distframe.train_metrics import format_bytes, format_duration
     flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
-    config = resolve_config(flags, getattr(args, "config", None), warn=_warn_on_rank_zero)
+    # Said with the run's notes once it has trained: a run refused for bad input reports one
+    # line, and under mpiexec or torchrun rank 0 alone reports.
+    warnings: list[str] = []
+    config = resolve_config(flags, getattr(args, "config", None), warn=warnings.append)
     try:
         result = train.run(config)
     except KeyboardInterrupt:
@@ -163,7 +166,7 @@ def train_command(args: argparse.Namespace) -> int:
         print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
               f"nothing to train (pass --steps above {config.steps} to train it further)")
         return 0
-    for note in result.notes:
+    for note in (*warnings, *result.notes):
         print(note, file=sys.stderr)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     train_loss = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
@@ -172,13 +175,6 @@ def train_command(args: argparse.Namespace) -> int:
           f"{format_bytes(result.peak_memory_bytes)}, {format_duration(result.wall_s)}; "
           f"outputs in {result.out}" + (f" (checkpoint {result.checkpoint})" if result.checkpoint else ""))
     return 0
-
-
-def _warn_on_rank_zero(line: str) -> None:
-    """Under mpiexec or torchrun every rank resolves the same settings: rank 0 says it once."""
-    from distframe.cli import _launched_rank  # the rank cli's error reports use
-    if _launched_rank() == 0:
-        print(line, file=sys.stderr)
 
 
 def generate_command(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ def setting_warnings(config: TrainConfig, given: Collection[str]) -> list[str]:
 
     Only given settings count: a default is not the user's choice (the default --warmup-steps 10
     is longer than short runs such as --steps 3), and a resumed run's ``config.json`` holds every
-    setting, defaults included, so it cannot tell them apart (its run was warned when it began).
+    setting, defaults included, so it cannot tell them apart (its run was warned when it ran).
     """
     lines = []
     if "warmup_steps" in given and config.warmup_steps > config.steps:

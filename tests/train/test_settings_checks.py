@@ -7,6 +7,7 @@ from distframe.cli import main
 from distframe.errors import ConfigError
 from distframe.train_config import TrainConfig
 from distframe.train_settings import resolve_config
+from tests.train.conftest import TINY, train
 
 
 def _warnings(flags, toml_path=None):
@@ -53,14 +54,31 @@ def test_warmup_steps_must_be_a_whole_number_of_steps(value):
         TrainConfig(warmup_steps=value)
 
 
-@pytest.mark.parametrize(("rank", "warned"), [("0", True), ("1", False)])
-def test_the_warning_is_printed_by_rank_zero_only(capsys, monkeypatch, tmp_path, rank, warned):
-    """Under torchrun every rank resolves the settings; one line, from rank 0. (--optimizer
-    elastic under a launcher is then refused before any backend starts, which ends the test.)"""
-    for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
-        monkeypatch.setenv(name, value)
-    status = main(["train", "--optimizer", "elastic", "--out", str(tmp_path), "--steps", "4",
-                   "--warmup-steps", "6"])
-    err = capsys.readouterr().err
-    assert status == 2
-    assert ("warning: --warmup-steps 6" in err) == warned, err
+def test_the_cli_says_it_once_after_training(capsys, tmp_path, corpus_file):
+    """Two in-memory ranks: one line, from rank 0, with the run's notes."""
+    train(tmp_path, corpus_file, "--steps", "2", "--warmup-steps", "4", "--world-size", "2",
+          "--eval-batches", "1")
+    warned = [line for line in capsys.readouterr().err.splitlines() if "--warmup-steps" in line]
+    assert len(warned) == 1 and warned[0].startswith("distframe train: warning: --warmup-steps 4")
+
+
+def test_a_run_refused_for_bad_input_still_reports_one_line(capsys, tmp_path, corpus_file):
+    """The warning comes once the run has trained: bad input found before that (here an
+    unwritable --out) stays one line."""
+    out = tmp_path / "file"
+    out.write_text("")
+    status = main(["train", *TINY, "--data", corpus_file, "--out", str(out / "run"), "--steps", "2",
+                   "--warmup-steps", "4", "--world-size", "1"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "warning" not in lines[0], lines
+
+
+def test_ranks_other_than_zero_say_nothing(capsys, monkeypatch):
+    """Under mpiexec or torchrun every rank runs the command; only rank 0's result is reported."""
+    from distframe import train as train_module
+    from distframe.train_loop import TrainResult
+    result = TrainResult(step=2, train_loss=1.0, val_loss=1.0, tokens_per_s=1.0,
+                         peak_memory_bytes=0, wall_s=1.0, out="run", checkpoint=None, rank=1)
+    monkeypatch.setattr(train_module, "run", lambda config: result)
+    assert main(["train", "--steps", "2", "--warmup-steps", "4", "--world-size", "1"]) == 0
+    assert capsys.readouterr().err == ""
