@@ -97,13 +97,16 @@ def resolve_checkpoint(path: str) -> str:
 @torch.no_grad()
 def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
            temperature: float, top_k: int, seed: int) -> bytes:
-    """Continues ``prompt`` by ``max_new_tokens`` tokens (the last ``seq_len`` as context)."""
+    """``prompt`` and its continuation by ``max_new_tokens`` tokens (the last ``seq_len`` as
+    context). An empty prompt is continued from a newline byte (the model needs one token to
+    condition on; a newline is where a text file's lines start), which is not returned."""
     if max_new_tokens < 0 or not temperature >= 0 or top_k < 0:  # `not >=`: NaN is refused too
         raise ConfigError(f"--tokens, --temperature and --top-k must be numbers >= 0, got "
                           f"{max_new_tokens}, {temperature}, {top_k}")
     if not -2 ** 63 <= seed < 2 ** 64:  # what torch.Generator.manual_seed takes
         raise ConfigError(f"--seed {seed}: use an integer in [-2**63, 2**64)")
     generator = torch.Generator().manual_seed(seed)
+    seed_tokens = 0 if prompt else 1
     tokens = list(prompt) or [ord("\n")]
     vocab = model.config.vocab_size
     for _ in range(max_new_tokens):
@@ -120,12 +123,13 @@ def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return bytes(t % 256 for t in tokens)
+    return bytes(t % 256 for t in tokens[seed_tokens:])
 
 
 def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int = 40, seed: int = 0) -> str:
-    """The prompt and its continuation sampled from the checkpoint at ``path``."""
+    """The prompt and its continuation sampled from the checkpoint at ``path`` (an empty prompt:
+    the continuation only, see :func:`sample`)."""
     model = load_model(path)
     if model.config.vocab_size != 256:
         raise ConfigError("this checkpoint was trained on a uint16 token file; generate samples "

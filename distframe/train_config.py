@@ -55,7 +55,9 @@ class TrainConfig:
     global batch in sequences; each data-parallel rank trains on ``batch_size / world size`` of
     them; ``world_size`` None means DEFAULT_WORLD_SIZE when ranks are spawned and the launcher's
     world under mpiexec or torchrun. The learning rate warms up linearly over ``warmup_steps``
-    and then follows a cosine down to a tenth of ``lr`` at ``steps``. ``data`` None is the default
+    and then follows a cosine down to a tenth of ``lr`` at ``steps`` (``warmup_steps`` above
+    ``steps`` is valid, but the peak is never reached: ``train_settings.setting_warnings``
+    warns when the user set it). ``data`` None is the default
     corpus (the Python standard library's sources). ``checkpoint_every``/``eval_every`` 0 mean
     only at the end.
 

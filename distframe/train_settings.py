@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
@@ -16,10 +16,13 @@ from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConf
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
 
-def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> TrainConfig:
+def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None, *,
+                   warn: Callable[[str], None] | None = None) -> TrainConfig:
     """Defaults < the saved ``OUT/config.json`` (with ``--resume``) < ``toml_path`` < ``flags``.
 
-    ``flags`` holds only the settings given on the command line (field names as keys).
+    ``flags`` holds only the settings given on the command line (field names as keys). ``warn``
+    is called with one line for each setting that is valid but probably not what the user meant
+    (see :func:`setting_warnings`).
     """
     settings: dict[str, Any] = {}
     file_settings = load_toml(toml_path) if toml_path else {}
@@ -33,7 +36,28 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None) -> Tr
     settings.update(given)
     settings["resume"] = resume
     with saved_run_named(resume, out):
-        return TrainConfig(**settings)
+        config = TrainConfig(**settings)
+    for line in setting_warnings(config, given) if warn else ():
+        warn(line)
+    return config
+
+
+def setting_warnings(config: TrainConfig, given: Collection[str]) -> list[str]:
+    """One line for each valid setting that ``given`` (the names set on the command line or in
+    ``--config``) makes probably unintended.
+
+    Only given settings count: a default is not the user's choice (the default --warmup-steps 10
+    is longer than short runs such as --steps 3), and a resumed run's ``config.json`` holds every
+    setting, defaults included, so it cannot tell them apart (its run was warned when it ran).
+    """
+    lines = []
+    if "warmup_steps" in given and config.warmup_steps > config.steps:
+        # learning_rate() reaches lr only at step == warmup_steps
+        lines.append(f"distframe train: warning: --warmup-steps {config.warmup_steps} exceeds "
+                     f"--steps {config.steps}, so the learning rate never reaches its peak --lr "
+                     f"{config.lr} (it stops at {config.lr * config.steps / config.warmup_steps:.3g});"
+                     f" use --warmup-steps at most {config.steps}, or raise --steps")
+    return lines
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ DDP's all_reduce would, started from the gradient hooks during backward and comp
 [Note: error feedback] For a lossy compressor each rank keeps, per parameter, the residual e:
 it compresses g + e instead of g, and keeps e' = (g + e) - sent, where ``sent`` is what its
 payload decompresses to (its own contribution to the sum). So after T steps
-sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed.
+sum(sent) + e_T = sum(g) exactly (up to rounding): nothing is dropped, only delayed. Residuals
+of fp16 and bf16 parameters are float32 (``compression_residuals``, [Note: residual dtype]).
 
 [Note: shares on the wire] Summable payloads (fp16, bf16) are added on the wire in (or
 rounded once to) the wire dtype, so a rank sends its share of the mean, g / p with p the power of
@@ -56,8 +57,9 @@ from distframe.models.gradient_buckets import GradBucket
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase, state_reader
 from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
+from distframe.optimizers.compression_residuals import (RESIDUAL_KIND, add_residual,
+                                                        load_residuals, residual_dtype)
 
-_RESIDUAL = "compression.residual.rank{rank}"
 _WARM_Q = "compression.powersgd_q"
 _OWN_STATE = "compression.{what}.rank{rank}"  # other compressor state (int8's generator), per rank
 _ITERATION = "compression.iteration"
@@ -107,7 +109,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     """Data-parallel training of a ``DDPModel`` with compressed gradient exchange.
 
     ``compressor``: a ``distframe.optimizers.compression.Compressor``. ``error_feedback``
-    (default True) keeps a per-parameter residual for lossy compressors (ignored for lossless ones).
+    (default True) keeps a per-parameter residual for lossy compressors (ignored for lossless ones):
+    memory of one more copy of the parameters, in float32 for fp16 and bf16 parameters (twice
+    their bytes; see [Note: residual dtype] in ``compression_residuals.py``).
 
     Collectives per gradient bucket (each rank ends with the same averaged gradient):
     identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
@@ -145,6 +149,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self.iteration = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self._staged_residuals: dict[str, torch.Tensor] = {}
+        self._rounding: dict[str, torch.Tensor] = {}  # add_residual's, until _keep_residual
         self._staged_warm: dict[str, torch.Tensor] = {}
         model.register_comm_hook(self._communicate)
 
@@ -189,6 +194,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         [Note: skipped steps])."""
         self._staged_residuals.clear()
         self._staged_warm.clear()
+        self._rounding.clear()
 
     def _make_current(self, names: list[str] | None = None) -> None:
         """Staged residuals and warm-start factors (of ``names``, or all) become current."""
@@ -211,7 +217,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         if self.error_feedback:
             for name, view in zip(names, views):
                 if name in self.residuals:
-                    view.add_(self.residuals[name])
+                    lost = add_residual(view, self.residuals[name])  # see [Note: residual dtype]
+                    if lost is not None:
+                        self._rounding[name] = lost
         if compressor.exchange == "all_reduce":
             return self._exchange_summable(backend, names, views)
         if compressor.exchange == "all_gather":
@@ -222,8 +230,11 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                           "exchange is 'all_reduce', 'all_gather' or 'powersgd'")
 
     def _keep_residual(self, name: str, given: torch.Tensor, sent: torch.Tensor) -> None:
+        rounding = self._rounding.pop(name, None)
         if self.error_feedback:
-            self._staged_residuals[name] = given - sent
+            wide = residual_dtype(given.dtype)  # (for float32 and float64, no copy)
+            residual = given.to(wide) - sent.to(wide)
+            self._staged_residuals[name] = residual if rounding is None else residual.add_(rounding)
 
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
@@ -306,8 +317,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             backend.all_reduce(flat_q, ReduceOp.SUM)
             for k, part in zip(low, _split(flat_q, [q_local[k].numel() for k in low])):
                 q_sum = part.view(q_local[k].shape)
-                # The residual keeps the gradient's dtype, as other compressors' residuals do.
-                sent = psgd.approximate(p[k], q_local[k], views[k].shape).to(views[k].dtype)
+                # In the factors' dtype, float32 at least, as the residual (see [Note: residual dtype])
+                sent = psgd.approximate(p[k], q_local[k], views[k].shape)
                 self._keep_residual(names[k], views[k], sent)
                 self._staged_warm[names[k]] = q_sum / world
                 views[k].copy_(psgd.approximate(p[k], q_sum, views[k].shape).div_(world))
@@ -321,7 +332,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         tensors = dict(state["tensors"])
         rank = self.model.backend.rank
         for name, residual in self.residuals.items():
-            tensors[f"{_RESIDUAL.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
+            tensors[f"{RESIDUAL_KIND.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
         for key, value in self.compressor.state_dict().items():
             what, name = key.split("/", 1)
             kind = _WARM_Q if what == "powersgd_q" else _OWN_STATE.format(what=what, rank=rank)
@@ -338,7 +349,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         if _ITERATION in kinds:
             self.iteration = int(reader.read(_ITERATION, "step", 0, 1)[0])
         params = dict(self.model.wrapped_model.named_parameters())
-        self._load_residuals(reader, kinds, params)
+        backend = self.model.backend
+        self.residuals = load_residuals(reader, kinds, params, backend.rank, backend.world_size)
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
             held = [name for name, param in params.items()
                     if reader.holds(_WARM_Q, name) and self.compressor.compressible(param.shape)]
@@ -358,34 +370,6 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         kept = min(q.shape[1], saved.shape[1])
         q[:, :kept] = saved[:, :kept]
         return q
-
-    def _load_residuals(self, reader: RangeReader, kinds: set[str],
-                        params: dict[str, torch.nn.Parameter]) -> None:
-        """This rank's residuals; saved under another world size, re-dealt so that their mean
-        over ranks, the part of the averaged gradient still to be sent, stays what it was.
-
-        [Note: residuals across world sizes] The averaged gradient carries (1/W) * sum of the
-        W residuals. Loaded at W' ranks, rank j takes the sum of saved ranks r = j (mod W')
-        times W'/W: the W' new residuals then carry the same mean. (Before, ranks beyond W'
-        were dropped, and growing the world diluted the old ones by W/W'.)"""
-        prefix = _RESIDUAL.format(rank="")
-        saved = sorted(int(k.removeprefix(prefix)) for k in kinds
-                       if k.startswith(prefix) and k.removeprefix(prefix).isdigit())
-        backend = self.model.backend
-        saved_world = saved[-1] + 1 if saved else backend.world_size
-        sources = [_RESIDUAL.format(rank=r) for r in saved if r % backend.world_size == backend.rank]
-        self.residuals = {}
-        for name, param in params.items():
-            parts = [reader.read(kind, name, 0, param.numel())
-                     for kind in sources if reader.holds(kind, name)]
-            if not parts:
-                continue
-            total = parts[0].clone()
-            for part in parts[1:]:
-                total += part
-            if saved_world != backend.world_size:
-                total *= backend.world_size / saved_world
-            self.residuals[name] = total.view(param.shape)
 
     def _load_own_compressor_state(self, reader: RangeReader) -> None:
         """This rank's saved compressor state, where it was saved (else it stays as built)."""

@@ -54,3 +54,15 @@ def test_bad_settings_on_the_command_line(model, capsys):
     assert main(["generate", "--checkpoint", "run", "--temperature", "nan"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--temperature" in err and "Traceback" not in err
+
+
+def test_an_empty_prompt_returns_the_continuation_only(model):
+    """With no prompt the model is seeded with a newline, which the returned text began with,
+    though the user never typed it; the seed still conditions the model."""
+    assert _sample(model, b"", max_new_tokens=0) == b""
+    assert generate.generate_text("run", "", max_new_tokens=0) == ""
+    continuation = _sample(model, b"", max_new_tokens=4, temperature=0)
+    assert continuation == _sample(model, b"\n", max_new_tokens=4, temperature=0)[1:]
+    assert len(continuation) == 4
+    text = generate.generate_text("run", "", max_new_tokens=4, temperature=0)
+    assert text == continuation.decode("utf-8", errors="replace")
