@@ -31,6 +31,7 @@ from distframe.optimizers.async_protocol import (
     HEADER_TAG,
     FlatParameters,
     Kind,
+    ModelBuffers,
     post_header,
     recv_text,
     send_header,
@@ -66,14 +67,15 @@ class ParameterServer:
     (blocking receives), so a run equals a sequential replay; otherwise the first header to
     arrive is served. ``on_worker_failure``: "continue" (drop the worker) or "stop"
     (tell every other worker to stop). ``worker_timeout``: seconds without a message from a
-    computing worker before it is declared dead.
+    computing worker before it is declared dead. ``buffers``: the server's model buffers, which
+    pushes update and pulls carry.
     """
 
-    def __init__(self, backend: ICommunicationBackend, flat: FlatParameters,
+    def __init__(self, backend: ICommunicationBackend, flat: FlatParameters, buffers: ModelBuffers,
                  optimizer: torch.optim.Optimizer, workers: list[int], *, max_staleness: int,
                  staleness_lr: bool, deterministic: bool, on_worker_failure: str,
                  worker_timeout: float) -> None:
-        self.backend, self.flat, self.optimizer = backend, flat, optimizer
+        self.backend, self.flat, self.buffers, self.optimizer = backend, flat, buffers, optimizer
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.deterministic = deterministic
@@ -174,11 +176,11 @@ class ParameterServer:
     def _handle(self, worker: int, header: torch.Tensor) -> None:
         kind = Kind(int(header[0]))
         if kind is Kind.PUSH:
-            grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
-            got = self.backend.recv(self.flat.empty_mask(), worker, BODY_TAG) if int(header[3]) else None
+            grad, got, buffers = self._receive_push(worker, header)
             # Applied even when stopping: the gate admitted it, and its worker holds its loss.
             # The worker then waits for parameters; stopping, it gets the STOP instead.
             self._apply(worker, grad, got, self.version - self.pulled.pop(worker))
+            self.buffers.take(buffers)  # the latest pushed (AsyncSGDOptimizer's docstring says why)
             self.waiting.append(worker)
         elif kind is Kind.DONE:
             self.pulled.pop(worker)
@@ -186,6 +188,13 @@ class ParameterServer:
             self._drop(worker, recv_text(self.backend, worker))
         else:
             raise RuntimeError(f"parameter server got message kind {kind.name} from worker {worker}")
+
+    def _receive_push(self, worker: int, header: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """The body of a PUSH: (gradient, which parameters got one or None, buffers)."""
+        grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
+        got = self.backend.recv(self.flat.empty_mask(), worker, BODY_TAG) if int(header[3]) else None
+        return grad, got, [self.backend.recv(b, worker, BODY_TAG) for b in self.buffers.empty()]
 
     def _apply(self, worker: int, grad: torch.Tensor, got: torch.Tensor | None, staleness: int) -> None:
         if staleness > self.max_staleness:  # the gate makes this impossible; say so if not
@@ -221,6 +230,8 @@ class ParameterServer:
             w = self.waiting.pop(0)
             send_header(self.backend, w, Kind.PARAMS, self.version)
             self.backend.send(self.flat.values(), w, BODY_TAG)
+            for vector in self.buffers.values():
+                self.backend.send(vector, w, BODY_TAG)
             self.pulled[w] = self.version
 
     def _drop(self, worker: int, reason: str) -> None:

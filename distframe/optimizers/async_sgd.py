@@ -24,6 +24,7 @@ from distframe.optimizers.async_protocol import (
     HEADER_TAG,
     FlatParameters,
     Kind,
+    ModelBuffers,
     send_header,
     send_text,
 )
@@ -91,19 +92,35 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     worker_timeout).
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
+    Buffers (BatchNorm's running statistics; with the model's ``broadcast_buffers``, True by
+    default, as torch DDP): a push carries the worker's buffers as they are after its step and
+    a pull returns the server's, so every worker starts each step from the server's. Floating
+    (and bool) buffers: the server takes the latest pushed, as DDP takes rank 0's. That keeps
+    them values a real forward produced (a running variance stays positive; an average of stale
+    pushes, or adding their differences as if they were gradients, can leave that range), makes
+    the deterministic mode equal its sequential replay, and needs no state; what it costs, the
+    statistics the other workers pushed since this worker's pull, matters little to a running
+    average. Integer buffers are counters (``num_batches_tracked``): the server adds what each
+    push's step added, so it counts every batch of every applied step. ``broadcast_buffers=False``
+    keeps each rank's own, and nothing more travels; so does a model without buffers.
+
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
-    parameters (recv). With ``find_unused_parameters=True`` (torch DDP's setting) a parameter
+    parameters (recv); with buffers, one vector per buffer dtype and one of int64 counters more
+    each way. With ``find_unused_parameters=True`` (torch DDP's setting) a parameter
     that a worker's step gave no gradient has none on the server for that update (one more
     small message says which), so torch.optim skips it as a plain run does: no weight decay, no
     momentum, no step count; otherwise it is applied as zeros, as DDP averages it. Do not use
     ``model.train_step`` (it all-reduces the loss, a collective).
 
-    Checkpoints: the server's parameters and optimizer state are the trained ones; workers hold
-    the parameters they last pulled and no optimizer state. ``state_dict()`` on the server holds
-    all of the optimizer state, on a worker none. Once ``serve()`` has returned and the workers
-    have called ``finish()``, every rank calls ``synchronize_parameters()`` (a broadcast from
-    the server), then ``distframe.checkpoint.save``; a worker's ``state_dict()`` refuses before
-    that, as the checkpoint would hold part of its stale parameters (each rank writes a slice).
+    Checkpoints: the server's parameters, buffers and optimizer state are the trained ones;
+    workers hold the parameters they last pulled and no optimizer state. (On the server alone,
+    read them from ``model.wrapped_model``: ``gather_full_parameters()`` broadcasts buffers, a
+    collective, on a model that has some.) ``state_dict()`` on the server holds all of the
+    optimizer state, on a worker none. Once ``serve()`` has returned and the workers have called
+    ``finish()``, every rank calls ``synchronize_parameters()`` (broadcasts from the server of
+    its parameters and buffers), then ``distframe.checkpoint.save``; a worker's ``state_dict()``
+    refuses before that, as the checkpoint would hold part of its stale parameters (each rank
+    writes a slice).
     ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
 
     Loss scaling: workers step on their own, so each keeps a plain ``torch.amp.GradScaler`` (a
@@ -132,6 +149,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._no_sync = model.no_sync()
         self._no_sync.__enter__()  # gradients stay local: the server, not an all_reduce, combines them
         self.flat = FlatParameters(list(model.local_parameter_shard()))
+        self.buffers = ModelBuffers(model.wrapped_model, model.config.broadcast_buffers)
         self.workers = [r for r in range(backend.world_size) if r != self.config.server_rank]
         self.version = 0
         self.clock = 0
@@ -154,7 +172,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         backend = self.model.backend
         timeout = self.config.worker_timeout or getattr(backend, "timeout", 300.0)
         server = ParameterServer(
-            backend, self.flat, self.wrapped_optimizer, self.workers,
+            backend, self.flat, self.buffers, self.wrapped_optimizer, self.workers,
             max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
             deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
             worker_timeout=float(timeout))
@@ -200,6 +218,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         backend.send(self.flat.gradients(), server, BODY_TAG)
         if got is not None:
             backend.send(got, server, BODY_TAG)
+        for vector in self.buffers.pushed():
+            backend.send(vector, server, BODY_TAG)
         self.clock += 1
         self.zero_grad()
         self._has_parameters = False
@@ -229,6 +249,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
             return
         backend.recv(values := self.flat.empty(), server, BODY_TAG)
         self.flat.load_values(values)
+        self.buffers.load([backend.recv(b, server, BODY_TAG) for b in self.buffers.empty()])
         self.version = int(header[1])
         self._has_parameters = True
         self._parameters_replicated = False  # the server steps on without this worker seeing it
@@ -256,11 +277,16 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
 
     # ---- replicas and checkpoints -----------------------------------------------------------------
     def synchronize_parameters(self) -> None:
-        """Every rank gets the server's parameters (one broadcast); collective, after training."""
+        """Every rank gets the server's parameters and buffers (one broadcast, one more per
+        buffer vector); collective, after training."""
         self._require_session_over("synchronize_parameters")
         values = self.flat.values() if self.is_server else self.flat.empty()
         self.model.backend.broadcast(values, self.config.server_rank)
         self.flat.load_values(values)
+        buffers = self.buffers.values() if self.is_server else self.buffers.empty()
+        for vector in buffers:
+            self.model.backend.broadcast(vector, self.config.server_rank)
+        self.buffers.load(buffers)
         self._parameters_replicated = True
 
     def synchronize_optimizer_state(self) -> None:
