@@ -6,11 +6,15 @@ worker -> server   PUSH    [PUSH, clock, pulled_version, partial]  + flat gradie
                            then, when partial is 1, which parameters got a gradient (one
                            uint8 each) on BODY_TAG: the server leaves the others' .grad None;
                            then the worker's buffers (``ModelBuffers``, increments for counters)
-                   DONE    [DONE, clock, 0, 0]               (the worker has finished)
+                   DONE    [DONE, clock, 0, 0]               (the worker has finished; answered
+                                                             by STOP, or by DROPPED)
                    FAILED  [FAILED, clock, 0, 0]             + the error text on TEXT_TAG
 server -> worker   PARAMS  [PARAMS, version, 0, 0]           + flat parameters on BODY_TAG, then
                                                              the server's buffers
                    STOP    [STOP, version, 0, 0]             (stop training; nothing follows)
+                   DROPPED [DROPPED, version, 0, 0]          + why on TEXT_TAG: sent, unasked,
+                           to a worker declared dead at the worker_timeout; the server takes
+                           nothing more from it (a late push is received and discarded)
 
 Messages between one pair of ranks arrive in order per tag, so a header and its body pair up.
 Also here: flattening parameters, gradients and buffers into the vectors that travel.
@@ -23,7 +27,7 @@ import torch
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import Work
-from distframe.errors import ConfigError
+from distframe.errors import ConfigError, DistFrameError
 
 HEADER_TAG = 7001
 BODY_TAG = 7002
@@ -37,6 +41,13 @@ class Kind(enum.IntEnum):
     FAILED = 3
     PARAMS = 4
     STOP = 5
+    DROPPED = 6
+
+
+class WorkerDroppedError(DistFrameError, RuntimeError):
+    """The parameter server declared this worker dead (it sent nothing for the worker_timeout
+    while it computed a step) and takes nothing more from it; the message says what became of
+    its last gradient and which timeout to raise."""
 
 
 def send_header(backend: ICommunicationBackend, dst: int, kind: Kind, a: int = 0, b: int = 0,

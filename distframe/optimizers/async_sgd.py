@@ -25,6 +25,8 @@ from distframe.optimizers.async_protocol import (
     FlatParameters,
     Kind,
     ModelBuffers,
+    WorkerDroppedError,
+    recv_text,
     send_header,
     send_text,
 )
@@ -34,6 +36,7 @@ from distframe.optimizers.base import ShardedOptimizerBase
 from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 
 FAILURE_POLICIES = ("continue", "stop")
+__all__ = ["AsyncConfig", "AsyncSGDOptimizer", "WorkerDroppedError"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +51,8 @@ class AsyncConfig:
     on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly (the
         gradients already pushed are applied; no worker gets parameters again).
     worker_timeout: seconds the server waits for a computing worker before declaring it dead
-        (None: the backend's timeout).
+        (None: the backend's timeout); a worker still alive then gets ``WorkerDroppedError``. Set
+        it above the longest step a worker may take.
     """
 
     max_staleness: int = 4
@@ -86,11 +90,19 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
     staleness gate holds it back); it returns this worker's local loss, and the server applies
     the gradient of every step that returned one, exactly once. When the server says stop,
-    ``stopped`` becomes True. ``finish()`` tells the server this worker is done; a worker whose
-    function returns without it is dropped (``failed_workers`` says so) once the engine reports
-    its departure (``distframe.backends.departures``; Gloo and in-memory at once, MPI at the
-    worker_timeout).
+    ``stopped`` becomes True. ``finish()`` tells the server this worker is done (and waits for
+    its answer); a worker whose function returns without it is dropped (``failed_workers`` says
+    so) once the engine reports its departure (``distframe.backends.departures``; Gloo and
+    in-memory at once, MPI at the worker_timeout).
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
+
+    A worker that sends nothing for ``worker_timeout`` while it computes a step is declared dead,
+    even if it is only slow: the server tells it so and takes nothing more from it, and its next
+    ``train_step``, ``step()`` or ``finish()`` raises ``WorkerDroppedError``, naming the timeout
+    to raise; the gradient it was computing is not applied (every earlier one was), whether it
+    was still to send (it is not sent) or reached the server (received and discarded:
+    ``AsyncReport.discarded_gradients``). The others continue or stop as ``on_worker_failure``
+    says (``async_server.py``, [Note: a worker dropped while still computing]).
 
     Buffers (BatchNorm's running statistics; with the model's ``broadcast_buffers``, True by
     default, as torch DDP): a push carries the worker's buffers as they are after its step and
@@ -158,6 +170,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._finished = False
         # Whether this worker holds the server's parameters (see state_dict).
         self._parameters_replicated = True
+        self._next_header: tuple[torch.Tensor, Any] | None = None  # the server's, posted by step()
+        self._dropped: str | None = None  # why the server dropped this worker (WorkerDroppedError)
 
     @property
     def is_server(self) -> bool:
@@ -171,11 +185,18 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                               f"rank {self.model.backend.rank} is a worker: call train_step")
         backend = self.model.backend
         timeout = self.config.worker_timeout or getattr(backend, "timeout", 300.0)
+        if self.config.worker_timeout is not None:
+            hint = (f"raise AsyncSGDOptimizer's worker_timeout (now {timeout:g} s) above a worker's "
+                    "longest step")
+        else:
+            hint = (f"worker_timeout is None, so the backend's timeout ({timeout:g} s) applies: pass "
+                    "AsyncSGDOptimizer(worker_timeout=SECONDS) above a worker's longest step, or a "
+                    "longer timeout= to the backend")
         server = ParameterServer(
             backend, self.flat, self.buffers, self.wrapped_optimizer, self.workers,
             max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
             deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
-            worker_timeout=float(timeout))
+            worker_timeout=float(timeout), timeout_hint=hint)
         report = server.serve()
         self.version = server.version
         return report
@@ -213,6 +234,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.stopped:
             return
         backend, server = self.model.backend, self.config.server_rank
+        # The answer's receive, posted now: a DROPPED notice already there means the server
+        # declared this worker dead while it computed, and would discard this gradient.
+        header, work = self._post_next_header()
+        if work.is_completed() and int(header[0]) == Kind.DROPPED:
+            self._receive_header("this step's gradient was not sent: it would not have been applied")
         got = self._got_gradients()  # None: every parameter has one
         send_header(backend, server, Kind.PUSH, self.clock, self.version, int(got is not None))
         backend.send(self.flat.gradients(), server, BODY_TAG)
@@ -243,7 +269,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.stopped or self._has_parameters:  # no message is on its way: waiting would hang
             return
         backend, server = self.model.backend, self.config.server_rank
-        header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)
+        header = self._receive_header("the gradient it pushed after that was discarded, not applied")
         if int(header[0]) == Kind.STOP:
             self.stopped = True
             return
@@ -254,8 +280,29 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._has_parameters = True
         self._parameters_replicated = False  # the server steps on without this worker seeing it
 
+    def _post_next_header(self) -> tuple[torch.Tensor, Any]:
+        """The receive of the server's next header, posted once (``pull`` waits for it)."""
+        if self._next_header is None:
+            header = torch.zeros(4, dtype=torch.int64)
+            self._next_header = header, self.model.backend.irecv(header, self.config.server_rank, HEADER_TAG)
+        return self._next_header
+
+    def _receive_header(self, fate: str) -> torch.Tensor:
+        """Waits for the server's next header; a DROPPED one raises WorkerDroppedError, saying
+        why and ``fate``, what became of this worker's last gradient."""
+        header, work = self._post_next_header()
+        self._next_header = None
+        work.wait()
+        if int(header[0]) != Kind.DROPPED:
+            return header
+        reason = recv_text(self.model.backend, self.config.server_rank)
+        self._finished = True  # the server has let go: report_failure and finish() send nothing
+        self._dropped = f"AsyncSGDOptimizer: {reason} ({fate})"
+        raise WorkerDroppedError(self._dropped)
+
     def finish(self) -> None:
-        """Tells the server this worker is done (a no-op after a stop or a second call)."""
+        """Tells the server this worker is done and waits for its answer (a no-op after a stop or
+        a second call); WorkerDroppedError if the server had declared it dead meanwhile."""
         self._require_worker("finish")
         if self._finished or self.stopped:
             return
@@ -265,6 +312,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                 return
         send_header(self.model.backend, self.config.server_rank, Kind.DONE, self.clock)
         self._finished = True
+        self._receive_header("every gradient it pushed before was applied")  # STOP, or DROPPED
 
     def report_failure(self, exc: BaseException) -> None:
         """Tells the server this worker failed (it then continues or stops the others)."""
@@ -323,6 +371,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         return bool(local_flag) or self.stopped
 
     def _require_not_finished(self, what: str) -> None:
+        if self._dropped is not None:
+            raise WorkerDroppedError(self._dropped)
         if self._finished:  # the server has let go of this worker: a push would never be applied
             raise ConfigError(f"AsyncSGDOptimizer.{what} after this worker called finish() or reported a "
                               "failure; the server takes no more of its gradients (train before finish())")
