@@ -12,8 +12,8 @@ no per-step schedule). Nothing collective can run while the server serves, so:
   is that worker's own rate (one batch over its step time) and the result's tokens/s is the
   whole run's (every worker's tokens over the server's wall time);
 * validation (``val_loss`` of the last record) and the checkpoint happen once, at the end: the
-  server's parameters and optimizer state are broadcast to every rank first, so the checkpoint
-  is an ordinary DDP one (``--resume`` under any strategy reads it); ``--eval-every`` and
+  server's parameters, buffers and optimizer state are broadcast to every rank first, so the
+  checkpoint is an ordinary DDP one (``--resume`` under any strategy reads it); ``--eval-every`` and
   ``--checkpoint-every`` do not apply.
 """
 from __future__ import annotations
@@ -113,8 +113,8 @@ class AsyncJob(Job):
         return merged[merged[:, 0 if self.config.round_robin else 3].argsort(stable=True)]
 
     def _share_server_state(self) -> None:
-        """The server's parameters and optimizer state onto every rank (broadcasts), so every
-        rank holds the trained model for validation and the checkpoint."""
+        """The server's parameters, buffers and optimizer state onto every rank (broadcasts), so
+        every rank holds the trained model for validation and the checkpoint."""
         self.optimizer.synchronize_parameters()
         self.optimizer.synchronize_optimizer_state()
 

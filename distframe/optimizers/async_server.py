@@ -13,6 +13,17 @@ Every application before a pending gradient's own adds one to its age and remove
 number of gradients that can still land before it, so age + others stays <= s; it is the
 worker that would push the oldest gradient further than s that waits ("a worker further ahead
 waits"). s = 0 is sequential SGD; s >= number of workers - 1 never throttles round-robin workers.
+
+[Note: a worker dropped while still computing] A worker that sends nothing for the
+worker_timeout is declared dead; it may only be slow. Its staleness was accounted for up to the
+drop only (it left the gate then), so a gradient it pushes later must not be applied. The server
+tells it at once (a DROPPED header and why: small messages, which every engine delivers without
+waiting for the receiver), and while it serves on it keeps the worker's header receive posted:
+a late push is received and discarded (``AsyncReport.discarded_gradients``; so a large one never
+waits for a receiver that never comes), a late DONE or FAILED is noted. The worker looks for the
+notice before it pushes, and gets it at the latest as the answer to its push or finish()
+(``WorkerDroppedError``, naming the timeout to raise). The server does not wait for it: serve()
+ends when the others are done, as for any failed worker.
 """
 from __future__ import annotations
 
@@ -25,15 +36,18 @@ import torch
 
 from distframe.backends.departures import receive_departure_error
 from distframe.backends.protocol import ICommunicationBackend
+from distframe.backends.types import Work
 from distframe.errors import CollectiveTimeoutError
 from distframe.optimizers.async_protocol import (
     BODY_TAG,
     HEADER_TAG,
     FlatParameters,
     Kind,
+    ModelBuffers,
     post_header,
     recv_text,
     send_header,
+    send_text,
 )
 
 #: How often a server with nothing to serve asks whether an awaited worker has left the group.
@@ -44,7 +58,8 @@ DEPARTURE_POLL_S = 0.2
 class AsyncReport:
     """What ``serve()`` returns: updates applied (in total and per worker), the staleness of
     the applied gradients, workers that failed or went silent (rank -> reason), and whether the
-    server told the others to stop."""
+    server told the others to stop. ``discarded_gradients``: gradients that workers dropped at
+    the worker_timeout pushed afterwards (rank -> count); they were received, never applied."""
 
     updates: int = 0
     updates_per_worker: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -53,6 +68,7 @@ class AsyncReport:
     failed_workers: dict[int, str] = dataclasses.field(default_factory=dict)
     stopped: bool = False
     wall_s: float = 0.0
+    discarded_gradients: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_staleness(self) -> float:
@@ -66,14 +82,16 @@ class ParameterServer:
     (blocking receives), so a run equals a sequential replay; otherwise the first header to
     arrive is served. ``on_worker_failure``: "continue" (drop the worker) or "stop"
     (tell every other worker to stop). ``worker_timeout``: seconds without a message from a
-    computing worker before it is declared dead.
+    computing worker before it is declared dead (``timeout_hint`` tells such a worker how to
+    raise it). ``buffers``: the server's model buffers, which pushes update and pulls carry.
     """
 
-    def __init__(self, backend: ICommunicationBackend, flat: FlatParameters,
+    def __init__(self, backend: ICommunicationBackend, flat: FlatParameters, buffers: ModelBuffers,
                  optimizer: torch.optim.Optimizer, workers: list[int], *, max_staleness: int,
                  staleness_lr: bool, deterministic: bool, on_worker_failure: str,
-                 worker_timeout: float) -> None:
-        self.backend, self.flat, self.optimizer = backend, flat, optimizer
+                 worker_timeout: float, timeout_hint: str) -> None:
+        self.backend, self.flat, self.buffers, self.optimizer = backend, flat, buffers, optimizer
+        self.timeout_hint = timeout_hint
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.deterministic = deterministic
@@ -88,6 +106,10 @@ class ParameterServer:
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         self._arrivals: queue.Queue = queue.Queue()
         self._listening: set[int] = set()
+        # Header receives posted and not yet completed, kept across a wait that timed out: a
+        # later wait completes the same receive (a new one would wait for the next message).
+        self._posted: dict[int, tuple[torch.Tensor, Work]] = {}
+        self._dropped_alive: set[int] = set()  # [Note: a worker dropped while still computing]
         self._headers = {w: 0 for w in workers}  # headers received from each worker
         self._rotation = list(workers)
 
@@ -118,7 +140,7 @@ class ParameterServer:
         # the backend which workers have left the group (distframe.backends.departures).
         for w in candidates:
             if w not in self._listening:
-                self._listen(w)
+                self._listen(w, self.worker_timeout)
         while True:
             try:
                 w, header, error = self._arrivals.get(timeout=DEPARTURE_POLL_S)
@@ -129,23 +151,34 @@ class ParameterServer:
                     return None
                 continue
             self._listening.discard(w)
-            if w in self.pulled:  # else a worker already dropped as departed
+            if error is None:
+                self._posted.pop(w, None)
+            if w in self._dropped_alive:
+                self._late_message(w, header, error)
+            elif w in self.pulled:  # else a worker already dropped as departed
                 break
         if isinstance(error, CollectiveTimeoutError):
             left = self._departed([w], received_all=True)
-            self._drop(*(left or (w, f"sent nothing for {self.worker_timeout:g} s")))
+            if left is not None:
+                self._drop(*left)
+            else:
+                self._drop_alive(w)
             return None
         if error is not None:
             raise error
         self._headers[w] += 1
         return w, header
 
-    def _listen(self, worker: int) -> None:
-        header, work = post_header(self.backend, worker)
+    def _listen(self, worker: int, timeout: float | None) -> None:
+        """Waits for ``worker``'s next header on a thread, for ``timeout`` seconds (None: the
+        backend's timeout); the arrival, or the error, goes to ``_arrivals``."""
+        if worker not in self._posted:
+            self._posted[worker] = post_header(self.backend, worker)
+        header, work = self._posted[worker]
 
         def wait() -> None:
             try:
-                work.wait(timeout=self.worker_timeout)
+                work.wait(timeout=timeout)
                 self._arrivals.put((worker, header, None))
             except BaseException as exc:  # noqa: BLE001 - handed to the serving thread
                 self._arrivals.put((worker, None, exc))
@@ -174,18 +207,54 @@ class ParameterServer:
     def _handle(self, worker: int, header: torch.Tensor) -> None:
         kind = Kind(int(header[0]))
         if kind is Kind.PUSH:
-            grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
-            got = self.backend.recv(self.flat.empty_mask(), worker, BODY_TAG) if int(header[3]) else None
+            grad, got, buffers = self._receive_push(worker, header)
             # Applied even when stopping: the gate admitted it, and its worker holds its loss.
             # The worker then waits for parameters; stopping, it gets the STOP instead.
             self._apply(worker, grad, got, self.version - self.pulled.pop(worker))
+            self.buffers.take(buffers)  # the latest pushed (AsyncSGDOptimizer's docstring says why)
             self.waiting.append(worker)
         elif kind is Kind.DONE:
             self.pulled.pop(worker)
+            send_header(self.backend, worker, Kind.STOP, self.version)  # finish() waits for it
         elif kind is Kind.FAILED:
             self._drop(worker, recv_text(self.backend, worker))
         else:
             raise RuntimeError(f"parameter server got message kind {kind.name} from worker {worker}")
+
+    def _receive_push(self, worker: int, header: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """The body of a PUSH: (gradient, which parameters got one or None, buffers)."""
+        grad = self.backend.recv(self.flat.empty(), worker, BODY_TAG)
+        got = self.backend.recv(self.flat.empty_mask(), worker, BODY_TAG) if int(header[3]) else None
+        return grad, got, [self.backend.recv(b, worker, BODY_TAG) for b in self.buffers.empty()]
+
+    def _drop_alive(self, worker: int) -> None:
+        """The worker_timeout passed with no word from a worker still in the group ([Note: a
+        worker dropped while still computing])."""
+        version = self.pulled.get(worker)
+        self._drop(worker, f"sent nothing for {self.worker_timeout:g} s")
+        send_header(self.backend, worker, Kind.DROPPED, self.version)
+        send_text(self.backend, worker, (
+            f"the parameter server (rank {self.backend.rank}) heard nothing from this worker (rank "
+            f"{worker}) for {self.worker_timeout:g} s while it computed on parameters of version "
+            f"{version}, declared it dead and takes nothing more from it: {self.timeout_hint}"))
+        self._dropped_alive.add(worker)
+        self._listen(worker, None)  # a late message may come within the backend's timeout
+
+    def _late_message(self, worker: int, header: torch.Tensor | None, error: BaseException | None) -> None:
+        """What a worker dropped at the worker_timeout sent afterwards: discarded, and noted."""
+        self._dropped_alive.discard(worker)
+        self._posted.pop(worker, None)
+        if error is not None:
+            return  # nothing came within the backend's timeout, or it left: nothing to drain
+        kind = Kind(int(header[0]))
+        if kind is Kind.PUSH:
+            self._receive_push(worker, header)
+            self.report.discarded_gradients[worker] = self.report.discarded_gradients.get(worker, 0) + 1
+            self.report.failed_workers[worker] += "; the gradient it pushed afterwards was discarded"
+        elif kind is Kind.FAILED:
+            self.report.failed_workers[worker] += f"; afterwards it failed: {recv_text(self.backend, worker)}"
+        # DONE: it finished after the drop; the DROPPED notice already answers it.
 
     def _apply(self, worker: int, grad: torch.Tensor, got: torch.Tensor | None, staleness: int) -> None:
         if staleness > self.max_staleness:  # the gate makes this impossible; say so if not
@@ -221,6 +290,8 @@ class ParameterServer:
             w = self.waiting.pop(0)
             send_header(self.backend, w, Kind.PARAMS, self.version)
             self.backend.send(self.flat.values(), w, BODY_TAG)
+            for vector in self.buffers.values():
+                self.backend.send(vector, w, BODY_TAG)
             self.pulled[w] = self.version
 
     def _drop(self, worker: int, reason: str) -> None:

@@ -24,6 +24,9 @@ from distframe.optimizers.async_protocol import (
     HEADER_TAG,
     FlatParameters,
     Kind,
+    ModelBuffers,
+    WorkerDroppedError,
+    recv_text,
     send_header,
     send_text,
 )
@@ -33,6 +36,7 @@ from distframe.optimizers.base import ShardedOptimizerBase
 from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 
 FAILURE_POLICIES = ("continue", "stop")
+__all__ = ["AsyncConfig", "AsyncSGDOptimizer", "WorkerDroppedError"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +51,8 @@ class AsyncConfig:
     on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly (the
         gradients already pushed are applied; no worker gets parameters again).
     worker_timeout: seconds the server waits for a computing worker before declaring it dead
-        (None: the backend's timeout).
+        (None: the backend's timeout); a worker still alive then gets ``WorkerDroppedError``. Set
+        it above the longest step a worker may take.
     """
 
     max_staleness: int = 4
@@ -85,25 +90,49 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     then ``step()`` pushes the gradient and pulls the next parameters (waiting while the
     staleness gate holds it back); it returns this worker's local loss, and the server applies
     the gradient of every step that returned one, exactly once. When the server says stop,
-    ``stopped`` becomes True. ``finish()`` tells the server this worker is done; a worker whose
-    function returns without it is dropped (``failed_workers`` says so) once the engine reports
-    its departure (``distframe.backends.departures``; Gloo and in-memory at once, MPI at the
-    worker_timeout).
+    ``stopped`` becomes True. ``finish()`` tells the server this worker is done (and waits for
+    its answer); a worker whose function returns without it is dropped (``failed_workers`` says
+    so) once the engine reports its departure (``distframe.backends.departures``; Gloo and
+    in-memory at once, MPI at the worker_timeout).
     A worker whose ``train_step`` raises reports the error to the server before re-raising.
 
+    A worker that sends nothing for ``worker_timeout`` while it computes a step is declared dead,
+    even if it is only slow: the server tells it so and takes nothing more from it, and its next
+    ``train_step``, ``step()`` or ``finish()`` raises ``WorkerDroppedError``, naming the timeout
+    to raise; the gradient it was computing is not applied (every earlier one was), whether it
+    was still to send (it is not sent) or reached the server (received and discarded:
+    ``AsyncReport.discarded_gradients``). The others continue or stop as ``on_worker_failure``
+    says (``async_server.py``, [Note: a worker dropped while still computing]).
+
+    Buffers (BatchNorm's running statistics; with the model's ``broadcast_buffers``, True by
+    default, as torch DDP): a push carries the worker's buffers as they are after its step and
+    a pull returns the server's, so every worker starts each step from the server's. Floating
+    (and bool) buffers: the server takes the latest pushed, as DDP takes rank 0's. That keeps
+    them values a real forward produced (a running variance stays positive; an average of stale
+    pushes, or adding their differences as if they were gradients, can leave that range), makes
+    the deterministic mode equal its sequential replay, and needs no state; what it costs, the
+    statistics the other workers pushed since this worker's pull, matters little to a running
+    average. Integer buffers are counters (``num_batches_tracked``): the server adds what each
+    push's step added, so it counts every batch of every applied step. ``broadcast_buffers=False``
+    keeps each rank's own, and nothing more travels; so does a model without buffers.
+
     Messages per worker step: a 32-byte header and the gradient (send), a header and the
-    parameters (recv). With ``find_unused_parameters=True`` (torch DDP's setting) a parameter
+    parameters (recv); with buffers, one vector per buffer dtype and one of int64 counters more
+    each way. With ``find_unused_parameters=True`` (torch DDP's setting) a parameter
     that a worker's step gave no gradient has none on the server for that update (one more
     small message says which), so torch.optim skips it as a plain run does: no weight decay, no
     momentum, no step count; otherwise it is applied as zeros, as DDP averages it. Do not use
     ``model.train_step`` (it all-reduces the loss, a collective).
 
-    Checkpoints: the server's parameters and optimizer state are the trained ones; workers hold
-    the parameters they last pulled and no optimizer state. ``state_dict()`` on the server holds
-    all of the optimizer state, on a worker none. Once ``serve()`` has returned and the workers
-    have called ``finish()``, every rank calls ``synchronize_parameters()`` (a broadcast from
-    the server), then ``distframe.checkpoint.save``; a worker's ``state_dict()`` refuses before
-    that, as the checkpoint would hold part of its stale parameters (each rank writes a slice).
+    Checkpoints: the server's parameters, buffers and optimizer state are the trained ones;
+    workers hold the parameters they last pulled and no optimizer state. (On the server alone,
+    read them from ``model.wrapped_model``: ``gather_full_parameters()`` broadcasts buffers, a
+    collective, on a model that has some.) ``state_dict()`` on the server holds all of the
+    optimizer state, on a worker none. Once ``serve()`` has returned and the workers have called
+    ``finish()``, every rank calls ``synchronize_parameters()`` (broadcasts from the server of
+    its parameters and buffers), then ``distframe.checkpoint.save``; a worker's ``state_dict()``
+    refuses before that, as the checkpoint would hold part of its stale parameters (each rank
+    writes a slice).
     ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
 
     Loss scaling: workers step on their own, so each keeps a plain ``torch.amp.GradScaler`` (a
@@ -132,6 +161,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._no_sync = model.no_sync()
         self._no_sync.__enter__()  # gradients stay local: the server, not an all_reduce, combines them
         self.flat = FlatParameters(list(model.local_parameter_shard()))
+        self.buffers = ModelBuffers(model.wrapped_model, model.config.broadcast_buffers)
         self.workers = [r for r in range(backend.world_size) if r != self.config.server_rank]
         self.version = 0
         self.clock = 0
@@ -140,6 +170,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._finished = False
         # Whether this worker holds the server's parameters (see state_dict).
         self._parameters_replicated = True
+        self._next_header: tuple[torch.Tensor, Any] | None = None  # the server's, posted by step()
+        self._dropped: str | None = None  # why the server dropped this worker (WorkerDroppedError)
 
     @property
     def is_server(self) -> bool:
@@ -153,11 +185,18 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                               f"rank {self.model.backend.rank} is a worker: call train_step")
         backend = self.model.backend
         timeout = self.config.worker_timeout or getattr(backend, "timeout", 300.0)
+        if self.config.worker_timeout is not None:
+            hint = (f"raise AsyncSGDOptimizer's worker_timeout (now {timeout:g} s) above a worker's "
+                    "longest step")
+        else:
+            hint = (f"worker_timeout is None, so the backend's timeout ({timeout:g} s) applies: pass "
+                    "AsyncSGDOptimizer(worker_timeout=SECONDS) above a worker's longest step, or a "
+                    "longer timeout= to the backend")
         server = ParameterServer(
-            backend, self.flat, self.wrapped_optimizer, self.workers,
+            backend, self.flat, self.buffers, self.wrapped_optimizer, self.workers,
             max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
             deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
-            worker_timeout=float(timeout))
+            worker_timeout=float(timeout), timeout_hint=hint)
         report = server.serve()
         self.version = server.version
         return report
@@ -195,11 +234,18 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.stopped:
             return
         backend, server = self.model.backend, self.config.server_rank
+        # The answer's receive, posted now: a DROPPED notice already there means the server
+        # declared this worker dead while it computed, and would discard this gradient.
+        header, work = self._post_next_header()
+        if work.is_completed() and int(header[0]) == Kind.DROPPED:
+            self._receive_header("this step's gradient was not sent: it would not have been applied")
         got = self._got_gradients()  # None: every parameter has one
         send_header(backend, server, Kind.PUSH, self.clock, self.version, int(got is not None))
         backend.send(self.flat.gradients(), server, BODY_TAG)
         if got is not None:
             backend.send(got, server, BODY_TAG)
+        for vector in self.buffers.pushed():
+            backend.send(vector, server, BODY_TAG)
         self.clock += 1
         self.zero_grad()
         self._has_parameters = False
@@ -223,18 +269,40 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.stopped or self._has_parameters:  # no message is on its way: waiting would hang
             return
         backend, server = self.model.backend, self.config.server_rank
-        header = backend.recv(torch.zeros(4, dtype=torch.int64), server, HEADER_TAG)
+        header = self._receive_header("the gradient it pushed after that was discarded, not applied")
         if int(header[0]) == Kind.STOP:
             self.stopped = True
             return
         backend.recv(values := self.flat.empty(), server, BODY_TAG)
         self.flat.load_values(values)
+        self.buffers.load([backend.recv(b, server, BODY_TAG) for b in self.buffers.empty()])
         self.version = int(header[1])
         self._has_parameters = True
         self._parameters_replicated = False  # the server steps on without this worker seeing it
 
+    def _post_next_header(self) -> tuple[torch.Tensor, Any]:
+        """The receive of the server's next header, posted once (``pull`` waits for it)."""
+        if self._next_header is None:
+            header = torch.zeros(4, dtype=torch.int64)
+            self._next_header = header, self.model.backend.irecv(header, self.config.server_rank, HEADER_TAG)
+        return self._next_header
+
+    def _receive_header(self, fate: str) -> torch.Tensor:
+        """Waits for the server's next header; a DROPPED one raises WorkerDroppedError, saying
+        why and ``fate``, what became of this worker's last gradient."""
+        header, work = self._post_next_header()
+        self._next_header = None
+        work.wait()
+        if int(header[0]) != Kind.DROPPED:
+            return header
+        reason = recv_text(self.model.backend, self.config.server_rank)
+        self._finished = True  # the server has let go: report_failure and finish() send nothing
+        self._dropped = f"AsyncSGDOptimizer: {reason} ({fate})"
+        raise WorkerDroppedError(self._dropped)
+
     def finish(self) -> None:
-        """Tells the server this worker is done (a no-op after a stop or a second call)."""
+        """Tells the server this worker is done and waits for its answer (a no-op after a stop or
+        a second call); WorkerDroppedError if the server had declared it dead meanwhile."""
         self._require_worker("finish")
         if self._finished or self.stopped:
             return
@@ -244,6 +312,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                 return
         send_header(self.model.backend, self.config.server_rank, Kind.DONE, self.clock)
         self._finished = True
+        self._receive_header("every gradient it pushed before was applied")  # STOP, or DROPPED
 
     def report_failure(self, exc: BaseException) -> None:
         """Tells the server this worker failed (it then continues or stops the others)."""
@@ -256,11 +325,16 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
 
     # ---- replicas and checkpoints -----------------------------------------------------------------
     def synchronize_parameters(self) -> None:
-        """Every rank gets the server's parameters (one broadcast); collective, after training."""
+        """Every rank gets the server's parameters and buffers (one broadcast, one more per
+        buffer vector); collective, after training."""
         self._require_session_over("synchronize_parameters")
         values = self.flat.values() if self.is_server else self.flat.empty()
         self.model.backend.broadcast(values, self.config.server_rank)
         self.flat.load_values(values)
+        buffers = self.buffers.values() if self.is_server else self.buffers.empty()
+        for vector in buffers:
+            self.model.backend.broadcast(vector, self.config.server_rank)
+        self.buffers.load(buffers)
         self._parameters_replicated = True
 
     def synchronize_optimizer_state(self) -> None:
@@ -297,6 +371,8 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         return bool(local_flag) or self.stopped
 
     def _require_not_finished(self, what: str) -> None:
+        if self._dropped is not None:
+            raise WorkerDroppedError(self._dropped)
         if self._finished:  # the server has let go of this worker: a push would never be applied
             raise ConfigError(f"AsyncSGDOptimizer.{what} after this worker called finish() or reported a "
                               "failure; the server takes no more of its gradients (train before finish())")

@@ -106,3 +106,43 @@ def test_synchronizing_while_the_server_still_serves_the_worker_is_a_config_erro
         opt.finish()
         return None
     spawn(fn, 2, timeout=60)
+
+
+BN_NET = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+@pytest.mark.parametrize("server_rank", [0, 2])
+def test_the_checkpoint_holds_the_server_buffers_and_a_resumed_run_equals_the_straight_one(
+        tmp_path, server_rank):
+    """BatchNorm's running statistics: the server's (which the workers push) go into the
+    checkpoint, whichever rank writes the buffers. Before, the server kept its initial ones and
+    the checkpoint held rank 0's: the server's initial buffers, or one worker's own."""
+    def build(b):
+        model = DDPModel(copy.deepcopy(BN_NET), b)
+        return model, AsyncSGDOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9,
+                                        server_rank=server_rank, max_staleness=0, deterministic=True)
+
+    def fn(b):
+        model, opt = build(b)
+        _session(b, opt, 0, 6)
+        opt.synchronize_parameters()
+        straight = model.gather_full_parameters()
+        model, opt = build(b)
+        _session(b, opt, 0, 3)
+        served = {k: v.clone() for k, v in model.wrapped_model.named_buffers()}
+        opt.synchronize_parameters()
+        checkpoint.save(tmp_path / "ck", model, opt, step=3)
+        model, opt = build(b)
+        checkpoint.load(tmp_path / "ck", model, opt)
+        _session(b, opt, 3, 6)
+        opt.synchronize_parameters()
+        return straight, model.gather_full_parameters(), served
+    results = spawn(fn, 3, timeout=60)
+    server_buffers = results[server_rank][2]
+    saved = checkpoint.consolidate(tmp_path / "ck")
+    assert int(server_buffers["1.num_batches_tracked"]) == 6  # 2 workers, 3 steps each
+    for name, value in server_buffers.items():
+        assert torch.equal(saved[name], value), name
+    for straight, resumed, _ in results:
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+        assert all(torch.equal(straight[k], results[server_rank][0][k]) for k in straight)
