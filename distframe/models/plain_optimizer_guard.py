@@ -12,6 +12,12 @@ once) raises ConfigError, before anything moves, when an optimizer's param group
 parameter of a live guarded model that ``accepts_plain_optimizer`` is False for, other than its
 flat shards (which its own optimizer steps). Cost per step of any optimizer in the process: one
 set lookup per param group and guarded model.
+
+[Note: whole-parameter optimizers over tensor-parallel slices] A model that takes plain
+optimizers (tensor parallel, hybrid over DDP) holds 1/tp of each split parameter. Adafactor
+factors a parameter's matrix, Muon orthogonalises it and LBFGS takes every parameter at once
+(WHOLE_PARAMETER_OPTIMIZERS): over slices each computes something other than one process's
+step, so the same hook refuses them when a param group holds such a slice (tp > 1).
 """
 from __future__ import annotations
 
@@ -23,6 +29,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distframe.errors import ConfigError
+
+# Optimizers whose update of a parameter needs the whole of it (or of all parameters).
+WHOLE_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
+                                   if hasattr(torch.optim, name))
 
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
@@ -57,7 +67,10 @@ def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     firsts = [id(group["params"][0]) for group in optimizer.param_groups if group["params"]]
     with _lock:  # a rank thread may be adding one
         models = list(_guarded)
+    whole = isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS)
     for model in models:
+        if whole:
+            _refuse_whole_over_slices(optimizer, model)
         if model.accepts_plain_optimizer:
             continue
         ids = _guarded_ids(model)
@@ -68,3 +81,20 @@ def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 f"model.parameters() never sees the reduced gradients, which live in the model's flat "
                 f"shards; build {name}(model, torch.optim.{type(optimizer).__name__}, **kwargs) instead "
                 "(it takes a class or an instance)")
+
+
+def _refuse_whole_over_slices(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    """See [Note: whole-parameter optimizers over tensor-parallel slices]."""
+    from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                  ShardedLayerNorm, VocabParallelEmbedding)
+    split = (ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, VocabParallelEmbedding)
+    slices = {id(p) for m in model.modules() if isinstance(m, split) and m.backend.world_size > 1
+              for p in (m.weight, getattr(m, "bias", None)) if p is not None}
+    slices -= {id(m.bias) for m in model.modules() if isinstance(m, RowParallelLinear) and m.bias is not None}
+    if any(id(p) in slices for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError(
+            f"torch.optim.{type(optimizer).__name__} over a {type(model).__name__}'s tensor-parallel "
+            "slices: it updates a parameter from the whole of it (its shape or norm; LBFGS: all "
+            "parameters at once), but each rank holds 1/tp of a split parameter, so every step "
+            "would differ from one process's; use an element-wise optimizer (AdamW, Adam, SGD, ...) "
+            "or leave those layers out of the tensor-parallel plan")

@@ -13,6 +13,7 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader
+from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS
 from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
 
 
@@ -55,8 +56,6 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
 # matrix's second moment and scales by its norm, Muon orthogonalises a matrix) or of every
 # parameter at once (LBFGS): over flat chunks that split and mix parameters they would compute
 # another update than one process, with no error.
-WHOLE_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
-                                   if hasattr(torch.optim, name))
 
 
 def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
@@ -67,7 +66,7 @@ def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> No
         return
     parameters = {id(p) for p in model.wrapped_model.parameters()}
     if all(id(shard) in parameters for shard in model.local_parameter_shard()):
-        return  # whole parameters (DDP): the optimizer sees what it would in one process
+        return  # whole parameters (DDP); tensor-parallel slices: plain_optimizer_guard
     raise ConfigError(
         f"{owner}: torch.optim.{cls.__name__} updates a parameter from the whole of it (its shape or "
         f"norm; LBFGS: from all parameters at once), but {type(model).__name__}'s optimizer updates "

@@ -12,7 +12,7 @@ from torch import nn
 
 from distframe import ConfigError, spawn
 from distframe.mesh import ParallelDims
-from distframe.models import HybridShardedModel
+from distframe.models import HybridShardedModel, TensorParallelModel
 from tests.models.common import SEED_LOCK, STRATEGIES, tiny_lm
 
 with SEED_LOCK:
@@ -72,5 +72,31 @@ def test_a_plain_optimizer_over_a_hybrid_zero_model_is_refused():
         model = HybridShardedModel(tiny_lm(), backend, dims=ParallelDims(dp=2), data_parallel="zero2")
         with pytest.raises(ConfigError, match="ZeRO2Optimizer"):
             torch.optim.SGD(model.parameters(), lr=0.1).step()
+        return True
+    assert spawn(run, 2, timeout=20) == [True, True]
+
+
+@pytest.mark.parametrize("whole", ["Adafactor", "Muon", "LBFGS"])
+@pytest.mark.parametrize("layout", ["tensor", "hybrid"])
+def test_a_whole_parameter_optimizer_over_tensor_parallel_slices_is_refused(layout, whole):
+    """Adafactor factors a parameter's matrix, Muon orthogonalises it, LBFGS takes all parameters
+    at once: over a tensor-parallel rank's slices each computes something other than one
+    process's step, without a word. Refused at step(), before anything moves; an element-wise
+    optimizer over the same parameters steps."""
+    def run(backend):
+        with SEED_LOCK:
+            torch.manual_seed(0)
+            dense = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        plan = {"0": "column", "2": "row"}
+        model = (TensorParallelModel(dense, backend, plan=plan) if layout == "tensor" else
+                 HybridShardedModel(dense, backend, dims=ParallelDims(tp=2), tp_plan=plan))
+        model(X).pow(2).sum().backward()
+        params = [p for p in model.parameters() if whole != "Muon" or p.dim() == 2]  # Muon: matrices
+        opt = getattr(torch.optim, whole)(params)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ConfigError, match=rf"torch.optim.{whole} .*tensor-parallel"):
+            opt.step(lambda: model(X).pow(2).sum()) if whole == "LBFGS" else opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        torch.optim.Adam(model.parameters()).step()
         return True
     assert spawn(run, 2, timeout=20) == [True, True]
