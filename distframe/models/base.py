@@ -326,8 +326,12 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 tensor.copy_(reader.replicated(name, tensor.shape))
 
     def finish_load(self) -> None:
-        """The collective end of a load, after ``read_shards`` on every rank (``_after_load``)."""
+        """The collective end of a load, after ``read_shards`` on every rank (``_after_load``);
+        tells the attached optimizer (an ElasticOptimizer commits what was loaded)."""
         self._after_load()
+        loaded = getattr(self._optimizer, "model_loaded", None)
+        if loaded is not None:
+            loaded()
 
     # ---- memory ------------------------------------------------------------------------------
     def memory_footprint(self) -> dict[str, int]:

@@ -99,8 +99,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
     worker of the group must pass True.
 
     A state loaded by hand is committed: by ``distframe.checkpoint.load(path, model, optimizer)``
-    once its ranks agree that every read worked (``finish_load``); after the model's and this
-    optimizer's ``load_state_dict``, by the next ``step()``, before it steps. A failure before
+    once its ranks agree that every read worked (``finish_load``); after the model's or this
+    optimizer's ``load_state_dict``, or ``checkpoint.load(path, model)`` (weights alone), by the
+    next ``step()``, before it steps. A failure before
     that step stops the restore with ElasticRollbackError; call ``commit()`` right after such a
     load to commit it at once.
 
@@ -167,6 +168,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
                                                      lr_scheduler=self._scheduler_state())
         self._loaded_scheduler = None
 
+    def model_loaded(self) -> None:
+        """Called by the model at the end of each of its loads: the next ``step()`` commits the
+        new weights (``finish_load`` at once, when checkpoint.load loaded this optimizer too)."""
+        if not self._restoring:
+            self.member.loaded_step = self.step_count
+
     def finish_load(self) -> None:
         """Called by ``distframe.checkpoint.load`` on every rank once every rank's read worked:
         commits the loaded state (collective; the restore commits its own loads)."""
@@ -188,6 +195,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.step_count += 1
         if self.step_count % self.commit_every == 0 or self.step_count == self.member.until_step:
             self.commit()
+            # Only a step's commit saves: committing a load or a restore must not write the
+            # checkpoint it has just read over again.
+            interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
+            if interval is not None and self.step_count % interval == 0:
+                from distframe.checkpoint import save
+                save(self.checkpoint_dir / f"step-{self.step_count}", self.model, self, step=self.step_count)
         return loss
 
     @property
@@ -223,10 +236,6 @@ class ElasticOptimizer(ShardedOptimizerBase):
                         parts[0].lr_scheduler)
         self.member.commit = commit
         self.member.loaded_step = None
-        interval = None if self.checkpoint_every is None else self.checkpoint_every * self.commit_every
-        if interval is not None and self.step_count > 0 and self.step_count % interval == 0:
-            from distframe.checkpoint import save
-            save(self.checkpoint_dir / f"step-{self.step_count}", self.model, self, step=self.step_count)
         return commit
 
     def _restore(self) -> str:

@@ -150,3 +150,47 @@ def test_a_restore_from_a_checkpoint_commits_once(tmp_path):
         return opt.step_count, b.stats.calls.get("all_gather", 0)
     spawn(first, 2, timeout=30)
     assert spawn(second, 2, timeout=30) == [(3, 0), (3, 0)]
+
+
+@pytest.mark.parametrize("how", ["checkpoint.load", "load_state_dict"])
+def test_a_model_only_load_is_not_lost_silently(tmp_path, how):
+    """Pretrained weights loaded into the model alone (``checkpoint.load(path, model)`` or the
+    model's ``load_state_dict``) right after the ElasticOptimizer was built: a worker that dies
+    before the next step() (which commits them) would roll the survivors back to the weights
+    from before the load. The run stops instead, naming the load."""
+    other = _other_state(tmp_path)
+    loaded = threading.Event()
+
+    def worker(backend, member):
+        model = ZeRO2Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member, commit_every=4)
+        if not loaded.is_set():
+            if how == "checkpoint.load":
+                checkpoint.load(other[0], model)
+            else:
+                model.load_state_dict(other[1])
+            backend.barrier()
+            loaded.set()
+            if member.worker_id == 2:
+                raise RuntimeError("worker 2 died right after the load")
+        _train(model, opt, TOTAL)
+        return opt.step_count
+    with pytest.raises(ElasticRollbackError, match=r"loaded by hand.*not committed"):
+        ElasticController(worker, initial_world=3, timeout=30).run()
+
+
+def test_committing_a_load_does_not_save_the_checkpoint_again(tmp_path):
+    """Only a step's commit saves a checkpoint (every checkpoint_every commits): the commit of a
+    checkpoint just loaded, at a step that is a multiple of the interval, used to write the
+    same checkpoint again (a new directory renamed over the one just read)."""
+    def fn(b):
+        model = DDPModel(copy.deepcopy(MLP), b)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, checkpoint_dir=tmp_path, checkpoint_every=1)
+        _train(model, opt, 2)
+        b.barrier()
+        before = (tmp_path / "step-1").stat().st_ino
+        checkpoint.load(tmp_path / "step-1", model, opt)
+        opt.commit()
+        b.barrier()
+        return before == (tmp_path / "step-1").stat().st_ino, opt.member.commit.step
+    assert spawn(fn, 2, timeout=30) == [(True, 1), (True, 1)]
