@@ -39,6 +39,8 @@ part still to be sent is off by that factor. ShardedGradScaler.update() tells ev
 stepped this iteration (``loss_scale_changed``); a plain GradScaler cannot, so with error
 feedback this optimizer refuses it (``_step_supports_amp_scaling``: torch then hands ``step()``
 the found-inf flag, and the base class refuses a flag that ShardedGradScaler did not agree).
+A checkpoint holds the residuals with the scale they are in, not the scaler: the first step
+after a load at another scale is refused (``compression_residuals.ResidualScale``).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ from distframe.models.gradient_buckets import GradBucket
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase, state_reader
 from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
-from distframe.optimizers.compression_residuals import (RESIDUAL_KIND, add_residual,
+from distframe.optimizers.compression_residuals import (RESIDUAL_KIND, ResidualScale, add_residual,
                                                         load_residuals, residual_dtype)
 
 _WARM_Q = "compression.powersgd_q"
@@ -151,6 +153,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self._staged_residuals: dict[str, torch.Tensor] = {}
         self._rounding: dict[str, torch.Tensor] = {}  # add_residual's, until _keep_residual
         self._staged_warm: dict[str, torch.Tensor] = {}
+        self._residual_scale = ResidualScale()
         model.register_comm_hook(self._communicate)
 
     @property
@@ -167,11 +170,17 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     def loss_scale_changed(self, factor: torch.Tensor) -> None:
         """Called by ShardedGradScaler.update() with new scale / old scale (a one-element tensor):
         residuals, current and staged, move to the new scale."""
+        self._residual_scale.changed(factor)
         if factor.device.type == "cpu" and float(factor) == 1.0:
             return
         for residuals in (self.residuals, self._staged_residuals):
             for residual in residuals.values():
                 residual.mul_(factor.to(residual.device, residual.dtype))
+
+    def _apply_grad_scaler(self) -> bool:
+        if self.error_feedback:  # the scale this step's residuals are in; checked after a load
+            self._residual_scale.stepping(getattr(self, "grad_scale", None), type(self).__name__)
+        return super()._apply_grad_scaler()
 
     def _step(self, closure: Any = None) -> Any:
         # Not reached for a step a GradScaler skips: its staged residuals stay out (and the
@@ -338,6 +347,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             kind = _WARM_Q if what == "powersgd_q" else _OWN_STATE.format(what=what, rank=rank)
             tensors[f"{kind}/{name}@0"] = value.reshape(-1).clone()
         tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
+        if self.residuals:
+            self._residual_scale.save(tensors)
         return {**state, "tensors": tensors}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
@@ -351,6 +362,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         params = dict(self.model.wrapped_model.named_parameters())
         backend = self.model.backend
         self.residuals = load_residuals(reader, kinds, params, backend.rank, backend.world_size)
+        self._residual_scale.load(reader, kinds)
         if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
             held = [name for name, param in params.items()
                     if reader.holds(_WARM_Q, name) and self.compressor.compressible(param.shape)]

@@ -18,9 +18,11 @@ from collections.abc import Mapping
 
 import torch
 
+from distframe.errors import ConfigError
 from distframe.models.sharded_state import RangeReader
 
 RESIDUAL_KIND = "compression.residual.rank{rank}"  # a saved residual's piece kind, per rank
+SCALE_KIND = "compression.loss_scale"  # the loss scale the saved residuals are in
 
 
 def residual_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,3 +72,42 @@ def load_residuals(reader: RangeReader, kinds: set[str], params: Mapping[str, to
             total *= world_size / saved_world
         residuals[name] = total.view(param.shape)
     return residuals
+
+
+class ResidualScale:
+    """The loss scale the residuals are in ([Note: residuals under loss scaling] in
+    ``compressed.py``: that of the last step's backward, moved by ``loss_scale_changed``), saved
+    with them. A checkpoint does not hold the scaler: a resumed step at another scale (a fresh
+    scaler, or none) would add the residuals to its gradients off by new scale / saved scale,
+    so the first step after a load checks the scale it runs at against the saved one."""
+
+    def __init__(self) -> None:
+        self.scale: torch.Tensor | float = 1.0
+        self.loaded: float | None = None
+
+    def stepping(self, grad_scale: torch.Tensor | None, owner: str) -> None:
+        """A step (taken or skipped) at ``grad_scale`` (None: no loss scaling); ConfigError,
+        before anything moves, when it is the first after a load and the scale differs."""
+        now = 1.0 if grad_scale is None else grad_scale
+        if self.loaded is not None and float(now) != self.loaded:
+            runs = ("without loss scaling (scale 1)" if grad_scale is None
+                    else f"at the scaler's loss scale {float(now):g}")
+            raise ConfigError(
+                f"{owner}: the error-feedback residuals were saved at loss scale {self.loaded:g}, but "
+                f"this step runs {runs}, so they would join the gradients off by that factor; "
+                "restore the scaler saved beside the checkpoint (a ShardedGradScaler and "
+                f"scaler.load_state_dict(saved_state)), or build one with init_scale={self.loaded:g}")
+        self.loaded = None
+        self.scale = now if isinstance(now, float) else now.detach().clone()
+
+    def changed(self, factor: torch.Tensor) -> None:
+        if isinstance(self.scale, float):
+            self.scale = self.scale * factor.double()
+        else:
+            self.scale = self.scale * factor.to(self.scale.device, self.scale.dtype)
+
+    def save(self, tensors: dict[str, torch.Tensor]) -> None:
+        tensors[f"{SCALE_KIND}/scale@0"] = torch.tensor([float(self.scale)], dtype=torch.float64)
+
+    def load(self, reader: RangeReader, kinds: set[str]) -> None:
+        self.loaded = float(reader.read(SCALE_KIND, "scale", 0, 1)[0]) if SCALE_KIND in kinds else None
