@@ -23,7 +23,7 @@ from distframe.checkpoint.agreement import agree
 from distframe.data import check_windows, load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
-from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig
+from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig, timeout_of
 from distframe.train_settings import saved_run_named
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
@@ -58,15 +58,15 @@ def run(config: TrainConfig) -> TrainResult:
         fn = functools.partial(train_on_rank, config=config, backend_name=name, corpus=corpus,
                                initial_state=initial_model_state(config, corpus.vocab_size))
         with _threads_per_rank(config.world_size):
-            return spawn(fn, config.world_size, name)[0]
+            return spawn(fn, config.world_size, name, **timeout_of(config))[0]
     fn = functools.partial(train_on_rank, config=config, backend_name=name)
-    return spawn(fn, config.world_size, name)[0]
+    return spawn(fn, config.world_size, name, **timeout_of(config))[0]
 
 
 def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
     # auto: the engine init_backend picks (under torchrun, NCCL only with a GPU per process)
     name = auto_backend_name(launcher) if config.backend == "auto" else config.backend
-    backend = init_backend(name)
+    backend = init_backend(name, **timeout_of(config))
     try:
         if config.world_size is not None and config.world_size != backend.world_size:
             raise ConfigError(f"--world-size {config.world_size}, but {launcher} started "

@@ -9,8 +9,8 @@ import argparse
 import sys
 from typing import Any
 
-from distframe.train_config import (BACKENDS, COMPRESSORS, DEFAULT_WORLD_SIZE, DTYPES, PRESETS,
-                                    SCHEDULES, TOKEN_DTYPES, TrainConfig)
+from distframe.train_config import (BACKENDS, COMPRESSORS, DEFAULT_TIMEOUT, DEFAULT_WORLD_SIZE, DTYPES,
+                                    PRESETS, SCHEDULES, TOKEN_DTYPES, TrainConfig)
 from distframe.train_settings import resolve_config
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
@@ -33,6 +33,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--backend", group=run, metavar="{" + ",".join(BACKENDS) + "}",
         help="communication engine; auto: mpi under mpiexec, gloo (nccl with a GPU per process) under "
              "torchrun, else in-memory threads" + _default("backend"))
+    add("--timeout", group=run, type=float, metavar="SECONDS", help="how long a collective waits "
+        f"for the other ranks before it fails naming them (default: {DEFAULT_TIMEOUT:g}; the elastic "
+        "demo's 60)")
     add("--world-size", group=run, type=int, metavar="N",
         help=f"ranks to start: in-memory threads or spawned processes (default: {DEFAULT_WORLD_SIZE}); "
              "under mpiexec or torchrun the launcher decides")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attention.model import DilatedTransformerConfig
+from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import ConfigError
 from distframe.train_parallel import check_divides, check_model_parallel, check_schedule
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
@@ -27,7 +28,7 @@ COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 DEFAULT_WORLD_SIZE = 2
 # How a run is launched, not what it trains: a resumed run does not take these from its saved
 # configuration (it may continue at another world size or on another engine).
-LAUNCH_SETTINGS = ("world_size", "backend", "resume")
+LAUNCH_SETTINGS = ("world_size", "backend", "resume", "timeout")
 # Settings of one kind of strategy: left at their defaults under the others.
 PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
@@ -37,6 +38,11 @@ PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "h
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
                "dilation_rates": "dilation_rates"}
+
+
+def timeout_of(config: TrainConfig) -> dict[str, float]:
+    """``--timeout`` as the engines' keyword; nothing when not given (each keeps its default)."""
+    return {} if config.timeout is None else {"timeout": float(config.timeout)}
 
 
 def flag(field: str) -> str:
@@ -116,6 +122,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     eval_every: int = 25
     eval_batches: int = 2
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("segment_lengths", "dilation_rates"):
@@ -177,6 +184,10 @@ class TrainConfig:
                     not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
+                self.timeout, (int, float)) or not 0 < self.timeout < math.inf):  # (NaN fails too)
+            raise ConfigError(f"--timeout {self.timeout!r}: use a positive number of seconds that a "
+                              f"collective may wait for the other ranks (default {DEFAULT_TIMEOUT:g})")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
                 not 0 <= self.dropout < 1:  # (NaN fails the comparison too)
             raise ConfigError(f"--dropout {self.dropout!r}: use a probability with 0 <= P < 1, for "

@@ -28,7 +28,7 @@ from distframe.data import TokenCorpus
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.optimizers.elastic_demo import DemoWorkerFailure
 from distframe.optimizers.elastic_membership import ElasticController
-from distframe.train_config import TrainConfig
+from distframe.train_config import TrainConfig, timeout_of
 from distframe.train_loop import (DTYPES, Job, TrainResult, build_model_and_optimizer,
                                   initial_model_state, prepare_out, run_info)
 from distframe.train_metrics import MetricsLog
@@ -76,7 +76,7 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
     world = next((w for s, w in sorted(schedule.items(), reverse=True) if s <= start_step),
                  config.world_size)
     controller = ElasticController(worker, initial_world=world, schedule=schedule,
-                                   start_step=start_step)
+                                   start_step=start_step, **timeout_of(config))
     try:
         generations = controller.run()
     except BaseException:

@@ -47,7 +47,7 @@ def test_auto_backend_under_torchrun(monkeypatch, tmp_path, gpus, local_ranks, e
     monkeypatch.setattr(torch_dist, "visible_gpus", lambda: gpus)
     started = []
 
-    def init_backend(name):
+    def init_backend(name, **kw):
         started.append(name)
         raise _Started
     monkeypatch.setattr(train, "init_backend", init_backend)
