@@ -17,17 +17,19 @@ from distframe.optimizers.async_protocol import BODY_TAG, HEADER_TAG, TEXT_BYTES
 from distframe.optimizers.async_sgd import AsyncSGDOptimizer
 from tests.optimizers.test_async_exactly_once import _gradient, _Linear
 
-STEPS, SLOW_RANK, TIMEOUT = 5, 2, 0.3
+# worker_timeout: the slow worker sleeps 3x it; every other gap between a worker's messages is a
+# few ms, with room for a loaded machine (Gloo's processes: more room, as they compete for cores)
+STEPS, SLOW_RANK, TIMEOUT, GLOO_TIMEOUT = 5, 2, 0.5, 1.0
 MORE_STEPS = 30  # at most, for rank 1 keeping the server serving (2 ** (10 + k) stays exact)
 
 
-def _rank(b, *, late_in, slow_done=None, **settings):
+def _rank(b, *, late_in, slow_done=None, timeout=TIMEOUT, **settings):
     """Server: (w, report). Worker: (sum of the gradients of steps that returned a loss, the
     error it got, whether it was stopped). ``late_in``: "step" (rank 2 computes its step 1 for
     three worker_timeouts) or "finish" (it rests that long after its last step, then finishes).
     With ``slow_done``, rank 1 trains on until rank 2 is through, so the server still serves."""
     model = DDPModel(_Linear(), b)
-    opt = AsyncSGDOptimizer(model, torch.optim.SGD, lr=1.0, worker_timeout=TIMEOUT, max_staleness=2,
+    opt = AsyncSGDOptimizer(model, torch.optim.SGD, lr=1.0, worker_timeout=timeout, max_staleness=2,
                             **settings)
     if opt.is_server:
         report = opt.serve()
@@ -38,17 +40,17 @@ def _rank(b, *, late_in, slow_done=None, **settings):
             if k >= STEPS and (b.rank == SLOW_RANK or slow_done is None or slow_done.is_set()):
                 break
             if k >= STEPS:
-                time.sleep(TIMEOUT / 4)
+                time.sleep(timeout / 4)
 
             def loss_fn(out, _, k=k):
                 if late_in == "step" and b.rank == SLOW_RANK and k == 1:
-                    time.sleep(3 * TIMEOUT)
+                    time.sleep(3 * timeout)
                 return out
             loss = opt.train_step((_gradient(b.rank, k), None), loss_fn)
             if loss == loss:
                 pushed += _gradient(b.rank, k)
         if late_in == "finish" and b.rank == SLOW_RANK:
-            time.sleep(3 * TIMEOUT)
+            time.sleep(3 * timeout)
         opt.finish()
     except Exception as exc:  # noqa: BLE001 - the test looks at what the worker got
         opt.finish()  # a no-op now: must neither raise nor wait
@@ -59,12 +61,12 @@ def _rank(b, *, late_in, slow_done=None, **settings):
     return pushed, None, opt.stopped
 
 
-def _check_the_slow_worker(out, fate, steps_applied):
+def _check_the_slow_worker(out, fate, steps_applied, timeout=TIMEOUT):
     w, report = out[0]
     pushed, error, _ = out[SLOW_RANK]
     assert type(error).__name__ == "WorkerDroppedError", error
     message = str(error)
-    assert "0.3 s" in message and "worker_timeout" in message and "raise" in message
+    assert f"{timeout:g} s" in message and "worker_timeout" in message and "raise" in message
     assert fate in message
     assert list(report.failed_workers) == [SLOW_RANK]
     assert report.updates_per_worker[SLOW_RANK] == steps_applied
@@ -134,15 +136,15 @@ def test_a_late_push_that_reaches_the_server_is_received_discarded_and_reported(
         slow_done.set()
         return int(answer[0]), why.rstrip(b"\0").decode()
     (report, w), (answer, why), pushed = spawn(fn, 3, timeout=20)
-    assert answer == Kind.DROPPED and "worker_timeout (now 0.3 s)" in why
+    assert answer == Kind.DROPPED and f"worker_timeout (now {TIMEOUT:g} s)" in why
     assert torch.equal(w, -pushed)
     assert report.discarded_gradients == {1: 1} and report.updates_per_worker[1] == 0
-    assert report.failed_workers[1] == ("sent nothing for 0.3 s; the gradient it pushed afterwards "
-                                        "was discarded")
+    assert report.failed_workers[1] == (f"sent nothing for {TIMEOUT:g} s; the gradient it pushed "
+                                        "afterwards was discarded")
 
 
 def _gloo_rank(b):
-    return _rank(b, late_in="step", on_worker_failure="continue")
+    return _rank(b, late_in="step", on_worker_failure="continue", timeout=GLOO_TIMEOUT)
 
 
 @pytest.mark.gloo
@@ -151,7 +153,7 @@ def test_gloo_a_worker_dropped_while_computing_gets_the_error_and_its_gradient_i
     """Over Gloo a receive says it has completed only once waited for, so the late worker may
     push before it sees the notice: either way, it gets the error, and the gradient is not applied."""
     out = spawn(_gloo_rank, 3, "gloo", timeout=30)
-    report = _check_the_slow_worker(out, "not", 1)
+    report = _check_the_slow_worker(out, "not", 1, timeout=GLOO_TIMEOUT)
     message = str(out[SLOW_RANK][1])
     assert "gradient was not sent" in message or "pushed after that was discarded" in message
     assert sum(report.discarded_gradients.values()) <= 1 and out[1][1] is None
