@@ -255,9 +255,18 @@ class ShardedModelBase(nn.Module, abc.ABC):
             out[name] = params[name] if name in params else tensor.detach().clone()
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's share of the parameters (``param/<name>@<offset>`` 1-D pieces) and, on rank
-        0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model."""
+        0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model.
+        ConfigError when a module holding this one asks (its own ``state_dict()``): a share has
+        no place in that dict, and nothing else would have put the model there."""
+        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+            held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
+            raise ConfigError(
+                f"the state_dict() of a module holding {type(self).__name__} (as {held_as!r}) cannot "
+                "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
+                "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
+                "optimizer), or its gather_full_parameters()) and the other parts on their own")
         layout = self.shard_layout()
         state = shard_pieces(layout, self.backend.rank, self.backend.world_size, "param", layout.shards)
         if self.backend.rank == 0:
