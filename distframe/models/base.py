@@ -19,7 +19,7 @@ from distframe.models.config import ShardingConfig, TrainingState, resolve_confi
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.parameter_usage import ParameterUsage
-from distframe.models.plain_optimizer_guard import guard
+from distframe.models.plain_optimizer_guard import guard, plain_optimizers
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
@@ -345,12 +345,15 @@ class ShardedModelBase(nn.Module, abc.ABC):
     # ---- memory ------------------------------------------------------------------------------
     def memory_footprint(self) -> dict[str, int]:
         """Bytes of distinct tensor storage this rank holds: parameters, gradients, optimizer
-        state and the strategy's buffers (each storage counted once, in that order)."""
+        state (its ShardedOptimizer's, or that of plain torch.optim ones that stepped it) and
+        the strategy's buffers (each storage counted once, in that order)."""
         seen: set[int] = set()
         params = list(self.wrapped_model.parameters()) + list(self.local_parameter_shard())
         grads = [p.grad for p in params if p.grad is not None]
-        optimizer = getattr(self._optimizer, "wrapped_optimizer", None)
-        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+        optimizers = plain_optimizers(self)
+        if getattr(self._optimizer, "wrapped_optimizer", None) is not None:
+            optimizers.append(self._optimizer.wrapped_optimizer)
+        state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
         out = {"parameters": _storage_bytes(params, seen), "gradients": _storage_bytes(grads, seen),
                "optimizer_state": _storage_bytes(state, seen),
                "buffers": _storage_bytes(self._strategy_buffers(), seen)}
