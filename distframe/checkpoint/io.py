@@ -214,7 +214,8 @@ def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
 def _check_model(model: Any) -> None:
     if not isinstance(model, ShardedModelBase):
         raise ConfigError(f"checkpoints hold sharded models: pass the wrapped model (DDPModel, "
-                          f"ZeRO3Model, ...), got {type(model).__name__}")
+                          f"ZeRO3Model, ...), got {type(model).__name__}; for a plain module in one "
+                          "process, use module.load_state_dict(distframe.checkpoint.consolidate(path))")
 
 
 def _whole_step(step: Any) -> int | None:

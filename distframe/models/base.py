@@ -19,7 +19,7 @@ from distframe.models.config import ShardingConfig, TrainingState, resolve_confi
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.parameter_usage import ParameterUsage
-from distframe.models.plain_optimizer_guard import guard
+from distframe.models.plain_optimizer_guard import guard, plain_optimizers
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
@@ -255,9 +255,18 @@ class ShardedModelBase(nn.Module, abc.ABC):
             out[name] = params[name] if name in params else tensor.detach().clone()
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's share of the parameters (``param/<name>@<offset>`` 1-D pieces) and, on rank
-        0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model."""
+        0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model.
+        ConfigError when a module holding this one asks (its own ``state_dict()``): a share has
+        no place in that dict, and nothing else would have put the model there."""
+        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+            held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
+            raise ConfigError(
+                f"the state_dict() of a module holding {type(self).__name__} (as {held_as!r}) cannot "
+                "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
+                "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
+                "optimizer), or its gather_full_parameters()) and the other parts on their own")
         layout = self.shard_layout()
         state = shard_pieces(layout, self.backend.rank, self.backend.world_size, "param", layout.shards)
         if self.backend.rank == 0:
@@ -336,12 +345,15 @@ class ShardedModelBase(nn.Module, abc.ABC):
     # ---- memory ------------------------------------------------------------------------------
     def memory_footprint(self) -> dict[str, int]:
         """Bytes of distinct tensor storage this rank holds: parameters, gradients, optimizer
-        state and the strategy's buffers (each storage counted once, in that order)."""
+        state (its ShardedOptimizer's, or that of plain torch.optim ones that stepped it) and
+        the strategy's buffers (each storage counted once, in that order)."""
         seen: set[int] = set()
         params = list(self.wrapped_model.parameters()) + list(self.local_parameter_shard())
         grads = [p.grad for p in params if p.grad is not None]
-        optimizer = getattr(self._optimizer, "wrapped_optimizer", None)
-        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+        optimizers = plain_optimizers(self)
+        if getattr(self._optimizer, "wrapped_optimizer", None) is not None:
+            optimizers.append(self._optimizer.wrapped_optimizer)
+        state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
         out = {"parameters": _storage_bytes(params, seen), "gradients": _storage_bytes(grads, seen),
                "optimizer_state": _storage_bytes(state, seen),
                "buffers": _storage_bytes(self._strategy_buffers(), seen)}

@@ -85,6 +85,17 @@ class FlatSpace:
                 flat[entry.offset:entry.offset + entry.numel].copy_(t.reshape(-1))
         return flat
 
+    def chunk(self, tensors: list[torch.Tensor], rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor holding rank ``rank``'s chunk of ``tensors`` laid out flat, in ``dtype``
+        (padding zero): master weights taken from the parameters' own values, not from a
+        lower-precision flat copy of them."""
+        out = torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+        by_name = {e.name: t for e, t in zip(self.entries, tensors)}
+        for seg in self.segments(rank):
+            piece = by_name[seg.name].reshape(-1)[seg.param_offset:seg.param_offset + seg.length]
+            out[seg.shard_offset:seg.shard_offset + seg.length].copy_(piece)
+        return out
+
     def segments(self, rank: int) -> list[Segment]:
         """Where the parameters lie within rank ``rank``'s chunk (padding excluded)."""
         start, end = self.shard_range(rank)

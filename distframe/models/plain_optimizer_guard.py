@@ -18,6 +18,10 @@ optimizers (tensor parallel, hybrid over DDP) holds 1/tp of each split parameter
 factors a parameter's matrix, Muon orthogonalises it and LBFGS takes every parameter at once
 (WHOLE_PARAMETER_OPTIMIZERS): over slices each computes something other than one process's
 step, so the same hook refuses them when a param group holds such a slice (tp > 1).
+
+The same hook also notes, on a model that takes plain optimizers, those that step its parameters
+(weak references: ``plain_optimizers(model)``), so that ``memory_footprint()`` counts their
+state: a plain loop never hands the optimizer to the model.
 """
 from __future__ import annotations
 
@@ -63,6 +67,24 @@ def _guarded_ids(model: Any) -> set[int]:
     return ids
 
 
+def plain_optimizers(model: Any) -> list[torch.optim.Optimizer]:
+    """The plain torch.optim optimizers, still alive, that have stepped ``model``'s parameters."""
+    return list(model.__dict__.get("_plain_optimizers", ()))
+
+
+def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, firsts: list[int]) -> None:
+    ids = model.__dict__.get("_plain_optimizer_ids")
+    if ids is None:
+        try:
+            model.local_parameter_shard()
+        except AttributeError:  # still being built on another thread (an in-memory rank)
+            return
+        ids = {id(p) for p in model.parameters()}
+        model.__dict__["_plain_optimizer_ids"] = ids
+    if any(first in ids for first in firsts):
+        model.__dict__.setdefault("_plain_optimizers", weakref.WeakSet()).add(optimizer)
+
+
 def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     firsts = [id(group["params"][0]) for group in optimizer.param_groups if group["params"]]
     with _lock:  # a rank thread may be adding one
@@ -72,6 +94,7 @@ def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
         if whole:
             _refuse_whole_over_slices(optimizer, model)
         if model.accepts_plain_optimizer:
+            _note_plain_optimizer(optimizer, model, firsts)
             continue
         ids = _guarded_ids(model)
         if any(first in ids for first in firsts):

@@ -42,9 +42,10 @@ class ShardedUnit:
         dtype = named_params[0][1].dtype
         self.compute_dtype = policy.compute_dtype(dtype)
         self.reduce_dtype = policy.communication_dtype(dtype)
-        self.full = self.space.flatten([p.data for _, p in named_params], self.compute_dtype)
-        chunk = self.space.shard_of(self.full, backend.rank)
-        self.master = nn.Parameter(chunk.to(policy.master(dtype), copy=True))
+        originals = [p.data for _, p in named_params]
+        self.full = self.space.flatten(originals, self.compute_dtype)
+        # From the model's own values: ``full`` holds them rounded to the compute dtype.
+        self.master = nn.Parameter(self.space.chunk(originals, backend.rank, policy.master(dtype)))
         with torch.no_grad():
             for param, view in zip(self.space.params, self.space.views(self.full)):
                 param.data = view

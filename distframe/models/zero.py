@@ -59,11 +59,14 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         self.flat_parameters: list[torch.Tensor] = []
         self.masters: list[nn.Parameter] = []
         for space in self.spaces:
-            flat = space.flatten([p.data for p in space.params], self.compute_dtype)
+            originals = [p.data for p in space.params]
+            flat = space.flatten(originals, self.compute_dtype)
             for param, view in zip(space.params, space.views(flat)):
                 param.data = view
-            chunk = space.shard_of(flat, backend.rank)
-            master = chunk if master_dtype == self.compute_dtype else chunk.to(master_dtype)
+            # Under mixed precision the master comes from the model's own values: taken from
+            # ``flat`` it would hold them rounded to the compute dtype.
+            master = (space.shard_of(flat, backend.rank) if master_dtype == self.compute_dtype
+                      else space.chunk(originals, backend.rank, master_dtype))
             self.flat_parameters.append(flat)
             self.masters.append(nn.Parameter(master))
         self.gradient_buckets = GradientBuckets(
