@@ -1,0 +1,22 @@
+"""Arguments a LongNet user gets wrong by habit: each is a ValueError that names the argument
+and what to pass instead, not a torch or Python error from deep inside."""
+from __future__ import annotations
+
+import pytest
+
+from attention import DilatedAttention, RingDilatedAttention
+
+
+@pytest.mark.parametrize("make", [DilatedAttention,
+                                  lambda s, r: RingDilatedAttention(s, r, backend=None)])
+@pytest.mark.parametrize("segments,rates,name", [
+    (2048, [1], "segment_lengths"),
+    ([2048], 1, "dilation_rates"),
+    (None, [1], "segment_lengths"),
+])
+def test_branches_given_as_one_number_name_the_argument(make, segments, rates, name):
+    """LongNet's single-branch setting written as ``DilatedAttention(2048, 1)`` failed with
+    "'int' object is not iterable", naming neither the argument nor the fix."""
+    with pytest.raises(ValueError, match=rf"{name} must be a sequence of positive integers, one "
+                                         r"per branch \(e\.g\. \[2048\] for one branch\)"):
+        make(segments, rates)
