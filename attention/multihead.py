@@ -6,6 +6,8 @@ and ``out_proj`` by rows (``num_heads`` is then the local head count).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -35,6 +37,10 @@ class MultiheadDilatedAttention(nn.Module):
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
+        if (isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real)
+                or not 0 < layer_norm_eps < math.inf):  # -1e-5 or NaN gave NaN outputs
+            raise ValueError(f"layer_norm_eps must be a positive finite number (e.g. 1e-5), got "
+                             f"{layer_norm_eps!r}")
         head_dim = embed_dim // num_heads
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim

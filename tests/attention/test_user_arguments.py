@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from attention import DilatedAttention, RingDilatedAttention
+from attention import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
 
 
 @pytest.mark.parametrize("make", [DilatedAttention,
@@ -20,3 +20,14 @@ def test_branches_given_as_one_number_name_the_argument(make, segments, rates, n
     with pytest.raises(ValueError, match=rf"{name} must be a sequence of positive integers, one "
                                          r"per branch \(e\.g\. \[2048\] for one branch\)"):
         make(segments, rates)
+
+
+@pytest.mark.parametrize("eps", [-1e-5, 0.0, float("nan"), float("inf"), True, "1e-5"])
+def test_multihead_layer_norm_eps_must_be_positive(eps):
+    """The sub-layer norm's eps was taken as given: -1e-5 or NaN gave NaN outputs without a
+    word (the model's config already refuses such an eps)."""
+    with pytest.raises(ValueError, match=r"layer_norm_eps must be a positive finite number"):
+        MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1],
+                                  layer_norm_eps=eps)
+
+
