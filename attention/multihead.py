@@ -76,6 +76,9 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError(f"dilated attention segments one sequence: key and value must have "
                              f"the query's shape {tuple(query.shape)}, got key "
                              f"{tuple(key.shape)} and value {tuple(value.shape)}")
+        if query.shape[-1] != self.q_proj.in_features:  # else a matmul error naming neither
+            raise ValueError(f"query, key and value must be (batch, seq, embed_dim="
+                             f"{self.q_proj.in_features}), got last dimension {query.shape[-1]}")
         batch, seq_len, _ = query.shape
         # num_heads follows the projection width, so a column-split q_proj just works.
         heads = self.q_proj.out_features // self.head_dim

@@ -3,6 +3,7 @@ and what to pass instead, not a torch or Python error from deep inside."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attention import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
 
@@ -31,3 +32,11 @@ def test_multihead_layer_norm_eps_must_be_positive(eps):
                                   layer_norm_eps=eps)
 
 
+def test_multihead_input_of_another_width_names_embed_dim():
+    """An input whose last dimension is not embed_dim failed in the projection with "mat1 and
+    mat2 shapes cannot be multiplied (16x6 and 8x8)"."""
+    mha = MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1])
+    x = torch.randn(2, 8, 6)
+    with pytest.raises(ValueError, match=r"query, key and value must be \(batch, seq, embed_dim="
+                                         r"8\), got last dimension 6"):
+        mha(x, x, x)
