@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+from attention import (BlockSparseDilatedAttention, DilatedAttention, MultiheadDilatedAttention,
+                       RingDilatedAttention)
 
 
 @pytest.mark.parametrize("make", [DilatedAttention,
@@ -40,3 +41,12 @@ def test_multihead_input_of_another_width_names_embed_dim():
     with pytest.raises(ValueError, match=r"query, key and value must be \(batch, seq, embed_dim="
                                          r"8\), got last dimension 6"):
         mha(x, x, x)
+
+
+def test_block_sparse_dilation_without_segments_is_refused():
+    """``dilation`` shapes only the dilated-segment pattern: without ``segment_blocks`` it was
+    dropped without a word, so ``local_window=1, dilation=2`` computed a plain local window."""
+    with pytest.raises(ValueError, match=r"dilation=2 applies to the dilated-segment pattern: "
+                                         r"give segment_blocks too, or leave dilation at 1"):
+        BlockSparseDilatedAttention(4, local_window=1, dilation=2)
+
