@@ -72,9 +72,13 @@ class BlockSparseDilatedAttention(nn.Module):
         if dilation != 1 and segment_blocks is None:  # it was dropped without a word
             raise ValueError(f"dilation={dilation} applies to the dilated-segment pattern: give "
                              "segment_blocks too, or leave dilation at 1")
-        if block_layout is not None and (block_layout.dtype != torch.bool
+        if block_layout is not None and (not isinstance(block_layout, torch.Tensor)
+                                         or block_layout.dtype != torch.bool
                                          or block_layout.dim() not in (2, 3)):
-            raise ValueError("block_layout must be a bool (nb, nb) or (heads, nb, nb) tensor")
+            what = (f"a {block_layout.dtype} tensor of shape {tuple(block_layout.shape)}"
+                    if isinstance(block_layout, torch.Tensor) else f"a {type(block_layout).__name__}")
+            raise ValueError(f"block_layout must be a bool (nb, nb) or (heads, nb, nb) tensor, got "
+                             f"{what}; e.g. torch.tensor(rows, dtype=torch.bool)")
         if (local_window is None and segment_blocks is None and global_blocks == 0
                 and block_layout is None):
             raise ValueError("give at least one pattern: local_window, segment_blocks, "

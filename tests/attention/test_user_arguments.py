@@ -50,3 +50,10 @@ def test_block_sparse_dilation_without_segments_is_refused():
                                          r"give segment_blocks too, or leave dilation at 1"):
         BlockSparseDilatedAttention(4, local_window=1, dilation=2)
 
+
+@pytest.mark.parametrize("layout", [[[True, False], [True, True]], 1])
+def test_block_sparse_layout_that_is_not_a_tensor_names_it(layout):
+    """A nested list failed with "'list' object has no attribute 'dtype'"."""
+    with pytest.raises(ValueError, match=r"block_layout must be a bool \(nb, nb\) or "
+                                         r"\(heads, nb, nb\) tensor, got a"):
+        BlockSparseDilatedAttention(4, block_layout=layout)
