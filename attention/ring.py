@@ -16,12 +16,14 @@ segment itself spans the whole sequence with rate 1, where the exact result need
 """
 from __future__ import annotations
 
+import numbers
 import zlib
 from typing import Sequence
 
 import torch
 
-from attention.dilated import DilatedAttention, validate_inputs, validate_is_causal
+from attention.dilated import (DilatedAttention, positive_int, validate_inputs,
+                               validate_is_causal)
 from attention.function import compressed_key_mask
 from attention.plan import SlotPlan, make_slot_plans
 from attention.ring_exchange import Routes, exchange_keys, make_routes, return_key_grads
@@ -108,8 +110,13 @@ class RingDilatedAttention(DilatedAttention):
         if total_heads is None and head_start != 0:
             raise ValueError(f"head_start={head_start} needs total_heads (the model's head count) "
                              "to place the heads passed in; or leave head_start at 0")
-        if total_heads is not None and not 0 <= head_start < total_heads:
-            raise ValueError(f"head_start={head_start} must lie in 0..{total_heads - 1} (total_heads)")
+        if total_heads is not None:  # 0 read "head_start=0 must lie in 0..-1"; floats got in
+            total_heads = positive_int("total_heads", total_heads)
+            if (isinstance(head_start, bool) or not isinstance(head_start, numbers.Integral)
+                    or not 0 <= head_start < total_heads):
+                raise ValueError(f"head_start must be an integer in 0..{total_heads - 1} (below "
+                                 f"total_heads), got {head_start!r}")
+            head_start = int(head_start)
         self.backend = backend
         # Head-split (tensor-parallel) use: the H heads passed in are heads
         # [head_start, head_start + H) of total_heads, and read what those heads read.

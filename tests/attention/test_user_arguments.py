@@ -57,3 +57,18 @@ def test_block_sparse_layout_that_is_not_a_tensor_names_it(layout):
     with pytest.raises(ValueError, match=r"block_layout must be a bool \(nb, nb\) or "
                                          r"\(heads, nb, nb\) tensor, got a"):
         BlockSparseDilatedAttention(4, block_layout=layout)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(total_heads=0), "total_heads must be a positive integer, got 0"),
+    (dict(total_heads=4.0), "total_heads must be a positive integer, got 4.0"),
+    (dict(total_heads=True), "total_heads must be a positive integer, got True"),
+    (dict(head_start=1.5, total_heads=4),
+     r"head_start must be an integer in 0..3 \(below total_heads\), got 1.5"),
+])
+def test_ring_head_placement_of_the_wrong_kind_names_it(kwargs, message):
+    """total_heads=0 read "head_start=0 must lie in 0..-1"; a float total_heads or head_start
+    was taken, and failed at the first forward with "'float' object cannot be interpreted as an
+    integer"."""
+    with pytest.raises(ValueError, match=message):
+        RingDilatedAttention([4], [1], backend=None, **kwargs)
