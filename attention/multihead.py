@@ -41,6 +41,10 @@ class MultiheadDilatedAttention(nn.Module):
                 or not 0 < layer_norm_eps < math.inf):  # -1e-5 or NaN gave NaN outputs
             raise ValueError(f"layer_norm_eps must be a positive finite number (e.g. 1e-5), got "
                              f"{layer_norm_eps!r}")
+        if (isinstance(gamma_init, bool) or not isinstance(gamma_init, numbers.Real)
+                or not 0 <= gamma_init < math.inf):  # else torch's "normal expects std >= 0.0"
+            raise ValueError(f"gamma_init must be a finite number >= 0 (the Xavier gain of v_proj "
+                             f"and out_proj, e.g. 1.0), got {gamma_init!r}")
         head_dim = embed_dim // num_heads
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim

@@ -72,3 +72,11 @@ def test_ring_head_placement_of_the_wrong_kind_names_it(kwargs, message):
     integer"."""
     with pytest.raises(ValueError, match=message):
         RingDilatedAttention([4], [1], backend=None, **kwargs)
+
+
+@pytest.mark.parametrize("gamma", [-1.0, float("nan"), "1.0", True])
+def test_multihead_gamma_init_of_the_wrong_kind_names_it(gamma):
+    """gamma_init went straight to ``nn.init.xavier_normal_``: -1.0 or NaN failed with "normal
+    expects std >= 0.0", a string with "can't multiply sequence by non-int"."""
+    with pytest.raises(ValueError, match=r"gamma_init must be a finite number >= 0"):
+        MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], gamma_init=gamma)
