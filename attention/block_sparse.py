@@ -1,7 +1,8 @@
 """``BlockSparseDilatedAttention``: attention restricted to a boolean block layout.
 
 The sequence is cut into blocks of ``block_size``; query block i attends to key block j iff the
-layout says so. Patterns (union of those given): a local window, dilated blocks inside segments,
+layout says so. Patterns (union of those given): a local window, dilated blocks inside segments
+(``segment_blocks``, every ``dilation``-th block; ``dilation`` needs ``segment_blocks``),
 global blocks, and a user-given ``(num_blocks, num_blocks)`` or ``(H, nb, nb)`` bool layout.
 Only active blocks are computed: each query block gathers its active key blocks (padded to the
 busiest row's count), so cost is O(seq * max active blocks per row * block_size).
@@ -68,9 +69,16 @@ class BlockSparseDilatedAttention(nn.Module):
                                       optional=True)
         dilation = _block_count("dilation", dilation, minimum=1)
         global_blocks = _block_count("global_blocks", global_blocks, minimum=0)
-        if block_layout is not None and (block_layout.dtype != torch.bool
+        if dilation != 1 and segment_blocks is None:  # it was dropped without a word
+            raise ValueError(f"dilation={dilation} applies to the dilated-segment pattern: give "
+                             "segment_blocks too, or leave dilation at 1")
+        if block_layout is not None and (not isinstance(block_layout, torch.Tensor)
+                                         or block_layout.dtype != torch.bool
                                          or block_layout.dim() not in (2, 3)):
-            raise ValueError("block_layout must be a bool (nb, nb) or (heads, nb, nb) tensor")
+            what = (f"a {block_layout.dtype} tensor of shape {tuple(block_layout.shape)}"
+                    if isinstance(block_layout, torch.Tensor) else f"a {type(block_layout).__name__}")
+            raise ValueError(f"block_layout must be a bool (nb, nb) or (heads, nb, nb) tensor, got "
+                             f"{what}; e.g. torch.tensor(rows, dtype=torch.bool)")
         if (local_window is None and segment_blocks is None and global_blocks == 0
                 and block_layout is None):
             raise ValueError("give at least one pattern: local_window, segment_blocks, "

@@ -11,6 +11,7 @@ import math
 import numbers
 import operator
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Sequence
 
 import torch
@@ -56,6 +57,11 @@ def validate_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[i
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the branch configuration; raise ``ValueError`` naming the bad argument. Any integral
     number is accepted (numpy integers from a config) and returned as a Python ``int``."""
+    for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            # DilatedAttention(2048, 1) failed with "'int' object is not iterable"
+            raise ValueError(f"{name} must be a sequence of positive integers, one per branch "
+                             f"(e.g. [2048] for one branch), got {values!r}")
     segments = tuple(positive_int("segment_lengths", value, entry=True) for value in segment_lengths)
     rates = tuple(positive_int("dilation_rates", value, entry=True) for value in dilation_rates)
     if len(segments) == 0:

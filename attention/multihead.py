@@ -6,6 +6,8 @@ and ``out_proj`` by rows (``num_heads`` is then the local head count).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -35,6 +37,14 @@ class MultiheadDilatedAttention(nn.Module):
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
+        if (isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real)
+                or not 0 < layer_norm_eps < math.inf):  # -1e-5 or NaN gave NaN outputs
+            raise ValueError(f"layer_norm_eps must be a positive finite number (e.g. 1e-5), got "
+                             f"{layer_norm_eps!r}")
+        if (isinstance(gamma_init, bool) or not isinstance(gamma_init, numbers.Real)
+                or not 0 <= gamma_init < math.inf):  # else torch's "normal expects std >= 0.0"
+            raise ValueError(f"gamma_init must be a finite number >= 0 (the Xavier gain of v_proj "
+                             f"and out_proj, e.g. 1.0), got {gamma_init!r}")
         head_dim = embed_dim // num_heads
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
@@ -70,6 +80,9 @@ class MultiheadDilatedAttention(nn.Module):
             raise ValueError(f"dilated attention segments one sequence: key and value must have "
                              f"the query's shape {tuple(query.shape)}, got key "
                              f"{tuple(key.shape)} and value {tuple(value.shape)}")
+        if query.shape[-1] != self.q_proj.in_features:  # else a matmul error naming neither
+            raise ValueError(f"query, key and value must be (batch, seq, embed_dim="
+                             f"{self.q_proj.in_features}), got last dimension {query.shape[-1]}")
         batch, seq_len, _ = query.shape
         # num_heads follows the projection width, so a column-split q_proj just works.
         heads = self.q_proj.out_features // self.head_dim

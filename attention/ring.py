@@ -16,11 +16,14 @@ segment itself spans the whole sequence with rate 1, where the exact result need
 """
 from __future__ import annotations
 
+import numbers
+import zlib
 from typing import Sequence
 
 import torch
 
-from attention.dilated import DilatedAttention, validate_inputs, validate_is_causal
+from attention.dilated import (DilatedAttention, positive_int, validate_inputs,
+                               validate_is_causal)
 from attention.function import compressed_key_mask
 from attention.plan import SlotPlan, make_slot_plans
 from attention.ring_exchange import Routes, exchange_keys, make_routes, return_key_grads
@@ -89,7 +92,7 @@ class RingDilatedAttention(DilatedAttention):
     Each rank passes its ``(B, T / P, H, D)`` slices and gets its slice of the single-device
     output. Collectives: per unit that crosses slice boundaries, one ``all_to_all`` in forward
     and two in backward (keys again, then key gradients); none otherwise; and per forward one
-    ``all_gather`` of 9 integers (72 bytes a rank) that checks the ranks' calls agree. Counted in
+    ``all_gather`` of 10 integers (80 bytes a rank) that checks the ranks' calls agree. Counted in
     ``backend.stats``. Attention dropout is not supported here.
 
     ``head_start`` and ``total_heads`` are for a rank that holds only some heads (tensor
@@ -107,8 +110,13 @@ class RingDilatedAttention(DilatedAttention):
         if total_heads is None and head_start != 0:
             raise ValueError(f"head_start={head_start} needs total_heads (the model's head count) "
                              "to place the heads passed in; or leave head_start at 0")
-        if total_heads is not None and not 0 <= head_start < total_heads:
-            raise ValueError(f"head_start={head_start} must lie in 0..{total_heads - 1} (total_heads)")
+        if total_heads is not None:  # 0 read "head_start=0 must lie in 0..-1"; floats got in
+            total_heads = positive_int("total_heads", total_heads)
+            if (isinstance(head_start, bool) or not isinstance(head_start, numbers.Integral)
+                    or not 0 <= head_start < total_heads):
+                raise ValueError(f"head_start must be an integer in 0..{total_heads - 1} (below "
+                                 f"total_heads), got {head_start!r}")
+            head_start = int(head_start)
         self.backend = backend
         # Head-split (tensor-parallel) use: the H heads passed in are heads
         # [head_start, head_start + H) of total_heads, and read what those heads read.
@@ -125,9 +133,10 @@ class RingDilatedAttention(DilatedAttention):
 
     def _check_ranks_agree(self, query: torch.Tensor, is_causal: bool,
                            key_padding_mask: torch.Tensor | None) -> None:
-        """One ``all_gather`` of 9 integers per forward: every rank must pass slices of one
-        shape and dtype, hold the same heads, and agree on ``is_causal`` and on having a mask, as every
-        rank derives every route from its own call. Checked on every call, not once per shape:
+        """One ``all_gather`` of 10 integers per forward: every rank must pass slices of one
+        shape and dtype, hold the same heads, agree on ``is_causal`` and on having a mask, and be
+        built with the same branches and scale, as every rank derives every route from its own
+        call and module. Checked on every call, not once per shape:
         a rank whose shape was cached skipped the check while a rank with a new one made it, so
         slices of unequal lengths after equal ones (the last, shorter batch cut by
         ``torch.chunk``) mismatched the collectives: Gloo aborted the process ("Received data
@@ -137,8 +146,8 @@ class RingDilatedAttention(DilatedAttention):
         total = heads if self.total_heads is None else self.total_heads
         dtype = _DTYPES.index(query.dtype) if query.dtype in _DTYPES else len(_DTYPES)
         mine = torch.tensor([batch, local_len, heads, head_dim, int(is_causal),
-                             int(key_padding_mask is not None), self.head_start, total, dtype],
-                            device=query.device)
+                             int(key_padding_mask is not None), self.head_start, total, dtype,
+                             self._branches_digest()], device=query.device)
         calls = self.backend.all_gather(mine).view(-1, mine.numel()).tolist()
         lengths = [call[1] for call in calls]
         if len(set(lengths)) > 1:
@@ -146,6 +155,11 @@ class RingDilatedAttention(DilatedAttention):
                              f"{lengths} on ranks 0..{len(lengths) - 1}: pad the sequence to a "
                              "multiple of the world size (masking the padding with "
                              "key_padding_mask) and split it into equal slices")
+        if any(call[9] != calls[0][9] for call in calls):
+            raise ValueError("RingDilatedAttention needs every rank to use the same segment_lengths, "
+                             "dilation_rates and softmax_scale (each derives its routes from its "
+                             f"own); this rank ({self.backend.rank}) has {self._branches()}: build "
+                             "every rank's module with the same ones")
         if any(call[6:8] != calls[0][6:8] for call in calls):
             described = "; ".join(f"rank {rank}: heads [{call[6]}, {call[6] + call[2]}) of {call[7]}"
                                   for rank, call in enumerate(calls))
@@ -160,6 +174,15 @@ class RingDilatedAttention(DilatedAttention):
             raise ValueError("RingDilatedAttention needs every rank to pass the same batch, heads, "
                              "head_dim and dtype, the same is_causal, and a key_padding_mask on all "
                              f"ranks or none; got {described}")
+
+    def _branches(self) -> str:
+        return (f"segment_lengths={list(self.segment_lengths)}, dilation_rates="
+                f"{list(self.dilation_rates)}, softmax_scale={self.softmax_scale}")
+
+    def _branches_digest(self) -> int:
+        """The branches and scale as one integer, equal on ranks built alike (crc32, not
+        ``hash``: that of None differs between processes before Python 3.12)."""
+        return zlib.crc32(self._branches().encode())
 
     def _key_sources(self, local_len: int, num_heads: int, device, is_causal: bool):
         """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it

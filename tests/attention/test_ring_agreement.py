@@ -1,6 +1,7 @@
 """RingDilatedAttention checks on every forward that the ranks' calls agree (slice length,
-batch, heads, is_causal, mask given or not): every rank derives every route from its own call,
-so a disagreement must be an error that names it, not mismatched collectives."""
+batch, heads, is_causal, mask given or not, branches and scale): every rank derives every route
+from its own call and module, so a disagreement must be an error that names it, not mismatched
+collectives or a wrong result."""
 from __future__ import annotations
 
 import pytest
@@ -76,7 +77,7 @@ def test_the_check_is_one_small_all_gather_per_forward():
             module(mine, mine, mine, is_causal=True)
         return backend.stats.calls["all_gather"], backend.stats.bytes["all_gather"]
 
-    assert spawn(run, 2) == [(3, 3 * 72)] * 2
+    assert spawn(run, 2) == [(3, 3 * 80)] * 2  # 10 int64 a rank
 
 
 def test_ranks_holding_other_heads_are_an_error_naming_them():
@@ -92,4 +93,25 @@ def test_ranks_holding_other_heads_are_an_error_naming_them():
 
     with pytest.raises(ValueError, match=r"same heads.*rank 0: heads \[0, 2\) of 4; "
                                          r"rank 1: heads \[2, 4\) of 4"):
+        spawn(run, 2)
+
+
+@pytest.mark.parametrize("rank1", [dict(segment_lengths=(12, 6), dilation_rates=(3, 1)),
+                                   dict(dilation_rates=(1,)),
+                                   dict(softmax_scale=0.25)])
+def test_ranks_built_with_other_branches_are_an_error_naming_them(rank1):
+    """Routes follow from each rank's own branches and scale: rank 1 built with another branch,
+    rate or softmax_scale than rank 0 met matching collectives and returned a wrong result
+    without a word."""
+    def run(backend):
+        settings = dict(segment_lengths=(12,), dilation_rates=(3,), softmax_scale=None)
+        if backend.rank == 1:
+            settings.update(rank1)
+        module = RingDilatedAttention(settings.pop("segment_lengths"),
+                                      settings.pop("dilation_rates"), backend=backend, **settings)
+        mine = SEQ[:, 6 * backend.rank:6 * (backend.rank + 1)]
+        module(mine, mine, mine, is_causal=True)
+
+    with pytest.raises(ValueError, match=r"same segment_lengths, dilation_rates and softmax_scale"
+                                         r".*this rank \(\d\) has segment_lengths="):
         spawn(run, 2)
