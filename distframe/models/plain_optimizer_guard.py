@@ -34,7 +34,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from distframe.errors import ConfigError
 
-# Optimizers whose update of a parameter needs the whole of it (or of all parameters).
+# torch.optim optimizers whose update of a parameter reads the whole of it (Adafactor factors a
+# matrix's second moment and scales by its norm, Muon orthogonalises a matrix) or of every
+# parameter at once (LBFGS): over flat chunks or tensor-parallel slices they would compute
+# another update than one process, with no error.
 WHOLE_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon")
                                    if hasattr(torch.optim, name))
 

@@ -52,12 +52,6 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
                       f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
 
 
-# torch.optim optimizers whose update of a parameter reads the whole of it (Adafactor factors a
-# matrix's second moment and scales by its norm, Muon orthogonalises a matrix) or of every
-# parameter at once (LBFGS): over flat chunks that split and mix parameters they would compute
-# another update than one process, with no error.
-
-
 def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
     """ConfigError when ``model``'s local shards are flat chunks (not its parameters themselves)
     and ``optimizer`` (class or instance) is one of WHOLE_PARAMETER_OPTIMIZERS."""
