@@ -24,15 +24,22 @@ class MultiheadDilatedAttention(nn.Module):
     Xavier-normal for ``q_proj``/``k_proj``, Xavier-normal with gain ``gamma_init`` for
     ``v_proj``/``out_proj``, zero biases. With one branch covering the sequence, dilation 1 and
     ``layer_norm=False`` it computes what ``nn.MultiheadAttention(batch_first=True)`` computes
-    with the same weights.
+    with the same weights. It takes that module's keywords where dilated attention can honour
+    them (``batch_first=True``; ``attn_mask=None``, ``need_weights=False``,
+    ``average_attn_weights``) and refuses the others saying what to pass (``torch_mha_keywords``).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
                  dilation_rates: Sequence[int], dropout: float = 0.0, bias: bool = True,
                  layer_norm: bool = True, layer_norm_eps: float = 1e-5, gamma_init: float = 1.0,
-                 device: torch.device | str | None = None,
+                 batch_first: bool = True, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if batch_first is not True:  # (seq, batch, embed) would be attended along the batch
+            raise ValueError(f"MultiheadDilatedAttention takes (batch, seq, embed_dim) inputs only, "
+                             f"got batch_first={batch_first!r}; pass (seq, batch, embed_dim) inputs "
+                             "as x.transpose(0, 1)")
+        self.batch_first = True
         embed_dim, num_heads = positive_int("embed_dim", embed_dim), positive_int("num_heads", num_heads)
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
@@ -71,9 +78,11 @@ class MultiheadDilatedAttention(nn.Module):
             self.norm.reset_parameters()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                is_causal: bool = False, key_padding_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, None]:
+                is_causal: bool = False, key_padding_mask: torch.Tensor | None = None, *,
+                need_weights: bool = False, attn_mask: torch.Tensor | None = None,
+                average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
         """``(B, T, E)`` inputs -> ``((B, T, E), None)`` (no attention weights are formed)."""
+        torch_mha_keywords(need_weights, attn_mask)
         if query.dim() != 3:
             raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
         if key.shape != query.shape or value.shape != query.shape:
@@ -95,3 +104,16 @@ class MultiheadDilatedAttention(nn.Module):
         if self.norm is not None:
             attended = self.norm(attended)
         return self.out_proj(attended), None
+
+
+def torch_mha_keywords(need_weights: bool, attn_mask: torch.Tensor | None) -> None:
+    """nn.MultiheadAttention's ``need_weights`` and ``attn_mask``: ValueError unless they ask for
+    what dilated attention does (no weights, no arbitrary mask); ``average_attn_weights`` only
+    shapes weights, so it is ignored."""
+    if need_weights:
+        raise ValueError("dilated attention forms no attention weights (it never builds the T x T "
+                         "matrix); pass need_weights=False (nn.MultiheadAttention's default is True)")
+    if attn_mask is not None:
+        raise ValueError("dilated attention takes no attn_mask: its segments and dilations decide "
+                         "what each position attends to; pass is_causal=True for a causal mask and "
+                         "key_padding_mask=(batch, seq) for padding")

@@ -17,7 +17,7 @@ from torch import nn
 
 from attention.dilated import DilatedAttention
 from attention.function import LocalKeySource
-from attention.multihead import MultiheadDilatedAttention
+from attention.multihead import MultiheadDilatedAttention, torch_mha_keywords
 from attention.plan import make_slot_plans
 from distframe.backends.functional import copy_to_parallel_region
 from distframe.backends.protocol import ICommunicationBackend
@@ -83,8 +83,10 @@ class TensorParallelDilatedAttention(nn.Module):
         self.out_proj = RowParallelLinear.from_dense(dense.out_proj, backend, shared=shared)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                is_causal: bool = False, key_padding_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, None]:
+                is_causal: bool = False, key_padding_mask: torch.Tensor | None = None, *,
+                need_weights: bool = False, attn_mask: torch.Tensor | None = None,
+                average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
+        torch_mha_keywords(need_weights, attn_mask)  # as the dense module
         batch, seq_len, _ = query.shape
         # One f for self-attention (q, k, v read the same tensor): one backward all-reduce.
         query_p = copy_to_parallel_region(query, self.backend)

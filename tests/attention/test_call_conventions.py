@@ -76,3 +76,19 @@ def test_a_mask_on_another_device_is_an_error_naming_it(module):
     with pytest.raises(ValueError, match="key_padding_mask device meta differs from query device "
                                          "cpu: move the mask"):
         module(q, k, v, key_padding_mask=mask)
+
+
+def test_multihead_takes_nn_multihead_attention_keywords():
+    """Code written for nn.MultiheadAttention (nn.TransformerEncoderLayer passes attn_mask=None,
+    need_weights=False) failed with "unexpected keyword argument"; what dilated attention can do
+    is taken, the rest refused saying what to pass instead."""
+    mha = MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], batch_first=True)
+    x = torch.randn(2, 8, 8)
+    out, weights = mha(x, x, x, attn_mask=None, need_weights=False, average_attn_weights=True)
+    assert weights is None and torch.equal(out, mha(x, x, x)[0]) and mha.batch_first
+    with pytest.raises(ValueError, match=r"forms no attention weights.*need_weights=False"):
+        mha(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match=r"attn_mask.*is_causal=True.*key_padding_mask"):
+        mha(x, x, x, attn_mask=torch.ones(8, 8, dtype=torch.bool).triu(1))
+    with pytest.raises(ValueError, match=r"batch_first=False.*transpose\(0, 1\)"):
+        MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], batch_first=False)
