@@ -30,6 +30,7 @@ construction (``tensor_parallel_rng``).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -106,6 +107,10 @@ class HybridShardedModel(ShardedModelBase):
             LocalParameter(dense_names[origins.get(id(p), id(p))], p, splits.get(id(p)))
             for p in stage.parameters()]
         self.local_buffers = {dense_buffers[id(b)]: b for b in stage.buffers()}
+        # Dense weights the plan replaced by slices: an optimizer built before wrapping holds them.
+        replaced = set(origins.values()) - {id(lp.param) for lp in self.local_parameters}
+        self._replaced_dense = {id(p): (weakref.ref(p), dense_names[id(p)]) for p in dense_params
+                                if id(p) in replaced}
         del dense_params
         self.wrapped_model = stage
         self.tied_gradients = TiedGradients.for_stages(self.catalog.shared_across_stages(),
@@ -245,8 +250,22 @@ class HybridShardedModel(ShardedModelBase):
                    max_grad_norm: float | None = None) -> float:
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
+            self._check_not_dense(optimizer)
             self._plain_optimizer = optimizer  # for memory_footprint
         return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+
+    def _check_not_dense(self, optimizer: torch.optim.Optimizer) -> None:
+        """ConfigError if ``optimizer`` holds a dense weight the tensor-parallel plan replaced (it
+        was built before wrapping): it would step that orphan, whose gradient stays None, and
+        leave the layer untrained."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref, name = self._replaced_dense.get(id(p), (None, ""))
+                if ref is not None and ref() is p:
+                    raise ConfigError(
+                        f"the optimizer holds the dense {name}, which tensor parallelism replaced by this "
+                        f"rank's slice, so it would never train; build the optimizer after wrapping, over "
+                        f"model.parameters(): torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
