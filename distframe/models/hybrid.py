@@ -30,6 +30,7 @@ construction (``tensor_parallel_rng``).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -106,6 +107,10 @@ class HybridShardedModel(ShardedModelBase):
             LocalParameter(dense_names[origins.get(id(p), id(p))], p, splits.get(id(p)))
             for p in stage.parameters()]
         self.local_buffers = {dense_buffers[id(b)]: b for b in stage.buffers()}
+        # Dense weights the plan replaced by slices: an optimizer built before wrapping holds them.
+        replaced = set(origins.values()) - {id(lp.param) for lp in self.local_parameters}
+        self._replaced_dense = {id(p): (weakref.ref(p), dense_names[id(p)]) for p in dense_params
+                                if id(p) in replaced}
         del dense_params
         self.wrapped_model = stage
         self.tied_gradients = TiedGradients.for_stages(self.catalog.shared_across_stages(),
@@ -148,7 +153,7 @@ class HybridShardedModel(ShardedModelBase):
         inputs, targets = self._sequence_slices(*batch)
         self._before_backward()
         if self.runner is None:
-            loss = loss_fn(self.wrapped_model(inputs), targets)
+            loss = loss_fn(self._local_forward(inputs), targets)
             loss.backward()
             return loss.detach()
         loss = self.runner.forward_backward(inputs, targets, loss_fn)
@@ -157,6 +162,15 @@ class HybridShardedModel(ShardedModelBase):
         loss = loss.detach().to(torch.float64).reshape(1).clone()
         self.groups.pp.broadcast(loss, self.dims.pp - 1)
         return loss.reshape(())
+
+    def _local_forward(self, inputs: Any) -> Any:
+        """Without pipelining: the stage's forward, a dict or tuple of inputs unpacked into the
+        call as ``ShardedModelBase.forward_backward`` does (context parallelism has sliced a tensor)."""
+        if isinstance(inputs, dict):
+            return self.wrapped_model(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return self.wrapped_model(*inputs)
+        return self.wrapped_model(inputs)
 
     def _before_backward(self) -> None:
         if self._synchronize:
@@ -188,7 +202,7 @@ class HybridShardedModel(ShardedModelBase):
         inputs, targets = self._sequence_slices(inputs, targets)
         with torch.no_grad():
             if self.runner is None:
-                loss = loss_fn(self.wrapped_model(inputs), targets).detach()
+                loss = loss_fn(self._local_forward(inputs), targets).detach()
             else:
                 output = self.runner.forward_only(inputs)
                 loss = torch.zeros(1, dtype=torch.float64, device=self._device)
@@ -236,8 +250,22 @@ class HybridShardedModel(ShardedModelBase):
                    max_grad_norm: float | None = None) -> float:
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
+            self._check_not_dense(optimizer)
             self._plain_optimizer = optimizer  # for memory_footprint
         return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+
+    def _check_not_dense(self, optimizer: torch.optim.Optimizer) -> None:
+        """ConfigError if ``optimizer`` holds a dense weight the tensor-parallel plan replaced (it
+        was built before wrapping): it would step that orphan, whose gradient stays None, and
+        leave the layer untrained."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref, name = self._replaced_dense.get(id(p), (None, ""))
+                if ref is not None and ref() is p:
+                    raise ConfigError(
+                        f"the optimizer holds the dense {name}, which tensor parallelism replaced by this "
+                        f"rank's slice, so it would never train; build the optimizer after wrapping, over "
+                        f"model.parameters(): torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
