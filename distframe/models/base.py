@@ -106,6 +106,11 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def synchronize_parameters(self) -> None:
         """Makes parameters current after the optimizer updated the local shards; collective."""
 
+    def before_plain_step(self) -> None:
+        """Runs before a plain torch.optim optimizer steps this model's parameters (and before
+        ShardedGradScaler's inf check of one): a model that takes plain optimizers and leaves its
+        gradients unsynchronised after backward synchronises them here (plain_optimizer_guard)."""
+
     @abc.abstractmethod
     def shard_layout(self) -> ShardLayout:
         """Which parameter ranges ``local_parameter_shard()`` holds."""

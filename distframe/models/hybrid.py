@@ -302,6 +302,10 @@ class HybridShardedModel(ShardedModelBase):
             all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG, keep_unused)
         self._gradients_synchronized = True
 
+    def before_plain_step(self) -> None:
+        # A hand-written loop (loss.backward(); opt.step()) synchronises nothing by itself.
+        self.synchronize_gradients()
+
     def synchronize_parameters(self) -> None:
         """With ZeRO: all_gather of the updated master chunks into the parameters (dp group)."""
         if self.zero is not None:

@@ -21,7 +21,11 @@ step, so the same hook refuses them when a param group holds such a slice (tp > 
 
 The same hook also notes, on a model that takes plain optimizers, those that step its parameters
 (weak references: ``plain_optimizers(model)``), so that ``memory_footprint()`` counts their
-state: a plain loop never hands the optimizer to the model.
+state: a plain loop never hands the optimizer to the model. And it calls the model's
+``before_plain_step()`` first: a model-parallel model synchronises its gradients there (tied
+weights across stages, data-parallel replicas), which ``train_step`` does and a hand-written
+``loss.backward(); opt.step()`` did not, so each replica stepped its own gradient without a word
+(ShardedGradScaler does the same before its inf check: ``models_stepped_by``).
 """
 from __future__ import annotations
 
@@ -75,21 +79,36 @@ def plain_optimizers(model: Any) -> list[torch.optim.Optimizer]:
     return list(model.__dict__.get("_plain_optimizers", ()))
 
 
-def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, firsts: list[int]) -> None:
+def models_stepped_by(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The live guarded models that take plain optimizers and whose parameters ``optimizer``
+    holds (noting it on them, see ``plain_optimizers``)."""
+    firsts = _firsts(optimizer)
+    with _lock:  # a rank thread may be adding one
+        models = list(_guarded)
+    return [m for m in models if m.accepts_plain_optimizer and _note_plain_optimizer(optimizer, m, firsts)]
+
+
+def _firsts(optimizer: torch.optim.Optimizer) -> list[int]:
+    return [id(group["params"][0]) for group in optimizer.param_groups if group["params"]]
+
+
+def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, firsts: list[int]) -> bool:
     ids = model.__dict__.get("_plain_optimizer_ids")
     if ids is None:
         try:
             model.local_parameter_shard()
         except AttributeError:  # still being built on another thread (an in-memory rank)
-            return
+            return False
         ids = {id(p) for p in model.parameters()}
         model.__dict__["_plain_optimizer_ids"] = ids
     if any(first in ids for first in firsts):
         model.__dict__.setdefault("_plain_optimizers", weakref.WeakSet()).add(optimizer)
+        return True
+    return False
 
 
 def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    firsts = [id(group["params"][0]) for group in optimizer.param_groups if group["params"]]
+    firsts = _firsts(optimizer)
     with _lock:  # a rank thread may be adding one
         models = list(_guarded)
     whole = isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS)
@@ -97,7 +116,8 @@ def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
         if whole:
             _refuse_whole_over_slices(optimizer, model)
         if model.accepts_plain_optimizer:
-            _note_plain_optimizer(optimizer, model, firsts)
+            if _note_plain_optimizer(optimizer, model, firsts):
+                model.before_plain_step()
             continue
         ids = _guarded_ids(model)
         if any(first in ids for first in firsts):

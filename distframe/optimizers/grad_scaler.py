@@ -21,6 +21,7 @@ import torch
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
+from distframe.models.plain_optimizer_guard import models_stepped_by
 from distframe.optimizers.base import ShardedOptimizerBase
 
 
@@ -91,6 +92,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         model = getattr(optimizer, "model", None)
         if model is not None:
             model.synchronize_gradients()  # the shards' gradients are complete before the check
+        else:  # a plain optimizer over a model-parallel model's parameters: the same, first
+            for owner in models_stepped_by(optimizer):
+                owner.before_plain_step()
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         # One flag per rank whatever its devices (a rank whose shard has no gradient still takes
         # part), kept on the scaler's device: update() and step() only sum the values.
