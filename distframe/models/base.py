@@ -69,6 +69,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
         if self.config.check_structure:
             check_same_structure(module, backend)
         broadcast_module_state(module, backend)
+        # Which parameters the strategy trains is decided now (buckets, flat shards).
+        self._trainable_at_wrap = [(n, p.requires_grad) for n, p in module.named_parameters()]
         self._synchronize = True
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
@@ -146,10 +148,24 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 broadcast_tensors(buffers, self.backend)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._check_trainable_unchanged()
         if self._synchronize and torch.is_grad_enabled():
             self._sync_buffers()
         self._pre_forward()
         return self._post_forward(self.wrapped_model(*args, **kwargs))
+
+    def _check_trainable_unchanged(self) -> None:
+        """ConfigError when a parameter's requires_grad changed since wrapping (the same on every
+        rank that changed it alike, before any collective): the strategy would train it as it was."""
+        for (name, was), param in zip(self._trainable_at_wrap, self.wrapped_model.parameters()):
+            if param.requires_grad != was:
+                raise ConfigError(
+                    f"parameter {name!r} was {'trainable' if was else 'frozen'} when "
+                    f"{type(self).__name__} wrapped the model and now has requires_grad="
+                    f"{param.requires_grad}; the strategy decided at wrapping which parameters it "
+                    "trains (its gradient buckets and shards), so set requires_grad before wrapping "
+                    "(to freeze or unfreeze during training, wrap the model again)")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
