@@ -16,9 +16,11 @@ from distframe.optimizers.base import ShardedOptimizerBase
 
 class DDPOptimizer(ShardedOptimizerBase):
     """Optimizer for DDPModel: full, replicated optimizer state. ``step()`` waits for the
-    gradient all_reduces, then updates locally; no parameter communication."""
+    gradient all_reduces, then updates locally; no parameter communication. An optimizer
+    instance keeps its param groups, each with its own settings (its shards are the parameters)."""
 
     model_class = DDPModel
+    keeps_param_groups = True
 
     def synchronize_optimizer_state(self) -> None:
         """Broadcasts rank 0's optimizer state tensors to every rank (one broadcast each)."""

@@ -89,8 +89,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not any(ref() is optimizer for ref in self._stepped):
             self._stepped.append(weakref.ref(optimizer))
         model = getattr(optimizer, "model", None)
-        if model is not None:
-            model.synchronize_gradients()  # the shards' gradients are complete before the check
+        if isinstance(optimizer, ShardedOptimizerBase):
+            optimizer.synchronize_gradients()  # the shards' gradients are complete before the check
+        elif model is not None:
+            model.synchronize_gradients()
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         # One flag per rank whatever its devices (a rank whose shard has no gradient still takes
         # part), kept on the scaler's device: update() and step() only sum the values.
