@@ -124,8 +124,8 @@ def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, 
             f"{owner}: the optimizer instance has {len(groups)} param groups with different "
             f"{differing}, but {owner} takes one setting for all the parameters it updates; pass "
             "one group (or the class with keyword settings), or use a strategy whose optimizer "
-            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, each with its own "
-            "model). A DDPModel also trains with the plain optimizer itself.")
+            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, each over its own "
+            "strategy's model, not a hybrid one). A DDPModel also trains with the plain optimizer.")
     return groups[0]
 
 

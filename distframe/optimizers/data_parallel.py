@@ -33,15 +33,20 @@ class DDPOptimizer(ShardedOptimizerBase):
 
 class ZeRO1Optimizer(ShardedOptimizerBase):
     """Optimizer for ZeRO1Model: state for 1/N of each bucket's flat space; ``step()`` waits for
-    the gradient reduce-scatters, updates the chunk, all-gathers the parameters."""
+    the gradient reduce-scatters, updates the chunk, all-gathers the parameters. An optimizer
+    instance keeps its param groups: each chunk is updated in pieces, one per run of one group's
+    parameters (views of the chunk: no other memory or communication; see param_groups.py)."""
 
     model_class = ZeRO1Model
+    keeps_param_groups = True
 
 
 class ZeRO2Optimizer(ShardedOptimizerBase):
-    """Optimizer for ZeRO2Model (as ZeRO1Optimizer; the model keeps only gradient shards)."""
+    """Optimizer for ZeRO2Model (as ZeRO1Optimizer, param groups too; the model keeps only
+    gradient shards)."""
 
     model_class = ZeRO2Model
+    keeps_param_groups = True
 
 
 class ZeRO3Optimizer(ShardedOptimizerBase):
