@@ -51,13 +51,17 @@ class ZeRO2Optimizer(ShardedOptimizerBase):
 
 class ZeRO3Optimizer(ShardedOptimizerBase):
     """Optimizer for ZeRO3Model: updates this rank's master chunk of every module; parameters
-    are gathered again at the next forward, so ``step()`` itself does not communicate."""
+    are gathered again at the next forward, so ``step()`` itself does not communicate. An
+    optimizer instance keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = ZeRO3Model
+    keeps_param_groups = True
 
 
 class FSDPOptimizer(ShardedOptimizerBase):
     """Optimizer for FSDPModel: updates this rank's master chunk of every unit; no
-    communication in ``step()`` (units are gathered at the next forward)."""
+    communication in ``step()`` (units are gathered at the next forward). An optimizer instance
+    keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = FSDPModel
+    keeps_param_groups = True

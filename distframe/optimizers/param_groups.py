@@ -35,7 +35,8 @@ from distframe.models.flat import Segment
 from distframe.models.sharded_state import ShardLayout
 
 #: The optimizers that take an instance with param groups of different settings.
-OPTIMIZERS_WITH_PARAM_GROUPS = ("DDPOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer")
+OPTIMIZERS_WITH_PARAM_GROUPS = ("DDPOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer",
+                                "FSDPOptimizer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,15 @@ import torch
 from distframe import checkpoint
 from distframe.errors import ConfigError
 from distframe.launch import spawn
-from distframe.optimizers import GradientCompressionOptimizer, ShardedGradScaler, ShardedOptimizerBase
+from distframe.mesh import ParallelDims
+from distframe.models import HybridShardedModel
+from distframe.optimizers import (GradientCompressionOptimizer, ShardedGradScaler, ShardedOptimizerBase,
+                                  ZeRO2Optimizer)
 from distframe.optimizers.compression import IdentityCompressor
 from distframe.optimizers.param_groups import OPTIMIZERS_WITH_PARAM_GROUPS
 from tests.models.common import SETTINGS, STRATEGIES, build_model, global_batches, loss_fn, rank_slice
 
-GROUPED = ["ddp", "zero1", "zero2"]
+GROUPED = list(STRATEGIES)
 STEPS = 6
 
 # (which parameters, their settings): every setting differs somewhere, amsgrad and maximize too.
@@ -167,7 +170,8 @@ def test_groups_cost_no_memory_and_no_communication(strategy):
 
 @pytest.mark.parametrize("saved, loaded", [
     (("ddp", 2), ("ddp", 3)), (("ddp", 3), ("ddp", 2)), (("ddp", 2), ("zero2", 3)),
-    (("zero1", 3), ("zero2", 2)), (("zero2", 2), ("ddp", 3)), (("zero2", 3), ("zero1", 4))])
+    (("zero1", 3), ("zero2", 2)), (("zero2", 2), ("ddp", 3)), (("zero2", 3), ("zero1", 4)),
+    (("zero2", 2), ("zero3", 3)), (("zero3", 3), ("fsdp", 2)), (("fsdp", 4), ("ddp", 2))])
 def test_a_checkpoint_keeps_each_groups_settings_and_state(tmp_path, saved, loaded):
     path = tmp_path / "ckpt"
     _save(path, *saved)
@@ -231,3 +235,28 @@ def _subclasses(cls):
     for sub in cls.__subclasses__():
         yield sub
         yield from _subclasses(sub)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_gradients_accumulated_under_no_sync_reach_the_pieces(strategy):
+    expected, _ = reference()
+
+    def run(backend):
+        model, opt = wrapped(backend, strategy)
+        for batch in global_batches(STEPS, 12):
+            x, y = rank_slice(batch, backend.rank, backend.world_size)
+            with model.no_sync():
+                (loss_fn(model(x[:1]), y[:1]) / 2).backward()
+            (loss_fn(model(x[1:]), y[1:]) / 2).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return model.gather_full_parameters()
+    assert_parameters(spawn(run, 6, timeout=60), expected)
+
+
+def test_a_hybrid_models_zero_optimizer_takes_one_setting():
+    def run(backend):
+        model = HybridShardedModel(build_model(), backend, dims=ParallelDims(dp=2), data_parallel="zero2")
+        with pytest.raises(ConfigError, match="param groups.*not a hybrid one"):
+            ZeRO2Optimizer(model, grouped(model.wrapped_model, SGD))
+    spawn(run, 2)
