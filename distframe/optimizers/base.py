@@ -12,8 +12,10 @@ import torch
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
-from distframe.models.sharded_state import RangeReader
+from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS
+from distframe.optimizers.param_groups import (OPTIMIZERS_WITH_PARAM_GROUPS, GroupedShards,
+                                               build_grouped, group_indices)
 from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
 
 
@@ -21,35 +23,44 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
                     owner: str) -> torch.optim.Optimizer:
     """``optimizer`` is a torch.optim.Optimizer subclass (built with ``kwargs``) or an instance
     (re-built over ``params`` with its settings; it must not have taken a step yet, and its param
-    groups, if several, must share their settings: the shards mix every group's parameters)."""
+    groups, if several, must share their settings: ``params`` go into one group. The optimizers
+    in OPTIMIZERS_WITH_PARAM_GROUPS keep an instance's groups instead: see ``param_groups``)."""
+    check_optimizer_argument(optimizer, kwargs, owner)
+    if isinstance(optimizer, type):
+        return optimizer(params, **kwargs)
+    settings = _shared_settings(optimizer, owner)
+    # Pass what the constructor accepts (AdamW's defaults hold decoupled_weight_decay, which
+    # its constructor refuses), then set every setting on the group as the instance had it.
+    accepted = inspect.signature(type(optimizer).__init__).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted):
+        names = {p.name for p in accepted}
+        rebuilt = type(optimizer)(params, **{k: v for k, v in settings.items() if k in names})
+    else:
+        rebuilt = type(optimizer)(params, **settings)
+    for group in rebuilt.param_groups:
+        group.update(settings)
+    return rebuilt
+
+
+def check_optimizer_argument(optimizer: Any, kwargs: dict[str, Any], owner: str) -> None:
+    """ConfigError unless ``optimizer`` is a torch.optim.Optimizer class or a fresh instance
+    (with no keyword settings beside it)."""
     if getattr(optimizer, "wrapped_optimizer", None) is not None or (
             isinstance(optimizer, type) and issubclass(optimizer, ShardedOptimizerBase)):
         raise ConfigError(f"{owner} wraps a torch.optim optimizer, got the sharded "
                           f"{getattr(optimizer, '__name__', type(optimizer).__name__)}; pass the "
                           f"torch.optim class, e.g. {owner}(model, torch.optim.AdamW, lr=3e-4)")
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return optimizer(params, **kwargs)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if kwargs:
-            raise ConfigError(f"{owner}: pass either an optimizer instance or a class with keyword "
-                              f"settings, not both (got {sorted(kwargs)})")
-        if _has_stepped(optimizer):
-            raise ConfigError(f"{owner}: the optimizer instance has already taken steps; pass a "
-                              "fresh one (or its class) so its state can be sharded from the start")
-        settings = _shared_settings(optimizer, owner)
-        # Pass what the constructor accepts (AdamW's defaults hold decoupled_weight_decay, which
-        # its constructor refuses), then set every setting on the group as the instance had it.
-        accepted = inspect.signature(type(optimizer).__init__).parameters.values()
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted):
-            names = {p.name for p in accepted}
-            rebuilt = type(optimizer)(params, **{k: v for k, v in settings.items() if k in names})
-        else:
-            rebuilt = type(optimizer)(params, **settings)
-        for group in rebuilt.param_groups:
-            group.update(settings)
-        return rebuilt
-    raise ConfigError(f"{owner}: optimizer must be a torch.optim.Optimizer class or instance, e.g. "
-                      f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"{owner}: optimizer must be a torch.optim.Optimizer class or instance, e.g. "
+                          f"{owner}(model, torch.optim.AdamW, lr=3e-4); got {optimizer!r:.60}")
+    if kwargs:
+        raise ConfigError(f"{owner}: pass either an optimizer instance or a class with keyword "
+                          f"settings, not both (got {sorted(kwargs)})")
+    if _has_stepped(optimizer):
+        raise ConfigError(f"{owner}: the optimizer instance has already taken steps; pass a "
+                          "fresh one (or its class) so its state can be sharded from the start")
 
 
 def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
@@ -111,9 +122,10 @@ def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, 
     if differing:
         raise ConfigError(
             f"{owner}: the optimizer instance has {len(groups)} param groups with different "
-            f"{differing}, but a sharded optimizer updates flat shards that mix parameters of "
-            "every group, so it takes one setting for all; pass one group (or the class with "
-            "keyword settings). A DDPModel also trains with the plain optimizer itself.")
+            f"{differing}, but {owner} takes one setting for all the parameters it updates; pass "
+            "one group (or the class with keyword settings), or use a strategy whose optimizer "
+            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, each over its own "
+            "strategy's model, not a hybrid one). A DDPModel also trains with the plain optimizer.")
     return groups[0]
 
 
@@ -127,7 +139,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the
     wrapped optimizer's, so learning-rate schedulers take it as they take a plain one (torch's
     ZeroRedundancyOptimizer is one too). It never calls the base class's constructor: step hooks
-    and ``add_param_group`` are not supported.
+    and ``add_param_group`` are not supported. Given an optimizer instance, an optimizer whose
+    ``keeps_param_groups`` is set keeps its param groups over pieces of the shards (see
+    param_groups.py); the others take one setting for every parameter.
 
     Loss scaling: ``param_groups`` hold this rank's shard, so ranks can disagree on whether the
     gradients overflowed; use ``distframe.ShardedGradScaler`` (one all_reduce(MAX) of the flag),
@@ -146,6 +160,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     #: Whether ranks step on their own (a parameter server's workers): a GradScaler's decision
     #: is then each rank's own, and ShardedGradScaler (a collective) is refused.
     steps_independently = False
+    #: Whether an optimizer instance's param groups are kept, each with its own settings (over
+    #: pieces of the shards: see param_groups.py); listed in OPTIMIZERS_WITH_PARAM_GROUPS.
+    keeps_param_groups = False
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, **optimizer_kwargs: Any) -> None:
         name = type(self).__name__
@@ -156,10 +173,21 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
             raise ConfigError(f"{name} belongs with {self.model_class.__name__}, got "
                               f"{type(model).__name__}; use {fix}(model, ...) for it")
         check_elementwise(optimizer, model, name)
-        self.model = model
-        self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
-                                                 optimizer_kwargs, name)
+        check_optimizer_argument(optimizer, optimizer_kwargs, name)
         check_instance_covers(optimizer, model, name)
+        self.model = model
+        # An instance's param groups, kept over pieces of the shards (see param_groups.py), or None.
+        self._grouped: GroupedShards | None = None
+        self._group_names: list[list[str]] | None = None
+        if (self.keeps_param_groups and isinstance(model, self.model_class)
+                and isinstance(optimizer, torch.optim.Optimizer) and len(optimizer.param_groups) > 1):
+            group_of, shard_group, self._group_names = group_indices(optimizer, model)
+            self._grouped = GroupedShards(model.shard_layout(), group_of, shard_group,
+                                          len(optimizer.param_groups), name)
+            self.wrapped_optimizer = build_grouped(optimizer, self._grouped.groups)
+        else:
+            self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
+                                                     optimizer_kwargs, name)
         self._scaler_flags_agreed = False
         model.attach_optimizer(self)
 
@@ -216,7 +244,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         if not self._scaler_flags_agreed:
             raise ConfigError(f"{type(self).__name__} {self._needs_sharded_scaler_because()}; use "
                               "distframe.ShardedGradScaler: scaler = ShardedGradScaler(device, ...)")
-        self.model.synchronize_gradients()
+        self.synchronize_gradients()
         if float(found_inf) > 0:  # every rank skips: parameters and optimizer state stay as they are
             return False
         grad_scale = getattr(self, "grad_scale", None)
@@ -249,10 +277,27 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Any = None) -> Any:
-        self.model.synchronize_gradients()
+        self.synchronize_gradients()
+        if closure is not None and self._grouped is not None:
+            closure = self._taking_gradients(closure)
         loss = self.wrapped_optimizer.step(closure)
         self.model.synchronize_parameters()
         return loss
+
+    def _taking_gradients(self, closure: Any) -> Any:
+        """``closure``, after which the pieces take the gradients its backward gave the shards."""
+        def run() -> Any:
+            loss = closure()
+            self.synchronize_gradients()
+            return loss
+        return run
+
+    def synchronize_gradients(self) -> None:
+        """``model.synchronize_gradients()``; then, where param groups cut the shards into pieces,
+        each piece's ``.grad`` is its range of its shard's gradient. No communication of its own."""
+        self.model.synchronize_gradients()
+        if self._grouped is not None:
+            self._grouped.take_gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wrapped_optimizer.zero_grad(set_to_none=set_to_none)
@@ -260,7 +305,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     def gradients_cleared(self) -> None:
         """Called by the model's ``zero_grad``, whoever calls it: drop what was derived from the
-        cleared gradients (nothing here; see GradientCompressionOptimizer)."""
+        cleared gradients (the pieces' views of them; see GradientCompressionOptimizer too)."""
+        if self._grouped is not None:
+            self._grouped.take_gradients()
 
     def synchronize_optimizer_state(self) -> None:
         """Makes replicated optimizer state identical (rank 0's); sharded state needs nothing."""
@@ -278,14 +325,20 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         """This rank's share: ``tensors`` (pieces keyed by parameter range), ``scalars`` (per
         parameter) and ``param_groups`` (hyperparameters)."""
         backend = self.model.backend
-        layout = self.model.shard_layout()
+        layout = self._optimizer_layout()
         tensors, scalars = optimizer_pieces(layout, self.wrapped_optimizer, backend.rank, backend.world_size)
         return {"tensors": tensors, "scalars": scalars,
-                "param_groups": hyperparameters(self.wrapped_optimizer, layout)}
+                "param_groups": hyperparameters(self.wrapped_optimizer, layout, self._group_names)}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
-        """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``)."""
+        """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``);
+        each param group takes the settings of the saved group that trained its parameters
+        (ConfigError when the saved run grouped them otherwise)."""
         reader = reader or state_reader(state, type(self).__name__)
-        load_optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, reader,
-                              state.get("scalars", {}), state.get("param_groups", []))
+        load_optimizer_pieces(self._optimizer_layout(), self.wrapped_optimizer, reader,
+                              state.get("scalars", {}), state.get("param_groups", []), self._group_names)
+
+    def _optimizer_layout(self) -> ShardLayout:
+        """What the wrapped optimizer's tensors hold: the model's shards, or their pieces."""
+        return self.model.shard_layout() if self._grouped is None else self._grouped.layout
 

@@ -16,9 +16,11 @@ from distframe.optimizers.base import ShardedOptimizerBase
 
 class DDPOptimizer(ShardedOptimizerBase):
     """Optimizer for DDPModel: full, replicated optimizer state. ``step()`` waits for the
-    gradient all_reduces, then updates locally; no parameter communication."""
+    gradient all_reduces, then updates locally; no parameter communication. An optimizer
+    instance keeps its param groups, each with its own settings (its shards are the parameters)."""
 
     model_class = DDPModel
+    keeps_param_groups = True
 
     def synchronize_optimizer_state(self) -> None:
         """Broadcasts rank 0's optimizer state tensors to every rank (one broadcast each)."""
@@ -31,26 +33,35 @@ class DDPOptimizer(ShardedOptimizerBase):
 
 class ZeRO1Optimizer(ShardedOptimizerBase):
     """Optimizer for ZeRO1Model: state for 1/N of each bucket's flat space; ``step()`` waits for
-    the gradient reduce-scatters, updates the chunk, all-gathers the parameters."""
+    the gradient reduce-scatters, updates the chunk, all-gathers the parameters. An optimizer
+    instance keeps its param groups: each chunk is updated in pieces, one per run of one group's
+    parameters (views of the chunk: no other memory or communication; see param_groups.py)."""
 
     model_class = ZeRO1Model
+    keeps_param_groups = True
 
 
 class ZeRO2Optimizer(ShardedOptimizerBase):
-    """Optimizer for ZeRO2Model (as ZeRO1Optimizer; the model keeps only gradient shards)."""
+    """Optimizer for ZeRO2Model (as ZeRO1Optimizer, param groups too; the model keeps only
+    gradient shards)."""
 
     model_class = ZeRO2Model
+    keeps_param_groups = True
 
 
 class ZeRO3Optimizer(ShardedOptimizerBase):
     """Optimizer for ZeRO3Model: updates this rank's master chunk of every module; parameters
-    are gathered again at the next forward, so ``step()`` itself does not communicate."""
+    are gathered again at the next forward, so ``step()`` itself does not communicate. An
+    optimizer instance keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = ZeRO3Model
+    keeps_param_groups = True
 
 
 class FSDPOptimizer(ShardedOptimizerBase):
     """Optimizer for FSDPModel: updates this rank's master chunk of every unit; no
-    communication in ``step()`` (units are gathered at the next forward)."""
+    communication in ``step()`` (units are gathered at the next forward). An optimizer instance
+    keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = FSDPModel
+    keeps_param_groups = True

@@ -90,8 +90,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not any(ref() is optimizer for ref in self._stepped):
             self._stepped.append(weakref.ref(optimizer))
         model = getattr(optimizer, "model", None)
-        if model is not None:
-            model.synchronize_gradients()  # the shards' gradients are complete before the check
+        if isinstance(optimizer, ShardedOptimizerBase):
+            optimizer.synchronize_gradients()  # the shards' gradients are complete before the check
+        elif model is not None:
+            model.synchronize_gradients()
         else:  # a plain optimizer over a model-parallel model's parameters: the same, first
             for owner in models_stepped_by(optimizer):
                 owner.before_plain_step()

@@ -38,16 +38,20 @@ _SKIP = object()
 TRAINED = "parameters_trained"
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer,
-                    layout: ShardLayout | None = None) -> list[dict[str, Any]]:
+def hyperparameters(optimizer: torch.optim.Optimizer, layout: ShardLayout | None = None,
+                    trained: list[list[str]] | None = None) -> list[dict[str, Any]]:
     """Each param group's JSON-serialisable settings (lr, betas, weight_decay, ...); given the
-    ``layout`` of the shards it optimises, also the names of the parameters it trains (``TRAINED``)."""
+    ``layout`` of the shards it optimises, also the names of the parameters it trains (``TRAINED``):
+    those its shards hold on this rank, or ``trained[k]`` for group k where the caller knows them
+    all (a sharded optimizer's param groups span every rank)."""
     names = _shard_names(layout)
     groups = []
-    for group in optimizer.param_groups:
+    for k, group in enumerate(optimizer.param_groups):
         settings = {k: _jsonable(v) for k, v in group.items() if k != "params"}
         entry = {k: v for k, v in settings.items() if v is not _SKIP}
-        if layout is not None:
+        if trained is not None:
+            entry[TRAINED] = sorted(trained[k])
+        elif layout is not None:
             entry[TRAINED] = sorted({n for p in group["params"] for n in names.get(id(p), ())})
         groups.append(entry)
     return groups
@@ -59,13 +63,11 @@ def _shard_names(layout: ShardLayout | None) -> dict[int, set[str]]:
     return {id(shard): {s.name for s in segs} for shard, segs in zip(layout.shards, layout.segments)}
 
 
-def _saved_group(k: int, group: dict[str, Any], names: dict[int, set[str]],
-                 groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """The saved settings for this optimizer's group ``k``: those of the saved group that trained
-    its parameters (so groups built in another order still get their own), else the group at the
-    same position (a checkpoint that does not name them). ConfigError when its parameters were
-    trained with different settings: no one group's settings would be right for all of them."""
-    ours = {n for p in group["params"] for n in names.get(id(p), ())}
+def _saved_group(k: int, ours: set[str], groups: list[dict[str, Any]]) -> int | None:
+    """The saved group whose settings this optimizer's group ``k`` (training ``ours``) takes:
+    the one that trained its parameters (so groups built in another order still get their own),
+    else the group at the same position (a checkpoint that does not name them). ConfigError when
+    its parameters were trained with different settings: no one group's would be right for all."""
     matched = [i for i, saved in enumerate(groups) if ours & set(saved.get(TRAINED, ()))]
     settings = [{key: v for key, v in groups[i].items() if key != TRAINED} for i in matched]
     differing = sorted({key for s in settings[1:] for key in s if s[key] != settings[0].get(key)})
@@ -74,11 +76,27 @@ def _saved_group(k: int, group: dict[str, Any], names: dict[int, set[str]],
         raise ConfigError(
             f"the optimizer's param group {k} trains parameters that the checkpoint's optimizer "
             f"trained in param groups {matched} with different settings ({shown}): build the "
-            "optimizer with the saved run's param groups (a sharded optimizer has one group: use a "
-            "torch.optim optimizer under DDPModel), or load the model without the optimizer")
+            "optimizer with the saved run's param groups (pass the sharded optimizer an optimizer "
+            "instance with them), or load the model without the optimizer")
     if matched:
-        return groups[matched[0]]
-    return groups[min(k, len(groups) - 1)] if groups else {}
+        return matched[0]
+    return min(k, len(groups) - 1) if groups else None
+
+
+def _saved_groups(ours: list[set[str]], groups: list[dict[str, Any]]) -> list[int | None]:
+    """``_saved_group`` of each group; ConfigError when groups of this optimizer that train
+    parameters would take one saved group's settings: the split they make was not the saved
+    run's (resuming would silently give them all one group's lr and weight decay)."""
+    chosen = [_saved_group(k, names, groups) for k, names in enumerate(ours)]
+    for i in set(chosen) - {None}:
+        sharing = [k for k, c in enumerate(chosen) if c == i and ours[k]]
+        if len(sharing) > 1:
+            raise ConfigError(
+                f"the optimizer's param groups {sharing} train parameters that the checkpoint's "
+                f"optimizer trained in one param group ({i}; it has {len(groups)}), so loading would "
+                "give them all its settings: build the optimizer with the saved run's param groups, "
+                "or load the model without the optimizer (and set the groups' state afresh)")
+    return chosen
 
 
 def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank: int,
@@ -117,8 +135,11 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
 
 
 def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, reader: RangeReader,
-                          scalars: dict[str, dict[str, list]], groups: list[dict[str, Any]]) -> None:
-    """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout."""
+                          scalars: dict[str, dict[str, list]], groups: list[dict[str, Any]],
+                          trained: list[list[str]] | None = None) -> None:
+    """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout; each
+    param group takes the settings of the saved one that trained its parameters (those its shards
+    hold here, or ``trained[k]``: see ``hyperparameters``)."""
     kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
     fallback = next(iter(scalars.values()), {})
     saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
@@ -132,7 +153,7 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
         if (kinds or scalars) and not _saved_state_covers(segs, saved):
             continue  # state starts fresh on the parameters' first step, as with torch
         entry: dict[str, Any] = {}
-        for kind in kinds:
+        for kind in _kinds_held(kinds, segs, reader, scalars):
             tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
             _fill_state(tensor, segs, reader, kind, scalars)
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
@@ -145,8 +166,11 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
             state[index[id(shard)]] = entry
     param_groups = []
     names = _shard_names(layout)
-    for k, group in enumerate(optimizer.param_groups):
-        saved = _saved_group(k, group, names, groups)
+    ours = [set(trained[k]) if trained is not None
+            else {n for p in group["params"] for n in names.get(id(p), ())}
+            for k, group in enumerate(optimizer.param_groups)]
+    for group, chosen in zip(optimizer.param_groups, _saved_groups(ours, groups)):
+        saved = {} if chosen is None else groups[chosen]
         settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
         # What others put on the saved group (a scheduler's initial_lr) comes back too, as with
         # torch's load_state_dict, so a scheduler can resume with last_epoch=step - 1.
@@ -154,6 +178,16 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
                          if key not in settings and key != TRAINED})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _kinds_held(kinds: list[str], segments: list, reader: RangeReader,
+                scalars: dict[str, dict[str, list]]) -> list[str]:
+    """The per-element state ``kinds`` saved for a shard's parameters: param groups of other
+    settings keep other state (AMSGrad's max_exp_avg_sq in the groups that use it).
+    A shard of padding alone takes every kind, as zeros."""
+    return [kind for kind in kinds if not segments or any(
+        reader.holds(kind, s.name) or kind.removeprefix("optim.") in scalars.get(s.name, {})
+        for s in segments)]
 
 
 def _fill_state(tensor: torch.Tensor, segments: list, reader: RangeReader, kind: str,
