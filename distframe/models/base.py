@@ -281,13 +281,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         0, the buffers (``buffer/<name>``). Merge every rank's dict to get the whole model.
         ConfigError when a module holding this one asks (its own ``state_dict()``): a share has
         no place in that dict, and nothing else would have put the model there."""
-        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
-            held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
-            raise ConfigError(
-                f"the state_dict() of a module holding {type(self).__name__} (as {held_as!r}) cannot "
-                "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
-                "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
-                "optimizer), or its gather_full_parameters()) and the other parts on their own")
+        self._refuse_nested_state_dict(args, kwargs)
         layout = self.shard_layout()
         state = shard_pieces(layout, self.backend.rank, self.backend.world_size, "param", layout.shards)
         if self.backend.rank == 0:
@@ -330,6 +324,16 @@ class ShardedModelBase(nn.Module, abc.ABC):
             else:
                 first[id(tensor)] = name
         return aliases
+
+    def _refuse_nested_state_dict(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """ConfigError when torch asks for this model's entries in a holder's ``state_dict()``."""
+        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+            held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
+            raise ConfigError(
+                f"the state_dict() of a module holding {type(self).__name__} (as {held_as!r}) cannot "
+                "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
+                "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
+                "optimizer), or its gather_full_parameters()) and the other parts on their own")
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002

@@ -350,10 +350,12 @@ class HybridShardedModel(ShardedModelBase):
         self._sync_buffers()
         return gather_full(self.local_parameters, self.local_buffers, self.catalog, self.groups)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # noqa: ARG002
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """``param/<name>@<offset>`` pieces of the dense parameters (each range written by one rank
         of the world: data-parallel index 0, tensor index 0 for replicated parameters, the first
-        stage holding a tied weight) and ``buffer/<name>``. Merge every rank's dict for the model."""
+        stage holding a tied weight) and ``buffer/<name>``. Merge every rank's dict for the model.
+        A holder's ``state_dict()`` is refused, as the base class refuses it."""
+        self._refuse_nested_state_dict(args, kwargs)
         layout = self._parameter_layout()
         state: dict[str, torch.Tensor] = {}
         for lp, segments in zip(self.local_parameters, layout.segments):

@@ -26,3 +26,16 @@ def test_enclosing_state_dict_refuses_rather_than_drops_the_sharded_model(strate
         with pytest.raises(ConfigError, match="'student'.*checkpoint.save"):
             Trainer(model).state_dict()
     spawn(run, 2, timeout=30)
+
+
+def test_a_hybrid_model_held_by_another_module_is_refused_too():
+    """HybridShardedModel writes its own state_dict(): it took the holder's prefix and dropped it."""
+    from distframe.mesh import ParallelDims
+    from distframe.models import HybridShardedModel
+
+    def run(backend):
+        model = HybridShardedModel(build_model(), backend, dims=ParallelDims(dp=2))
+        assert all("/" in key for key in model.state_dict())
+        with pytest.raises(ConfigError, match="'student'.*checkpoint.save"):
+            Trainer(model).state_dict()
+    spawn(run, 2, timeout=30)
