@@ -17,6 +17,7 @@ from distframe.launch import spawn
 from distframe.mesh import ParallelDims
 from distframe.models.hybrid import HybridShardedModel
 from tests.models.common import SEED_LOCK
+from tests.scaling import backward_and_step
 
 STEPS = 3
 
@@ -50,15 +51,7 @@ def test_a_hand_written_loop_over_a_data_parallel_hybrid_equals_one_process(scal
         rows = slice(2 * backend.rank, 2 * backend.rank + 2)
         for step in range(STEPS):
             x, y = _batch(step)
-            loss = F.mse_loss(model(x[rows]), y[rows])
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
+            backward_and_step(F.mse_loss(model(x[rows]), y[rows]), opt, scaler)
         return model.gather_full_parameters()
 
     for params in spawn(run, 2, timeout=30):

@@ -14,6 +14,7 @@ from torch import nn
 from distframe import ConfigError, DDPModel, ShardedGradScaler, checkpoint, spawn
 from distframe.optimizers.compressed import GradientCompressionOptimizer
 from distframe.optimizers.compression import TopKCompressor
+from tests.scaling import backward_and_step
 
 torch.manual_seed(77)
 MLP = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 2)).double()
@@ -36,15 +37,7 @@ def _build(backend):
 def _train(model, opt, scaler, steps, first=0):
     for step in range(first, first + steps):
         x, y = _batch(step, model.backend.rank)
-        loss = nn.functional.mse_loss(model(x), y)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad()
+        backward_and_step(nn.functional.mse_loss(model(x), y), opt, scaler)
 
 
 def _scaler(**kw):
