@@ -15,6 +15,7 @@ from distframe.errors import ConfigError
 from distframe.models import DDPModel, FSDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model
 from distframe.optimizers.elastic import ElasticMember, ElasticOptimizer, latest_checkpoint
 from distframe.optimizers.elastic_membership import ElasticController
+from tests.optimizers.elastic_reference import adam_reference
 
 torch.manual_seed(11)
 MLP = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 2)).double()
@@ -30,14 +31,7 @@ def _global_batch(step):
 
 def _reference(steps):
     """Single-process Adam over the same global batches: the uninterrupted run."""
-    model = copy.deepcopy(MLP)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for step in range(steps):
-        x, y = _global_batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
+    return adam_reference(MLP, LR, range(steps), _global_batch)
 
 
 class _WorkerDied(RuntimeError):

@@ -13,6 +13,7 @@ from distframe import checkpoint, spawn
 from distframe.models import DDPModel, ZeRO2Model
 from distframe.optimizers.elastic import ElasticOptimizer, ElasticRollbackError
 from distframe.optimizers.elastic_membership import ElasticController
+from tests.optimizers.elastic_reference import adam_reference
 
 torch.manual_seed(8)
 MLP = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 2)).double()
@@ -33,14 +34,7 @@ def _train(model, opt, steps, offset=0):
 
 
 def _reference(batches):
-    model = copy.deepcopy(MLP)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for b in batches:
-        x, y = _batch(b)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
+    return adam_reference(MLP, LR, batches, _batch)
 
 
 def _other_state(tmp_path):

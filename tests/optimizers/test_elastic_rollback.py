@@ -12,6 +12,7 @@ from torch import nn
 from distframe.models import DDPModel
 from distframe.optimizers.elastic import ElasticOptimizer, ElasticRollbackError
 from distframe.optimizers.elastic_membership import ElasticController
+from tests.optimizers.elastic_reference import adam_reference
 
 torch.manual_seed(3)
 MLP = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
@@ -26,14 +27,7 @@ def _batch(step):
 
 
 def _reference(steps):
-    model = copy.deepcopy(MLP)
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    for step in range(steps):
-        x, y = _batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return model.state_dict()
+    return adam_reference(MLP, LR, range(steps), _batch)
 
 
 class _WorkerDied(RuntimeError):
