@@ -124,7 +124,6 @@ class HybridShardedModel(ShardedModelBase):
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
-        self._plain_optimizer: torch.optim.Optimizer | None = None
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -251,7 +250,6 @@ class HybridShardedModel(ShardedModelBase):
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
             self._check_not_dense(optimizer)
-            self._plain_optimizer = optimizer  # for memory_footprint
         return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm)
 
     def _check_not_dense(self, optimizer: torch.optim.Optimizer) -> None:
@@ -380,15 +378,3 @@ class HybridShardedModel(ShardedModelBase):
                 buf.copy_(reader.replicated(name, buf.shape))
         if self.zero is not None:
             self.zero.refresh_master()
-
-    def memory_footprint(self) -> dict[str, int]:
-        if self._optimizer is None and self._plain_optimizer is not None:
-            self._optimizer = _PlainOptimizerView(self._plain_optimizer)
-        return super().memory_footprint()
-
-
-class _PlainOptimizerView:
-    """Lets ShardedModelBase.memory_footprint count a plain torch optimizer's state."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.wrapped_optimizer = optimizer
