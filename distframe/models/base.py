@@ -18,6 +18,7 @@ from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.flat import Segment
 from distframe.models.grad_norm import clip_sharded_grad_norm
+from distframe.models.inputs import call_with
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard, plain_optimizers
 from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
@@ -197,12 +198,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
         inputs, targets = batch
-        if isinstance(inputs, dict):
-            output = self(**inputs)
-        elif isinstance(inputs, (tuple, list)):
-            output = self(*inputs)
-        else:
-            output = self(inputs)
+        output = call_with(self, inputs)
         loss = loss_fn(output, targets)
         # Drop our reference to the output (for an LM, the logits: often the largest activation)
         # so backward can free it once the graph is done with it.

@@ -42,6 +42,7 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
+from distframe.models.inputs import call_with
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
 from distframe.models.devices import module_device
@@ -152,7 +153,7 @@ class HybridShardedModel(ShardedModelBase):
         inputs, targets = self._sequence_slices(*batch)
         self._before_backward()
         if self.runner is None:
-            loss = loss_fn(self._local_forward(inputs), targets)
+            loss = loss_fn(call_with(self.wrapped_model, inputs), targets)
             loss.backward()
             return loss.detach()
         loss = self.runner.forward_backward(inputs, targets, loss_fn)
@@ -161,15 +162,6 @@ class HybridShardedModel(ShardedModelBase):
         loss = loss.detach().to(torch.float64).reshape(1).clone()
         self.groups.pp.broadcast(loss, self.dims.pp - 1)
         return loss.reshape(())
-
-    def _local_forward(self, inputs: Any) -> Any:
-        """Without pipelining: the stage's forward, a dict or tuple of inputs unpacked into the
-        call as ``ShardedModelBase.forward_backward`` does (context parallelism has sliced a tensor)."""
-        if isinstance(inputs, dict):
-            return self.wrapped_model(**inputs)
-        if isinstance(inputs, (tuple, list)):
-            return self.wrapped_model(*inputs)
-        return self.wrapped_model(inputs)
 
     def _before_backward(self) -> None:
         if self._synchronize:
@@ -201,7 +193,7 @@ class HybridShardedModel(ShardedModelBase):
         inputs, targets = self._sequence_slices(inputs, targets)
         with torch.no_grad():
             if self.runner is None:
-                loss = loss_fn(self._local_forward(inputs), targets).detach()
+                loss = loss_fn(call_with(self.wrapped_model, inputs), targets).detach()
             else:
                 output = self.runner.forward_only(inputs)
                 loss = torch.zeros(1, dtype=torch.float64, device=self._device)
