@@ -149,13 +149,16 @@ class ModelBuffers:
     def pushed(self) -> list[torch.Tensor]:
         """The vectors a push carries: the replaced buffers' values and how much each counter
         grew since this worker last loaded the server's."""
-        vectors = self.values()
-        if self._groups()[1]:
-            vectors[-1] = vectors[-1] - self._counters_pulled
-        return vectors
+        replaced, counters = self._groups()
+        grown = [_flat(counters, torch.int64) - self._counters_pulled] if counters else []
+        return [_flat(g) for g in replaced] + grown
 
     def empty(self) -> list[torch.Tensor]:
-        return [torch.empty_like(v) for v in self.values()]
+        """Receive buffers for ``values()`` of another rank (sized from the buffers, not copies)."""
+        replaced, counters = self._groups()
+        sized = [(g, g[0].dtype) for g in replaced] + ([(counters, torch.int64)] if counters else [])
+        return [torch.empty(sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
+                for group, dtype in sized]
 
     def load(self, vectors: list[torch.Tensor]) -> None:
         """Every buffer from ``values()`` of another rank (a worker's pull, a broadcast)."""
