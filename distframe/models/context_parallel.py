@@ -29,8 +29,9 @@ from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttenti
 
 
 def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBackend) -> None:
-    """Replaces every ``DilatedAttention`` under ``modules`` with a ring one over ``group`` and
-    points every ``sequence_shard`` at this rank's slice. ConfigError if there is no attention
+    """Replaces every ``DilatedAttention`` under ``modules`` with a ring one over ``group`` (a
+    ``RingDilatedAttention`` already there is moved onto ``group``) and points every
+    ``sequence_shard`` at this rank's slice. ConfigError if there is no attention
     to convert or it uses attention dropout (the ring does not support it)."""
     seen: set[int] = set()
     converted = 0
@@ -43,6 +44,9 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
                 module.sequence_shard = (group.rank, group.world_size)
             for name, child in module.named_children():
                 if isinstance(child, RingDilatedAttention):
+                    # A ring built over another group would span ranks that hold other
+                    # sequences (or other replicas): it must run over this cp group.
+                    child.backend = group
                     converted += 1
                 elif type(child) in (DilatedAttention, HeadShardedDilatedAttention):
                     if child.attention_dropout:

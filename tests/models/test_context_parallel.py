@@ -82,3 +82,31 @@ def test_sequence_must_split_evenly():
         spawn(run, 4)
 
 
+
+
+def test_ring_attention_of_another_group_is_moved_onto_the_cp_group():
+    # A model whose attention already ran as a ring over another group (here the whole world of
+    # dp x cp ranks) kept that group: each ring spanned both replicas, which hold different
+    # batches. (This layout's segments happen not to cross replicas, so the outputs matched; the
+    # rings' group is the contract.)
+    dense = tiny_lm()
+    inputs = [batch[0] for batch in batches()[:2]]  # one per replica
+    with torch.no_grad():
+        expected = [dense(x) for x in inputs]
+
+    def run(b):
+        model = copy.deepcopy(dense)
+        for module in list(model.modules()):
+            for name, child in module.named_children():
+                if type(child).__name__ == "DilatedAttention":
+                    setattr(module, name, RingDilatedAttention(child.segment_lengths, child.dilation_rates,
+                                                               child.softmax_scale, backend=b))
+        wrapped = HybridShardedModel(model, b, dims=ParallelDims(dp=2, cp=2))
+        rings = [m for m in wrapped.wrapped_model.modules() if isinstance(m, RingDilatedAttention)]
+        replica = wrapped.groups.dp_index
+        on_cp_group = all(r.backend is wrapped.groups.cp for r in rings)
+        return replica, wrapped(inputs[replica]), len(rings), on_cp_group
+
+    for replica, out, count, on_cp_group in spawn(run, 4):
+        torch.testing.assert_close(out, expected[replica], **TOL)
+        assert count == 2 and on_cp_group
