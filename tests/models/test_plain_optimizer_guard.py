@@ -21,10 +21,10 @@ with SEED_LOCK:
 X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
-def plain_step(backend, strategy):
+def plain_step(backend, strategy, groups=None):
     model_cls, _ = STRATEGIES[strategy]
     model = model_cls(copy.deepcopy(NET), backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters() if groups is None else groups(model), lr=0.1)
     rows = slice(2 * backend.rank, 2 * backend.rank + 2)
     model(X[rows]).pow(2).sum().backward()
     before = model.gather_full_parameters()
@@ -42,6 +42,20 @@ def test_a_plain_optimizer_over_a_sharded_model_is_refused_at_step(strategy):
     want = STRATEGIES[strategy][1].__name__
     for message in spawn(lambda b: plain_step(b, strategy), 2, timeout=20):
         assert isinstance(message, str) and want in message and "model.parameters()" in message
+
+
+_OUTSIDE = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("groups", [
+    lambda model: [_OUTSIDE, *model.parameters()],  # the model's after a parameter of its own
+    lambda model: [{"params": [_OUTSIDE]}, {"params": [_OUTSIDE.new_zeros(1).requires_grad_(),
+                                                       *model.parameters()]}]])
+def test_the_models_parameters_anywhere_in_a_group_are_refused(groups):
+    # Only each group's first parameter was looked at: a loss temperature or a second model's
+    # parameter ahead of the model's let the plain step through.
+    for message in spawn(lambda b: plain_step(b, "zero2", groups), 2, timeout=20):
+        assert isinstance(message, str) and "ZeRO2Optimizer" in message
 
 
 def test_ddp_still_takes_a_plain_optimizer_and_equals_one_process():
