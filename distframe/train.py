@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -30,15 +30,16 @@ from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 __all__ = ["TrainConfig", "TrainResult", "run"]
 
 
-def run(config: TrainConfig) -> TrainResult:
+def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
     """Trains as ``config`` says and returns rank 0's result (under a launcher, this rank's).
-    With ``--resume`` and a run already at ``--steps``: a result with ``already_finished``."""
+    With ``--resume`` and a run already at ``--steps``: a result with ``already_finished``.
+    ``start_notes`` (the settings' warnings) are printed by rank 0 once the run has started."""
     launcher = detect_launcher()
     if launcher is not None:
         if config.optimizer == "elastic":
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
                               f"workers; run it without {launcher}")
-        return _run_launched(config, launcher)
+        return _run_launched(config, launcher, start_notes)
     # This one process sees OUT for every rank it starts: checked before any rank starts
     # (--steps below the checkpoint's step: ConfigError).
     if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
@@ -53,17 +54,18 @@ def run(config: TrainConfig) -> TrainResult:
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
         with _threads_per_rank(config.world_size):
-            return run_elastic(config, corpus)
+            return run_elastic(config, corpus, start_notes=start_notes)
     if name == "inmemory":
         fn = functools.partial(train_on_rank, config=config, backend_name=name, corpus=corpus,
-                               initial_state=initial_model_state(config, corpus.vocab_size))
+                               initial_state=initial_model_state(config, corpus.vocab_size),
+                               start_notes=start_notes)
         with _threads_per_rank(config.world_size):
             return spawn(fn, config.world_size, name, **timeout_of(config))[0]
-    fn = functools.partial(train_on_rank, config=config, backend_name=name)
+    fn = functools.partial(train_on_rank, config=config, backend_name=name, start_notes=tuple(start_notes))
     return spawn(fn, config.world_size, name, **timeout_of(config))[0]
 
 
-def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
+def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]) -> TrainResult:
     # auto: the engine init_backend picks (under torchrun, NCCL only with a GPU per process)
     name = auto_backend_name(launcher) if config.backend == "auto" else config.backend
     backend = init_backend(name, **timeout_of(config))
@@ -85,7 +87,7 @@ def _run_launched(config: TrainConfig, launcher: str) -> TrainResult:
         if config.resume and train_checkpoint.agreed_resume_step(
                 config.out, config.steps, backend) == config.steps:
             return _already_finished(config, rank=backend.rank)
-        return train_on_rank(backend, config, backend_name=name)
+        return train_on_rank(backend, config, backend_name=name, start_notes=start_notes)
     finally:
         backend.shutdown()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,8 +39,10 @@ class AsyncJob(Job):
     """One rank's part of an asynchronous run: ``run`` serves on rank 0 and trains elsewhere."""
 
     def __init__(self, backend: Any, config: TrainConfig, model: Any, optimizer: Any,
-                 corpus: TokenCorpus, device: torch.device, info: dict) -> None:
-        super().__init__(backend, config, model, optimizer, corpus, device, 1, 0, info)
+                 corpus: TokenCorpus, device: torch.device, info: dict, *,
+                 start_notes: Sequence[str] = ()) -> None:
+        super().__init__(backend, config, model, optimizer, corpus, device, 1, 0, info,
+                         start_notes=start_notes)
 
     def run(self) -> TrainResult:
         start_step, history = self._start()

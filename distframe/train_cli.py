@@ -79,7 +79,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--lr", group=opt, type=float, help="peak learning rate (linear warm-up, cosine to a "
         "tenth)" + _default("lr"))
     add("--warmup-steps", group=opt, type=int, help="warm-up steps; more than --steps and the "
-        "peak --lr is never reached (warned after the run)" + _default("warmup_steps"))
+        "peak --lr is never reached (warned as the run starts)" + _default("warmup_steps"))
     add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
@@ -151,12 +151,12 @@ def train_command(args: argparse.Namespace) -> int:
     from distframe import train, train_checkpoint
     from distframe.train_metrics import format_bytes, format_duration
     flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
-    # Said with the run's notes once it has trained: a run refused for bad input reports one
-    # line, and under mpiexec or torchrun rank 0 alone reports.
+    # Said by rank 0 once the run has started (before its first step): a run refused for bad
+    # input still reports one line, and under mpiexec or torchrun rank 0 alone says it.
     warnings: list[str] = []
     config = resolve_config(flags, getattr(args, "config", None), warn=warnings.append)
     try:
-        result = train.run(config)
+        result = train.run(config, start_notes=warnings)
     except KeyboardInterrupt:
         found = train_checkpoint.latest_checkpoint(config.out)
         where = (f"{found[0]} is the last complete checkpoint; continue with --resume"
@@ -169,7 +169,7 @@ def train_command(args: argparse.Namespace) -> int:
         print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
               f"nothing to train (pass --steps above {config.steps} to train it further)")
         return 0
-    for note in (*warnings, *result.notes):
+    for note in result.notes:
         print(note, file=sys.stderr)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     train_loss = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"

@@ -17,7 +17,7 @@ on stderr.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ def _stderr(line: str) -> None:
 
 
 def run_elastic(config: TrainConfig, corpus: TokenCorpus,
-                log: Callable[[str], None] = _stderr) -> TrainResult:
-    """Runs the elastic demo in this process and returns the last group's rank-0 result."""
+                log: Callable[[str], None] = _stderr, start_notes: Sequence[str] = ()) -> TrainResult:
+    """Runs the elastic demo in this process and returns the last group's rank-0 result;
+    ``start_notes`` as ``train_on_rank``'s."""
     info = run_info(config, corpus, config.world_size, "inmemory")
-    start_step = _prepare_out(config, info)
+    start_step = _prepare_out(config, info, start_notes)
     initial_state = initial_model_state(config, corpus.vocab_size)
     failed: set[int] = set()  # steps at which the injected failure already happened
     fatal: list[BaseException] = []  # a real error: stop instead of dropping the worker
@@ -92,7 +93,7 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
     return generations[-1].results[0]
 
 
-def _prepare_out(config: TrainConfig, info: dict) -> int:
+def _prepare_out(config: TrainConfig, info: dict, notes: Sequence[str]) -> int:
     """What ``Job._start`` does for one world, once for the whole elastic run: check that
     ``--resume`` has a checkpoint (the ElasticOptimizer restores it), or clear an earlier run.
     Returns the step the run starts from."""
@@ -101,7 +102,7 @@ def _prepare_out(config: TrainConfig, info: dict) -> int:
     if config.resume and found is None:
         raise ConfigError(f"--resume: no checkpoint under {config.out}/checkpoints; run without "
                           "--resume to start fresh, or pass the --out of the run to continue")
-    prepare_out(config, info, log)
+    prepare_out(config, info, log, notes)
     return found[1] if config.resume and found is not None else 0
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -85,8 +86,11 @@ def run_info(config: TrainConfig, corpus: TokenCorpus, world_size: int, backend:
 
 def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
                   corpus: TokenCorpus | None = None,
-                  initial_state: dict[str, torch.Tensor] | None = None) -> TrainResult:
-    """Runs the whole job on this rank of ``backend`` and returns what it reached."""
+                  initial_state: dict[str, torch.Tensor] | None = None,
+                  start_notes: Sequence[str] = ()) -> TrainResult:
+    """Runs the whole job on this rank of ``backend`` and returns what it reached.
+    ``start_notes``: lines rank 0 prints on stderr once the run has started (the settings'
+    warnings), before its first step."""
     corpus = corpus or load_corpus(config.data, token_dtype=config.token_dtype)
     check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     initial_state = initial_state or initial_model_state(config, corpus.vocab_size)
@@ -98,12 +102,14 @@ def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
     info = run_info(config, corpus, backend.world_size, backend_name)
     if config.optimizer == "async":  # every worker trains on whole batches
         from distframe.train_async import AsyncJob
-        return AsyncJob(backend, config, model, optimizer, corpus, device, info).run()
+        return AsyncJob(backend, config, model, optimizer, corpus, device, info,
+                        start_notes=start_notes).run()
     dp_size, dp_rank = STRATEGIES[config.strategy].data_parallel(model, backend)
     if config.batch_size % dp_size:
         raise ConfigError(f"--batch-size {config.batch_size} is not divisible by the {dp_size} "
                           "data-parallel ranks; use a multiple of them")
-    return Job(backend, config, model, optimizer, corpus, device, dp_size, dp_rank, info).run()
+    return Job(backend, config, model, optimizer, corpus, device, dp_size, dp_rank, info,
+               start_notes=start_notes).run()
 
 
 def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: TrainConfig,
@@ -136,9 +142,12 @@ def _device(backend_name: str, backend: Any) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def prepare_out(config: TrainConfig, info: dict, log: MetricsLog) -> None:
+def prepare_out(config: TrainConfig, info: dict, log: MetricsLog, notes: Sequence[str] = ()) -> None:
     """Creates OUT, clears an earlier run's metrics and checkpoints there unless ``--resume``,
-    and writes ``OUT/config.json``; one writer calls it."""
+    and writes ``OUT/config.json``; one writer calls it, as the run starts, and it prints
+    ``notes`` on stderr (bad input found before this point stays the CLI's one line)."""
+    for note in notes:
+        print(note, file=sys.stderr)
     out = config.out
     os.makedirs(out, exist_ok=True)
     if not config.resume and (os.path.exists(log.path) or train_checkpoint.latest_checkpoint(out)):
@@ -174,8 +183,9 @@ class Job:
 
     def __init__(self, backend: Any, config: TrainConfig, model: Any, optimizer: Any,
                  corpus: TokenCorpus, device: torch.device, dp_size: int, dp_rank: int,
-                 info: dict) -> None:
+                 info: dict, *, start_notes: Sequence[str] = ()) -> None:
         self.backend, self.config, self.model, self.optimizer = backend, config, model, optimizer
+        self.start_notes = tuple(start_notes)
         self.device, self.dp_size, self.dp_rank, self.info = device, dp_size, dp_rank, info
         self.strategy = STRATEGIES[config.strategy]
         seq_len = info["model"]["seq_len"]
@@ -243,7 +253,7 @@ class Job:
             history = self.log.keep_until(start_step) if self.is_writer else self.log.records()
         self.backend.barrier()  # every rank has read the checkpoint before rank 0 changes OUT
         if self.is_writer:
-            prepare_out(self.config, self.info, self.log)
+            prepare_out(self.config, self.info, self.log, self.start_notes)
         self.backend.barrier()
         return start_step, [r for r in history if r["step"] <= start_step]
 

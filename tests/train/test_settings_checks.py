@@ -54,12 +54,30 @@ def test_warmup_steps_must_be_a_whole_number_of_steps(value):
         TrainConfig(warmup_steps=value)
 
 
-def test_the_cli_says_it_once_after_training(capsys, tmp_path, corpus_file):
-    """Two in-memory ranks: one line, from rank 0, with the run's notes."""
+def test_the_cli_says_it_once_when_the_run_starts(capsys, tmp_path, corpus_file):
+    """Two in-memory ranks: one line, from rank 0."""
     train(tmp_path, corpus_file, "--steps", "2", "--warmup-steps", "4", "--world-size", "2",
           "--eval-batches", "1")
     warned = [line for line in capsys.readouterr().err.splitlines() if "--warmup-steps" in line]
     assert len(warned) == 1 and warned[0].startswith("distframe train: warning: --warmup-steps 4")
+
+
+@pytest.mark.parametrize("optimizer", ["none", "async", "elastic"])
+def test_the_warning_comes_before_training(capsys, monkeypatch, tmp_path, corpus_file, optimizer):
+    """Said once the run has started, before its first step: a user who stops a long run (here
+    at its first step) has read it. It used to come with the run's summary only."""
+    from distframe.train_metrics import ProgressBar
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProgressBar, "__init__", interrupted)  # the bar of the first step
+    status = main(["train", *TINY, "--data", corpus_file, "--out", str(tmp_path / "run"), "--steps", "2",
+                   "--warmup-steps", "4", "--world-size", "2", "--optimizer", optimizer])
+    err = capsys.readouterr().err
+    assert status != 0 and "interrupted" in err
+    warned = [line for line in err.splitlines() if "--warmup-steps 4" in line]
+    assert len(warned) == 1 and err.index(warned[0]) < err.index("interrupted")
 
 
 def test_a_run_refused_for_bad_input_still_reports_one_line(capsys, tmp_path, corpus_file):
@@ -79,6 +97,6 @@ def test_ranks_other_than_zero_say_nothing(capsys, monkeypatch):
     from distframe.train_loop import TrainResult
     result = TrainResult(step=2, train_loss=1.0, val_loss=1.0, tokens_per_s=1.0,
                          peak_memory_bytes=0, wall_s=1.0, out="run", checkpoint=None, rank=1)
-    monkeypatch.setattr(train_module, "run", lambda config: result)
+    monkeypatch.setattr(train_module, "run", lambda config, **_: result)
     assert main(["train", "--steps", "2", "--warmup-steps", "4", "--world-size", "1"]) == 0
     assert capsys.readouterr().err == ""
