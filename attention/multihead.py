@@ -25,9 +25,15 @@ class MultiheadDilatedAttention(nn.Module):
     ``v_proj``/``out_proj``, zero biases. With one branch covering the sequence, dilation 1 and
     ``layer_norm=False`` it computes what ``nn.MultiheadAttention(batch_first=True)`` computes
     with the same weights. It takes that module's keywords where dilated attention can honour
-    them (``batch_first=True``; ``attn_mask=None``, ``need_weights=False``,
-    ``average_attn_weights``) and refuses the others saying what to pass (``torch_mha_keywords``).
+    them (``batch_first=True``; ``attn_mask`` None or the causal mask, ``need_weights=False``,
+    ``average_attn_weights``) and refuses the others saying what to pass (``torch_mha_keywords``),
+    so it can stand in as ``self_attn`` of ``nn.TransformerEncoderLayer``.
     """
+
+    # Read by nn.TransformerEncoder(Layer) to choose its fused fast path, which needs
+    # nn.MultiheadAttention's packed in_proj_weight: there is none here, so they stay off it.
+    _qkv_same_embed_dim = False
+    in_proj_bias = None
 
     def __init__(self, embed_dim: int, num_heads: int, *, segment_lengths: Sequence[int],
                  dilation_rates: Sequence[int], dropout: float = 0.0, bias: bool = True,
@@ -82,7 +88,8 @@ class MultiheadDilatedAttention(nn.Module):
                 need_weights: bool = False, attn_mask: torch.Tensor | None = None,
                 average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
         """``(B, T, E)`` inputs -> ``((B, T, E), None)`` (no attention weights are formed)."""
-        torch_mha_keywords(need_weights, attn_mask)
+        if torch_mha_keywords(need_weights, attn_mask, query.shape[1] if query.dim() == 3 else None):
+            is_causal = True
         if query.dim() != 3:
             raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
         if key.shape != query.shape or value.shape != query.shape:
@@ -106,14 +113,28 @@ class MultiheadDilatedAttention(nn.Module):
         return self.out_proj(attended), None
 
 
-def torch_mha_keywords(need_weights: bool, attn_mask: torch.Tensor | None) -> None:
+def torch_mha_keywords(need_weights: bool, attn_mask: torch.Tensor | None, seq_len: int | None) -> bool:
     """nn.MultiheadAttention's ``need_weights`` and ``attn_mask``: ValueError unless they ask for
-    what dilated attention does (no weights, no arbitrary mask); ``average_attn_weights`` only
-    shapes weights, so it is ignored."""
+    what dilated attention does (no weights; no mask, or the causal one); ``average_attn_weights``
+    only shapes weights, so it is ignored. True when ``attn_mask`` is the causal mask (as
+    nn.TransformerEncoder passes it): what ``is_causal=True`` does. The mask is checked, not
+    trusted on an ``is_causal`` hint as torch's fused path trusts it."""
     if need_weights:
         raise ValueError("dilated attention forms no attention weights (it never builds the T x T "
                          "matrix); pass need_weights=False (nn.MultiheadAttention's default is True)")
-    if attn_mask is not None:
-        raise ValueError("dilated attention takes no attn_mask: its segments and dilations decide "
-                         "what each position attends to; pass is_causal=True for a causal mask and "
-                         "key_padding_mask=(batch, seq) for padding")
+    if attn_mask is None:
+        return False
+    if not isinstance(attn_mask, torch.Tensor) or tuple(attn_mask.shape) != (seq_len, seq_len):
+        shape = tuple(attn_mask.shape) if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        raise ValueError(f"attn_mask must be the causal (seq, seq) = ({seq_len}, {seq_len}) mask or None, "
+                         f"got {shape}; pass is_causal=True instead of a mask")
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        causal = torch.equal(attn_mask, future)
+    else:  # additive: -inf above the diagonal, 0 elsewhere
+        causal = bool(((attn_mask == -math.inf) == future).all() and (attn_mask[~future] == 0).all())
+    if not causal:
+        raise ValueError("dilated attention takes no attn_mask but the causal one: its segments and "
+                         "dilations decide what each position attends to; pass is_causal=True for a "
+                         "causal mask and key_padding_mask=(batch, seq) for padding")
+    return True

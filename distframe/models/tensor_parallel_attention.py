@@ -62,6 +62,10 @@ class TensorParallelDilatedAttention(nn.Module):
     """Drop-in for a ``MultiheadDilatedAttention`` (same forward signature), split by heads;
     ``rng``: where the attention dropout draws (see HeadShardedDilatedAttention)."""
 
+    # As MultiheadDilatedAttention's: keeps nn.TransformerEncoder(Layer) off its fused fast path.
+    _qkv_same_embed_dim = False
+    in_proj_bias = None
+
     def __init__(self, dense: MultiheadDilatedAttention, backend: ICommunicationBackend,
                  shared: dict | None = None, rng: TensorParallelRNG | None = None) -> None:
         super().__init__()
@@ -86,7 +90,8 @@ class TensorParallelDilatedAttention(nn.Module):
                 is_causal: bool = False, key_padding_mask: torch.Tensor | None = None, *,
                 need_weights: bool = False, attn_mask: torch.Tensor | None = None,
                 average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
-        torch_mha_keywords(need_weights, attn_mask)  # as the dense module
+        if torch_mha_keywords(need_weights, attn_mask, query.shape[1] if query.dim() == 3 else None):
+            is_causal = True  # the causal mask, as the dense module takes it
         batch, seq_len, _ = query.shape
         # One f for self-attention (q, k, v read the same tensor): one backward all-reduce.
         query_p = copy_to_parallel_region(query, self.backend)

@@ -89,6 +89,6 @@ def test_multihead_takes_nn_multihead_attention_keywords():
     with pytest.raises(ValueError, match=r"forms no attention weights.*need_weights=False"):
         mha(x, x, x, need_weights=True)
     with pytest.raises(ValueError, match=r"attn_mask.*is_causal=True.*key_padding_mask"):
-        mha(x, x, x, attn_mask=torch.ones(8, 8, dtype=torch.bool).triu(1))
+        mha(x, x, x, attn_mask=torch.ones(8, 8, dtype=torch.bool).triu(2))  # not the causal mask
     with pytest.raises(ValueError, match=r"batch_first=False.*transpose\(0, 1\)"):
         MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], batch_first=False)

@@ -43,6 +43,56 @@ def test_equals_nn_multihead_attention(causal):
     assert max_error(torch.autograd.grad(out, x, g), torch.autograd.grad(ref, x, g)) < 1e-10
 
 
+def _causal_masks(seq):
+    return [nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64),
+            torch.ones(seq, seq, dtype=torch.bool).triu(1)]
+
+
+@pytest.mark.parametrize("kind", [0, 1])  # additive -inf above the diagonal; boolean True
+@pytest.mark.parametrize("hint", [True, False])
+def test_a_causal_attn_mask_is_taken_as_is_causal(kind, hint):
+    """nn.TransformerEncoder passes the causal src mask as attn_mask (with is_causal as a hint):
+    dilated attention refused any attn_mask. The causal mask is what is_causal=True does, so it
+    is taken (checked to be causal, the hint or not); any other mask is still refused."""
+    torch.manual_seed(0)
+    embed, heads, seq = 16, 4, 12
+    ours = MultiheadDilatedAttention(embed, heads, segment_lengths=[seq], dilation_rates=[1],
+                                     layer_norm=False, dtype=torch.float64)
+    x = torch.randn(2, seq, embed, dtype=torch.float64)
+    out, _ = ours(x, x, x, attn_mask=_causal_masks(seq)[kind], is_causal=hint)
+    assert torch.equal(out, ours(x, x, x, is_causal=True)[0])
+    wrong = _causal_masks(seq + 1)[kind]
+    with pytest.raises(ValueError, match=r"attn_mask.*\(12, 12\)"):
+        ours(x, x, x, attn_mask=wrong, is_causal=hint)
+    almost = _causal_masks(seq)[kind].clone()
+    almost[3, 1] = True if kind else float("-inf")
+    with pytest.raises(ValueError, match=r"takes no attn_mask"):
+        ours(x, x, x, attn_mask=almost, is_causal=hint)
+
+
+def test_in_a_causal_transformer_encoder_equals_nn_multihead_attention():
+    torch.manual_seed(0)
+    embed, heads, seq = 16, 4, 12
+    theirs = nn.TransformerEncoderLayer(embed, heads, 32, dropout=0.0, batch_first=True,
+                                        dtype=torch.float64)
+    ours = nn.TransformerEncoderLayer(embed, heads, 32, dropout=0.0, batch_first=True, dtype=torch.float64)
+    ours.load_state_dict(theirs.state_dict())
+    ours.self_attn = MultiheadDilatedAttention(embed, heads, segment_lengths=[seq], dilation_rates=[1],
+                                               layer_norm=False, batch_first=True, dtype=torch.float64)
+    _copy_weights(ours.self_attn, theirs.self_attn)
+    x = torch.randn(2, seq, embed, dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64)
+    # TransformerEncoder detects the causal mask and passes it with is_causal=True; in eval mode
+    # both check whether their fused fast path applies (it does not to ours).
+    ours_stack, theirs_stack = (nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+                                for layer in (ours, theirs))
+    for train in (True, False):
+        ours_stack.train(train), theirs_stack.train(train)
+        assert max_error(ours_stack(x, mask=mask), theirs_stack(x, mask=mask)) < 1e-10
+        hinted = {"src_mask": mask, "is_causal": True}
+        assert max_error(ours(x, **hinted), theirs(x, **hinted)) < 1e-10
+
+
 def test_key_of_another_length_is_an_error_in_the_callers_shapes():
     """Dilated attention segments one sequence: cross-attention to a memory of another length is
     refused in the (batch, seq, embed_dim) shapes the caller passed, not the internal per-head ones."""

@@ -178,8 +178,10 @@ def test_sharded_layer_norm():
     spawn(run, 2)
 
 
-@pytest.mark.parametrize("world,heads,rates", [(2, 4, (1, 2, 4)), (4, 4, (1, 2, 4)), (2, 6, (1, 4, 2))])
-def test_attention_split_by_heads(world, heads, rates):
+@pytest.mark.parametrize("world,heads,rates,as_mask", [(2, 4, (1, 2, 4), False), (4, 4, (1, 2, 4), False),
+                                                       (2, 6, (1, 4, 2), False), (2, 4, (1, 2, 4), True)])
+def test_attention_split_by_heads(world, heads, rates, as_mask):
+    # as_mask: causality given as nn.TransformerEncoder gives it, the causal attn_mask
     torch.manual_seed(0)
     attn = MultiheadDilatedAttention(6 * heads, heads, segment_lengths=(4, 8, 16),
                                      dilation_rates=rates).double()
@@ -190,7 +192,9 @@ def test_attention_split_by_heads(world, heads, rates):
     def run(b):
         tp = TensorParallelDilatedAttention(attn, b)
         xi = x.detach().clone().requires_grad_()
-        y, _ = tp(xi, xi, xi, is_causal=True)
+        future = torch.ones(16, 16, dtype=torch.bool).triu(1)
+        causal = {"attn_mask": future} if as_mask else {"is_causal": True}
+        y, _ = tp(xi, xi, xi, **causal)
         y.square().sum().backward()
         torch.testing.assert_close(y, expected.detach(), **TOL)
         torch.testing.assert_close(xi.grad, x.grad, **TOL)
