@@ -56,3 +56,9 @@ class MixedPrecisionPolicy:
     @property
     def enabled(self) -> bool:
         return self.param_dtype is not None or self.reduce_dtype is not None
+
+
+def finer(dtype: torch.dtype | None, than: torch.dtype | None) -> bool:
+    """Whether floating-point ``dtype`` holds more precision than ``than`` (float32 than bfloat16)."""
+    return (dtype is not None and than is not None and dtype.is_floating_point and than.is_floating_point
+            and torch.finfo(dtype).eps < torch.finfo(than).eps)

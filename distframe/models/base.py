@@ -171,7 +171,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate local gradients without communicating; the first
-        backward after it synchronises the accumulated sum (averaged across ranks)."""
+        backward after it synchronises the accumulated sum (averaged across ranks). Under a
+        MixedPrecisionPolicy whose reduce_dtype is finer than param_dtype the sum is kept in
+        reduce_dtype, off the parameters' ``.grad`` (zeros or None meanwhile), as FSDP2 keeps it."""
         previous, self._synchronize = self._synchronize, False
         try:
             yield

@@ -30,6 +30,7 @@ from distframe.models import deferred_finish
 from distframe.models.backward_end import BackwardEnd
 from distframe.models.flat import FlatSpace
 from distframe.models.parameter_usage import ParameterUsage
+from distframe.precision import finer
 
 
 @dataclasses.dataclass
@@ -39,6 +40,8 @@ class GradBucket:
     index: int
     space: FlatSpace
     buffer: torch.Tensor | None = None
+    accumulated: torch.Tensor | None = None
+    """Gradients of ``no_sync`` backwards summed in ``accumulate_dtype`` (see GradientBuckets)."""
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -59,14 +62,22 @@ class GradientBuckets:
     ``ParameterUsage`` for what ``find_unused_parameters`` does with it.
     ``peers_on_thread``: the backend's ``peers_sharing_autograd_thread`` (the peers a wait on
     the calling thread would keep from arriving); None for a backend that has none.
+    ``accumulate_dtype``: a dtype finer than ``grad_dtype`` (mixed precision: float32 over
+    bfloat16 gradients) in which the gradients of ``no_sync`` backwards add up, as FSDP2 adds
+    them up in its reduce dtype: each hook moves the parameter's gradient into the bucket's
+    ``accumulated`` sum and zeroes its ``.grad``, and ``launch`` takes the sum with
+    ``take_accumulated`` to add to what it reduces. Without it each micro-step's gradient was
+    added to the others in bfloat16 (8 bits of mantissa), rounding the sum every time.
     """
 
     def __init__(self, spaces: list[FlatSpace], *, grad_dtype: torch.dtype | None, launch: LaunchFn,
                  complete: CompleteFn, keep_buffers: bool,
                  usage: Callable[[list[str], list[nn.Parameter]], ParameterUsage],
-                 peers_on_thread: Callable[[], list[int]] | None = None) -> None:
+                 peers_on_thread: Callable[[], list[int]] | None = None,
+                 accumulate_dtype: torch.dtype | None = None) -> None:
         self.buckets = [GradBucket(i, s) for i, s in enumerate(spaces)]
         self.grad_dtype = grad_dtype
+        self.accumulate_dtype = accumulate_dtype if finer(accumulate_dtype, grad_dtype) else None
         self.launch_fn = launch
         self.complete_fn = complete
         self.keep_buffers = keep_buffers
@@ -127,10 +138,18 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.buffer is not None:
                 bucket.buffer.zero_()
+            bucket.accumulated = None
 
     def release(self) -> None:
         for bucket in self.buckets:
             self._release(bucket)
+            bucket.accumulated = None
+
+    def take_accumulated(self, bucket: GradBucket) -> torch.Tensor | None:
+        """The bucket's ``no_sync`` gradients summed in ``accumulate_dtype`` (None: none), which
+        the caller adds to the buffer it reduces; the bucket no longer holds them."""
+        accumulated, bucket.accumulated = bucket.accumulated, None
+        return accumulated
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -175,6 +194,12 @@ class GradientBuckets:
                 f"a gradient arrived for bucket {bucket.index} after it was reduced: run one "
                 "backward per forward, or accumulate inside model.no_sync()")
         if not self._armed:
+            if self.accumulate_dtype is not None:
+                if bucket.accumulated is None:
+                    bucket.accumulated = torch.zeros(bucket.space.padded_numel, dtype=self.accumulate_dtype,
+                                                     device=bucket.space.device)
+                bucket.space.view(bucket.accumulated, k).add_(view)
+                view.zero_()
             return
         self._backward_end.gradient_accumulated()  # queues if no watched output did (a loss bypassing them)
         self._ready[bucket.index].add(k)

@@ -25,7 +25,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp, Work
 from distframe.models.config import TrainingState
 from distframe.models.flat import FlatSpace
-from distframe.precision import MixedPrecisionPolicy
+from distframe.precision import MixedPrecisionPolicy, finer
 
 
 class ShardedUnit:
@@ -42,6 +42,11 @@ class ShardedUnit:
         dtype = named_params[0][1].dtype
         self.compute_dtype = policy.compute_dtype(dtype)
         self.reduce_dtype = policy.communication_dtype(dtype)
+        # no_sync's gradients add up in reduce_dtype when it is finer than the compute dtype
+        # (``keep_accumulated``), as GradientBuckets' ``accumulate_dtype``.
+        self.accumulates = finer(self.reduce_dtype, self.compute_dtype)
+        self.accumulated: torch.Tensor | None = None
+        self._position = {id(p): k for k, p in enumerate(self.space.params)}
         originals = [p.data for _, p in named_params]
         self.full = self.space.flatten(originals, self.compute_dtype)
         # From the model's own values: ``full`` holds them rounded to the compute dtype.
@@ -108,10 +113,23 @@ class ShardedUnit:
         if self._gather is not None:
             self._wait_for_gather()
 
+    def keep_accumulated(self, param: nn.Parameter) -> None:
+        """Under no_sync, with ``accumulates``: moves ``param``'s gradient into the
+        ``accumulated`` sum, in reduce_dtype, and frees it."""
+        if self.accumulated is None:
+            self.accumulated = torch.zeros(self.space.padded_numel, dtype=self.reduce_dtype,
+                                           device=self.full.device)
+        self.space.view(self.accumulated, self._position[id(param)]).add_(param.grad)
+        param.grad = None
+
     def reduce_gradients(self) -> Work:
-        """Flattens the parameters' gradients (None reads as zeros), frees them and starts the
-        reduce_scatter that leaves this rank's averaged chunk; ``accumulate`` takes its result."""
+        """Flattens the parameters' gradients (None reads as zeros) with what no_sync
+        accumulated, frees them and starts the reduce_scatter that leaves this rank's averaged
+        chunk; ``accumulate`` takes its result."""
         flat = self.space.flatten([p.grad for p in self.params], self.reduce_dtype)
+        if self.accumulated is not None:
+            flat.add_(self.accumulated)
+            self.accumulated = None
         for param in self.params:
             param.grad = None
         self.reduce_launched = True

@@ -261,6 +261,8 @@ class UnitLifecycle:
             raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
                                           "did not run")
         self.usage.has_gradient[index] = True
+        if not self.synchronize and unit.accumulates:
+            unit.keep_accumulated(param)
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
 
@@ -298,10 +300,11 @@ class UnitLifecycle:
 
     def _forget_cleared_gradients(self) -> None:
         """A parameter holds a gradient from its first gradient hook until it is cleared: its own
-        ``.grad`` (local, under no_sync) and its unit's master ``.grad`` (zero_grad) both None."""
+        ``.grad`` (local, under no_sync), its unit's ``accumulated`` (no_sync under mixed
+        precision) and its master ``.grad`` (zero_grad) all None."""
         has_gradient, index = self.usage.has_gradient, 0
         for unit in self.units:
-            if unit.master.grad is None:
+            if unit.master.grad is None and unit.accumulated is None:
                 for i, param in enumerate(unit.params, index):
                     if param.grad is None:
                         has_gradient[i] = False

@@ -154,6 +154,7 @@ class UnitShardedModelBase(ShardedModelBase):
         for unit in self.units:
             for param in unit.params:
                 param.grad = None
+            unit.accumulated = None
             unit.ready.clear()
 
     def local_parameter_shard(self) -> list[torch.Tensor]:
@@ -179,7 +180,7 @@ class UnitShardedModelBase(ShardedModelBase):
         return out
 
     def _strategy_buffers(self) -> list[torch.Tensor]:
-        return [u.full for u in self.units]
+        return [t for u in self.units for t in (u.full, u.accumulated) if t is not None]
 
     def largest_unit_bytes(self) -> int:
         """Bytes of the largest gathered unit (the transient peak above the shards)."""

@@ -72,11 +72,15 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         self.gradient_buckets = GradientBuckets(
             self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
             complete=self._complete, keep_buffers=not self.free_gradients, usage=self._parameter_usage,
-            peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None))
+            peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None),
+            accumulate_dtype=self.reduce_dtype)
         self._reduced_buckets: set[int] = set()  # kept buffers already reduced (ZeRO-1)
 
     def _launch(self, bucket: GradBucket) -> Work:
         grad = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
+        accumulated = self.gradient_buckets.take_accumulated(bucket)  # no_sync's, in reduce_dtype
+        if accumulated is not None:
+            grad = grad.add_(accumulated)
         # The output is allocated here, on the thread that runs backward, as FSDP's units do,
         # rather than by the engine on its communication thread, whose malloc arena would keep
         # the blocks freed later on this thread.
@@ -159,7 +163,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         return out
 
     def _strategy_buffers(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self.gradient_buckets.buckets if b.buffer is not None]
+        return [t for b in self.gradient_buckets.buckets for t in (b.buffer, b.accumulated) if t is not None]
 
 
 class ZeRO1Model(_ReplicatedParametersShardedState):
