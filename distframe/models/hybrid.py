@@ -270,6 +270,11 @@ class HybridShardedModel(ShardedModelBase):
     def _parameters_list(self) -> list[torch.Tensor]:
         return [lp.param for lp in self.local_parameters]
 
+    def dense_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name in the unwrapped model, this rank's parameter or slice) of each parameter it
+        holds: the names shard layouts and checkpoints use (the stage modules' own differ)."""
+        return [(lp.name, lp.param) for lp in self.local_parameters]
+
     def _trainable(self) -> list[torch.Tensor]:
         # Frozen parameters get no gradient (torch.optim skips them), so no communication either.
         return [lp.param for lp in self.local_parameters if lp.param.requires_grad]

@@ -124,8 +124,8 @@ def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, 
             f"{owner}: the optimizer instance has {len(groups)} param groups with different "
             f"{differing}, but {owner} takes one setting for all the parameters it updates; pass "
             "one group (or the class with keyword settings), or use a strategy whose optimizer "
-            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, each over its own "
-            "strategy's model, not a hybrid one). A DDPModel also trains with the plain optimizer.")
+            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, over its own "
+            "strategy's model or a hybrid one). A DDPModel also trains with the plain optimizer.")
     return groups[0]
 
 
@@ -179,8 +179,8 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         # An instance's param groups, kept over pieces of the shards (see param_groups.py), or None.
         self._grouped: GroupedShards | None = None
         self._group_names: list[list[str]] | None = None
-        if (self.keeps_param_groups and isinstance(model, self.model_class)
-                and isinstance(optimizer, torch.optim.Optimizer) and len(optimizer.param_groups) > 1):
+        if (self.keeps_param_groups and isinstance(optimizer, torch.optim.Optimizer)
+                and len(optimizer.param_groups) > 1):
             group_of, shard_group, self._group_names = group_indices(optimizer, model)
             self._grouped = GroupedShards(model.shard_layout(), group_of, shard_group,
                                           len(optimizer.param_groups), name)

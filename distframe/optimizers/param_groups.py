@@ -2,7 +2,9 @@
 
 A user builds ``torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay,
 "weight_decay": 0.0}], lr=3e-4)`` over the model's parameters; the sharded optimizer rebuilds it
-over its local shards with the same groups, in the same order. Each shard is cut into *pieces*:
+over its local shards with the same groups, in the same order. Over a HybridShardedModel (a ZeRO
+optimizer over its data-parallel group) the parameters are this rank's stages and tensor slices,
+best chosen by their names in the unwrapped model (``model.dense_named_parameters()``). Each shard is cut into *pieces*:
 maximal runs of consecutive parameters of one group (the padding at the end of a chunk goes with
 the run before it, so the pieces tile the shard). A piece covering a whole shard is the shard
 itself (DDP: every shard is one parameter, so its groups map parameter by parameter); any other
@@ -100,11 +102,13 @@ def _runs(shard: torch.Tensor, segments: list[Segment], group_of: dict[str, int]
 def group_indices(optimizer: torch.optim.Optimizer, model: Any) -> tuple[dict[str, int], dict[int, int],
                                                                          list[list[str]]]:
     """(trainable parameter name -> its group, id of a tensor in a group -> its group, each group's
-    trainable parameter names) of ``optimizer`` over ``model.wrapped_model``."""
+    trainable parameter names) of ``optimizer`` over ``model.wrapped_model``; the names are the
+    unwrapped model's (a hybrid model's ``dense_named_parameters``), as its shard layout's."""
     by_id = {id(p): k for k, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of: dict[str, int] = {}
     names: list[list[str]] = [[] for _ in optimizer.param_groups]
-    for name, param in model.wrapped_model.named_parameters():
+    dense_named = getattr(model, "dense_named_parameters", None)
+    for name, param in dense_named() if dense_named else model.wrapped_model.named_parameters():
         if param.requires_grad and id(param) in by_id:
             group_of[name] = by_id[id(param)]
             names[by_id[id(param)]].append(name)

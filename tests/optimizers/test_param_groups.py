@@ -12,7 +12,7 @@ from distframe.launch import spawn
 from distframe.mesh import ParallelDims
 from distframe.models import HybridShardedModel
 from distframe.optimizers import (GradientCompressionOptimizer, ShardedGradScaler, ShardedOptimizerBase,
-                                  ZeRO2Optimizer)
+                                  ZeRO1Optimizer, ZeRO2Optimizer)
 from distframe.optimizers.compression import IdentityCompressor
 from distframe.optimizers.param_groups import OPTIMIZERS_WITH_PARAM_GROUPS
 from tests.models.common import SETTINGS, STRATEGIES, build_model, global_batches, loss_fn, rank_slice
@@ -33,12 +33,14 @@ SGD = (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}, [
 
 
 def grouped(module, spec=ADAMW, settings=None):
-    """``spec``'s optimizer over ``module``'s parameters, each in the first group that takes it;
-    ``settings`` replaces every group's settings (to be overwritten by a load)."""
+    """``spec``'s optimizer over ``module``'s parameters (or over the (name, parameter) pairs
+    ``module``), each in the first group that takes it; ``settings`` replaces every group's
+    settings (to be overwritten by a load)."""
     cls, defaults, groups = spec
+    named = list(module.named_parameters()) if isinstance(module, torch.nn.Module) else list(module)
     taken, param_groups = set(), []
     for takes, group_settings in groups:
-        params = [p for n, p in module.named_parameters() if id(p) not in taken and takes(n, p)]
+        params = [p for n, p in named if id(p) not in taken and takes(n, p)]
         taken.update(id(p) for p in params)
         param_groups.append({"params": params, **(settings or group_settings)})
     return cls(param_groups, **defaults)
@@ -254,9 +256,76 @@ def test_gradients_accumulated_under_no_sync_reach_the_pieces(strategy):
     assert_parameters(spawn(run, 6, timeout=60), expected)
 
 
-def test_a_hybrid_models_zero_optimizer_takes_one_setting():
+@pytest.mark.parametrize("dims,data_parallel", [
+    (ParallelDims(dp=2), "zero2"), (ParallelDims(dp=2, pp=2), "zero1"), (ParallelDims(dp=3, pp=2), "zero2")])
+def test_a_hybrid_models_zero_optimizer_keeps_param_groups(dims, data_parallel):
+    # It refused an instance whose groups differed (ConfigError). Groups are chosen by the
+    # unwrapped model's names (dense_named_parameters): a pipeline stage's own names differ.
+    opt_cls = STRATEGIES[data_parallel][1]
+
     def run(backend):
-        model = HybridShardedModel(build_model(), backend, dims=ParallelDims(dp=2), data_parallel="zero2")
-        with pytest.raises(ConfigError, match="param groups.*not a hybrid one"):
-            ZeRO2Optimizer(model, grouped(model.wrapped_model, SGD))
-    spawn(run, 2)
+        model = HybridShardedModel(build_model(), backend, dims=dims, data_parallel=data_parallel,
+                                   num_microbatches=2)
+        opt = opt_cls(model, grouped(model.dense_named_parameters(), ADAMW))
+        for batch in global_batches(STEPS, 12):
+            model.train_step(rank_slice(batch, model.groups.dp_index, dims.dp), loss_fn, opt)
+        return model.gather_full_parameters()
+    assert_parameters(spawn(run, dims.world_size, timeout=60), reference()[0])
+
+
+def _hybrid(backend, seed=0, settings=None):
+    dims = ParallelDims(dp=backend.world_size // 2, pp=2)
+    model = HybridShardedModel(build_model(seed=seed), backend, dims=dims, data_parallel="zero1",
+                               num_microbatches=2)
+    return model, ZeRO1Optimizer(model, grouped(model.dense_named_parameters(), ADAMW, settings))
+
+
+@pytest.mark.parametrize("saved_hybrid", [True, False])
+def test_a_checkpoint_of_groups_moves_between_a_hybrid_and_a_zero_model(tmp_path, saved_hybrid):
+    path, expected = tmp_path / "ckpt", reference()[0]
+    half = global_batches(STEPS, 12)
+
+    def run(backend, hybrid, load):
+        make = _hybrid if hybrid else lambda b, **kw: wrapped(b, "zero2", **kw)
+        # Loaded into other values and settings, so that only the load can set them right.
+        other = {"seed": 5, "settings": {"lr": 0.5, "weight_decay": 0.9}} if load else {}
+        model, opt = make(backend, **other)
+        if hybrid:
+            dp, dp_rank = backend.world_size // 2, model.groups.dp_index
+        else:
+            dp, dp_rank = backend.world_size, backend.rank
+        if load:
+            checkpoint.load(path, model, opt)
+        for batch in half[STEPS // 2:] if load else half[:STEPS // 2]:
+            model.train_step(rank_slice(batch, dp_rank, dp), loss_fn, opt)
+        if not load:
+            checkpoint.save(path, model, opt, step=STEPS // 2)
+        return model.gather_full_parameters()
+    spawn(lambda b: run(b, saved_hybrid, False), 4 if saved_hybrid else 3, timeout=60)
+    assert_parameters(spawn(lambda b: run(b, not saved_hybrid, True), 3 if saved_hybrid else 4, timeout=60),
+                      expected)
+
+
+def test_a_tensor_parallel_hybrid_keeps_the_decay_split():
+    """The LM at dp=2 x tp=2 over ZeRO-2, weight decay on matrices only: each rank's master chunk
+    holds slices of split weights, cut into pieces by group as a ZeRO model's chunks are."""
+    from tests.models.common import lm_loss, tiny_lm
+    from tests.models.test_hybrid import batches
+    spec = (torch.optim.AdamW, {"lr": 1e-2}, [(lambda n, p: p.dim() > 1, {"weight_decay": 0.5}),
+                                               (lambda n, p: True, {"weight_decay": 0.0})])
+    one = tiny_lm()
+    opt = grouped(one, spec)
+    for x, y in batches():
+        lm_loss(one(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    dims = ParallelDims(dp=2, tp=2)
+
+    def run(backend):
+        model = HybridShardedModel(tiny_lm(), backend, dims=dims, data_parallel="zero2")
+        opt = ZeRO2Optimizer(model, grouped(model.dense_named_parameters(), spec))
+        for batch in batches():
+            model.train_step(rank_slice(batch, model.groups.dp_index, dims.dp), lm_loss, opt)
+        return model.gather_full_parameters()
+    expected = {n: p.detach() for n, p in one.named_parameters()}
+    assert_parameters(spawn(run, dims.world_size, timeout=60), expected)
