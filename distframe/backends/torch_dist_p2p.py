@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distframe.backends.departures import Departure, send_departure_error
+from distframe.backends.departures import Departure, receive_departure_error, send_departure_error
 from distframe.backends.signature import ENCODED_LENGTH, Signature
 from distframe.backends.torch_dist_board import _CUT, WAIT_SLICE, WatchedReceive
 from distframe.backends.torch_dist_wire import movable
@@ -99,10 +99,20 @@ class RecvWork(Work):
         self._header_work = self._payload_work = None
         if backend.debug:
             self._header = torch.empty(ENCODED_LENGTH, dtype=torch.int64, device=backend._device)
-            self._header_work = backend._pg.recv([self._header], src, tag + HEADER_TAG)
+            self._header_work = self._post(self._header, tag + HEADER_TAG)
         else:
-            self._payload_work = backend._pg.recv([movable(self._buffer)], src,
-                                                  message_tag(tag, tensor, seq))
+            self._payload_work = self._post(movable(self._buffer), message_tag(tag, tensor, seq))
+
+    def _post(self, buffer: torch.Tensor, wire_tag: int) -> Any:
+        """Posts the receive of ``buffer``; a connection already closed (Gloo raises at once when
+        the sender has shut its group down) raises the error ``_failure`` finds for it."""
+        try:
+            return self._backend._pg.recv([buffer], self._src, wire_tag)
+        except RuntimeError as exc:
+            error = self._failure(exc, 0.0, None)
+            if error is None:
+                raise
+            raise error from exc
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._done:
@@ -116,7 +126,7 @@ class RecvWork(Work):
         if self._payload_work is None:
             self._await(self._header_work)
             self._check_header()
-            self._payload_work = self._backend._pg.recv([movable(self._buffer)], self._src, self._tag)
+            self._payload_work = self._post(movable(self._buffer), self._tag)
         self._await(self._payload_work)
         if self._buffer is not self._tensor:
             self._tensor.copy_(self._buffer)
@@ -166,21 +176,54 @@ class RecvWork(Work):
             watched = WatchedReceive(work, self._src, backend._progress_keys[self._src], backend.rank,
                                      self._tag, self._seq)
             board.watch(watched)
+        start = time.monotonic()
         try:
             work.wait()
         except RuntimeError as exc:
-            error = watched.error if watched is not None else None
-            if error is not None:
-                backend._shared.failed = True
-                raise error from None
-            error = backend._comm_error(exc, "recv", self._seq, [self._src], hint=mismatch_hint(
-                backend, self._tensor, self._src, self._tag))
+            error = self._failure(exc, time.monotonic() - start, watched)
             if error is None:
                 raise
-            raise error from exc
+            raise error from (None if watched is not None and error is watched.error else exc)
         finally:
             if watched is not None:
                 board.unwatch(watched)
+
+    def _failure(self, exc: RuntimeError, waited: float, watched: WatchedReceive | None) -> Exception | None:
+        """The distframe error for a receive that failed with ``exc`` (None: not a transport
+        failure): the board's verdict on a watched receive, then a sender that left the group
+        (``_sender_left``), else the engine's reading of ``exc``."""
+        backend = self._backend
+        error = watched.error if watched is not None else None
+        if error is None and backend._wait_slice and self.stop_on_departure:
+            error = self._sender_left(waited)
+        if error is not None:
+            backend._shared.failed = True
+            return error
+        return backend._comm_error(exc, "recv", self._seq, [self._src], hint=mismatch_hint(
+            backend, self._tensor, self._src, self._tag))
+
+    def _sender_left(self, waited: float) -> Exception | None:
+        """The error for a receive whose connection failed (Gloo: "Connection closed by peer")
+        because its sender left the group, not because it died: the board's departure error, or,
+        when the sender had sent this message, which never matched (another shape or dtype), what
+        the timeout would have said. None if the sender did not leave (it failed), seen within
+        ``_DEPARTURE_SETTLE_S`` (its departure is recorded around its shutdown, not before it)."""
+        from distframe.backends.torch_dist_engine import _DEPARTURE_SETTLE_S
+        backend = self._backend
+        deadline = time.monotonic() + _DEPARTURE_SETTLE_S
+        departed = backend._shared.board.departure(backend._progress_keys[self._src])
+        while departed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            departed = backend._shared.board.departure(backend._progress_keys[self._src])
+        if departed is None or departed.failed or departed.sent is None:
+            return None
+        error = receive_departure_error(departed, self._src, backend.rank, self._tag, self._seq, waited)
+        if error is not None:
+            return error
+        return CollectiveTimeoutError(
+            "recv", self._seq, [self._src], round(waited, 1),
+            f"rank {self._src} left the group after sending message {self._seq} with tag {self._tag}, "
+            "which never matched this receive" + mismatch_hint(backend, self._tensor, self._src, self._tag))
 
     def _check_header(self) -> None:
         expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)

@@ -71,15 +71,20 @@ def fresh_group(b, name: str, timeout: float):
                                     prefix=f"test-gloo-sends/{name}", **b._sibling_kwargs())
 
 
-def rank_mismatched_receive(b, case: str, name: str):
+def rank_mismatched_receive(b, case: str, name: str, sender_gone_first: bool = False):
+    """``sender_gone_first``: the receive is posted only after the sender has shut its group down
+    (Gloo then reports the connection closed; under load it happened by chance)."""
     sent, (shape, dtype) = MISMATCHES[case]
-    sub = fresh_group(b, name, MISMATCH_TIMEOUT)
+    # The sender's shutdown waits for its unreceived send up to the timeout, then drops it.
+    sub = fresh_group(b, name, 1.0 if sender_gone_first else MISMATCH_TIMEOUT)
     try:
         if sub.rank == 0:
             for sent_shape, sent_dtype in sent:
                 sub.send(torch.ones(sent_shape, dtype=sent_dtype), 1, tag=5)
             return "sent"
         if sub.rank == 1:
+            if sender_gone_first:
+                b.barrier()
             try:
                 received = sub.recv(torch.zeros(shape, dtype=dtype), 0, tag=5)
             except CollectiveTimeoutError as exc:
@@ -90,6 +95,8 @@ def rank_mismatched_receive(b, case: str, name: str):
         with warnings.catch_warnings():  # the sender's shutdown may drop the unreceived message
             warnings.simplefilter("ignore", RuntimeWarning)
             sub.shutdown()
+        if sender_gone_first and b.rank != 1:
+            b.barrier()
 
 
 def rank_pid(b):
@@ -97,10 +104,14 @@ def rank_pid(b):
     return os.getpid()
 
 
+@pytest.mark.parametrize("sender_gone_first", [False, True])
 @pytest.mark.parametrize("case", list(MISMATCHES))
-def test_a_mismatched_receive_raises_on_the_receiver_and_the_sender_ends(pool, case):
+def test_a_mismatched_receive_raises_on_the_receiver_and_the_sender_ends(pool, case, sender_gone_first):
+    # sender_gone_first: the receive used to raise RankFailedError ("rank 0 failed: Connection
+    # closed by peer"), though rank 0 had sent its message and left the group, not failed.
     pids = pool.run(rank_pid)
-    results = pool.run(rank_mismatched_receive, case, f"mismatch{list(MISMATCHES).index(case)}")
+    name = f"mismatch{list(MISMATCHES).index(case)}{'-gone' if sender_gone_first else ''}"
+    results = pool.run(rank_mismatched_receive, case, name, sender_gone_first)
     assert results[0] == "sent" and results[2] is None
     assert isinstance(results[1], tuple), f"the receive did not raise: {results[1]}"
     op, seq, missing, text = results[1]
