@@ -38,7 +38,7 @@ from distframe.models.sharded_state import ShardLayout
 
 #: The optimizers that take an instance with param groups of different settings.
 OPTIMIZERS_WITH_PARAM_GROUPS = ("DDPOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer",
-                                "FSDPOptimizer")
+                                "FSDPOptimizer", "GradientCompressionOptimizer", "ElasticOptimizer")
 
 
 @dataclasses.dataclass(frozen=True)

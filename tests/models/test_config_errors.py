@@ -6,8 +6,7 @@ from torch import nn
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models import DDPModel, MixedPrecisionPolicy, ShardingConfig, ZeRO2Model, ZeRO3Model
-from distframe.optimizers import DDPOptimizer, GradientCompressionOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
-from distframe.optimizers.compression import IdentityCompressor
+from distframe.optimizers import DDPOptimizer, ZeRO1Optimizer, ZeRO2Optimizer
 from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
                                  rank_slice)
 
@@ -100,17 +99,9 @@ def test_an_optimizer_instance_trains_as_its_class_with_the_same_settings(optimi
         torch.testing.assert_close(from_instance[name], value, rtol=0, atol=0)
 
 
-def test_an_optimizer_instance_with_groups_of_different_settings_is_refused_where_one_setting_is_taken():
-    # An optimizer that takes one setting for all its parameters would silently train every group
-    # with the first group's (the ZeRO and FSDP optimizers keep the groups: test_param_groups.py).
+def test_an_optimizer_instance_with_groups_of_one_setting_or_with_steps():
+    # Groups of different settings: test_param_groups.py (kept) and its refusal by AsyncSGD.
     def run(backend):
-        ddp = DDPModel(build_model(), backend)
-        decay = [p for p in ddp.parameters() if p.dim() > 1]
-        no_decay = [p for p in ddp.parameters() if p.dim() <= 1]
-        groups = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                    {"params": no_decay, "weight_decay": 0.0}], lr=0.01)
-        with pytest.raises(ConfigError, match="2 param groups.*weight_decay.*keeps param groups"):
-            GradientCompressionOptimizer(ddp, groups, compressor=IdentityCompressor())
         model = ZeRO2Model(build_model(), backend)
         decay = [p for p in model.parameters() if p.dim() > 1]
         no_decay = [p for p in model.parameters() if p.dim() <= 1]
