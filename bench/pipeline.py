@@ -20,6 +20,8 @@
    stage (``ActivationMemoryMeter``: saved_tensors_hooks, unique storages), GPipe vs 1F1B.
 5. Op-time spread: the throughput part's stage alone in one process (m = 8, no messages, one
    thread): how much its forward and backward times vary from one micro-batch to the next.
+6. Bubble, real compute on in-memory threads (p = 2): the throughput part's stages and batches
+   with messages that are handovers between threads.
 """
 from __future__ import annotations
 
@@ -239,12 +241,53 @@ def activation_memory(p, m):
         print(f"| {s} | {g / 1024:.1f} ({gf}) | {o / 1024:.1f} ({of}) | {o / g:.3f} |")
 
 
+# ---- 6: real compute, messages that cost (almost) nothing ---------------------------------------
+def threads_bubble(configs, steps, warmup, batch_size):
+    """The throughput part's stages and batches on in-memory threads (p = 2, one thread each):
+    a message is a handover between threads, so measured - replayed shrinks to the schedule's own
+    cost and what is left over the formula is the compute's."""
+    from distframe.launch import spawn
+    from distframe.models.pipeline import PipelineParallelModel
+    from distframe.models.pipeline_metrics import pipeline_bubble, replayed_bubble
+
+    def run(backend):
+        out = []
+        for schedule, m in configs:
+            model = PipelineParallelModel(build_model(), backend, num_microbatches=m, schedule=schedule)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            timelines = []
+            for s in range(warmup + steps):
+                backend.barrier()
+                model.train_step(batch(s, batch_size), mse, opt)
+                timelines.append(model.last_timeline)
+            out.append(timelines[warmup:])
+        return out
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # process-wide: each rank thread computes on its own
+    try:
+        per_rank = spawn(run, 2)
+    finally:
+        torch.set_num_threads(previous)
+    print(f"\n## Bubble, real compute on in-memory threads: p=2, {BLOCKS} blocks of width {WIDTH}, "
+          f"batch {batch_size}, 1 thread per rank, median of {steps} steps")
+    print("| schedule | m | measured bubble | replayed | (p-1)/(m+p-1) | measured vs formula |")
+    print("|---|---|---|---|---|---|")
+    for i, (schedule, m) in enumerate(configs):
+        step_timelines = [[r[i][k] for r in per_rank] for k in range(steps)]
+        measured = statistics.median(map(pipeline_bubble, step_timelines))
+        replayed = statistics.median(map(replayed_bubble, step_timelines))
+        formula = 1 / (m + 1)
+        print(f"| {schedule} | {m} | {measured:.3f} | {replayed:.3f} | {formula:.3f} "
+              f"| {(measured - formula) / formula:+.1%} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
-    parser.add_argument("--only", default="throughput,sleep,memory,spread")
+    parser.add_argument("--only", default="throughput,sleep,memory,spread,threads")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="global batch of the throughput part (split into m micro-batches)")
     args = parser.parse_args(argv)
@@ -260,6 +303,8 @@ def main(argv=None) -> None:
         activation_memory(4, 8)
     if "spread" in parts:
         op_spread(8, 3 if args.quick else 12, args.batch)
+    if "threads" in parts:
+        threads_bubble(configs, args.steps, args.warmup, args.batch)
 
 
 if __name__ == "__main__":
