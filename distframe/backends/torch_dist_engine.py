@@ -64,6 +64,12 @@ _POSTABLE = NATIVE_DTYPES - {torch.bool}
 _PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
 
 
+def peer_lost(exc: BaseException) -> bool:
+    """Whether a transport error says the connection to a peer is gone (not a timeout)."""
+    lowered = str(exc).lower()
+    return not ("timed out" in lowered or "timeout" in lowered) and any(w in lowered for w in _PEER_LOST)
+
+
 @dataclasses.dataclass
 class _Shared:
     """What a world backend and all its subgroups share within one process."""
@@ -380,7 +386,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         text = str(exc).strip()
         lowered = text.lower()
         timed_out = "timed out" in lowered or "timeout" in lowered
-        if not timed_out and not any(word in lowered for word in _PEER_LOST):
+        if not timed_out and not peer_lost(exc):
             return None
         self._shared.failed = True
         if peers is None and not timed_out:  # a peer that departs may close its connections first

@@ -190,11 +190,12 @@ class RecvWork(Work):
 
     def _failure(self, exc: RuntimeError, waited: float, watched: WatchedReceive | None) -> Exception | None:
         """The distframe error for a receive that failed with ``exc`` (None: not a transport
-        failure): the board's verdict on a watched receive, then a sender that left the group
-        (``_sender_left``), else the engine's reading of ``exc``."""
+        failure): the board's verdict on a watched receive, then, for a lost connection, a sender
+        that left the group (``_sender_left``), else the engine's reading of ``exc``."""
+        from distframe.backends.torch_dist_engine import peer_lost
         backend = self._backend
         error = watched.error if watched is not None else None
-        if error is None and backend._wait_slice and self.stop_on_departure:
+        if error is None and backend._wait_slice and self.stop_on_departure and peer_lost(exc):
             error = self._sender_left(waited)
         if error is not None:
             backend._shared.failed = True
