@@ -14,8 +14,7 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS
-from distframe.optimizers.param_groups import (OPTIMIZERS_WITH_PARAM_GROUPS, GroupedShards,
-                                               build_grouped, group_indices)
+from distframe.optimizers.param_groups import GroupedShards, build_grouped, group_indices
 from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
 
 
@@ -23,8 +22,8 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
                     owner: str) -> torch.optim.Optimizer:
     """``optimizer`` is a torch.optim.Optimizer subclass (built with ``kwargs``) or an instance
     (re-built over ``params`` with its settings; it must not have taken a step yet, and its param
-    groups, if several, must share their settings: ``params`` go into one group. The optimizers
-    in OPTIMIZERS_WITH_PARAM_GROUPS keep an instance's groups instead: see ``param_groups``)."""
+    groups, if several, must share their settings: ``params`` go into one group.
+    ShardedOptimizerBase keeps an instance's groups instead: see ``param_groups``)."""
     check_optimizer_argument(optimizer, kwargs, owner)
     if isinstance(optimizer, type):
         return optimizer(params, **kwargs)
@@ -122,10 +121,9 @@ def _shared_settings(optimizer: torch.optim.Optimizer, owner: str) -> dict[str, 
     if differing:
         raise ConfigError(
             f"{owner}: the optimizer instance has {len(groups)} param groups with different "
-            f"{differing}, but {owner} takes one setting for all the parameters it updates; pass "
-            "one group (or the class with keyword settings), or use a strategy whose optimizer "
-            f"keeps param groups ({', '.join(OPTIMIZERS_WITH_PARAM_GROUPS)}, over its own "
-            "strategy's model or a hybrid one). A DDPModel also trains with the plain optimizer.")
+            f"{differing}, but build_optimizer puts the parameters into one group; pass one group (or "
+            "the class with keyword settings), or hand the instance to a distframe optimizer "
+            "(ZeRO2Optimizer(model, opt), ...), which keeps its groups")
     return groups[0]
 
 
@@ -139,9 +137,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the
     wrapped optimizer's, so learning-rate schedulers take it as they take a plain one (torch's
     ZeroRedundancyOptimizer is one too). It never calls the base class's constructor: step hooks
-    and ``add_param_group`` are not supported. Given an optimizer instance, an optimizer whose
-    ``keeps_param_groups`` is set keeps its param groups over pieces of the shards (see
-    param_groups.py); the others take one setting for every parameter.
+    and ``add_param_group`` are not supported. Given an optimizer instance with several param
+    groups, it keeps them, each with its own settings, over pieces of the shards (see
+    param_groups.py).
 
     Loss scaling: ``param_groups`` hold this rank's shard, so ranks can disagree on whether the
     gradients overflowed; use ``distframe.ShardedGradScaler`` (one all_reduce(MAX) of the flag),
@@ -160,9 +158,6 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     #: Whether ranks step on their own (a parameter server's workers): a GradScaler's decision
     #: is then each rank's own, and ShardedGradScaler (a collective) is refused.
     steps_independently = False
-    #: Whether an optimizer instance's param groups are kept, each with its own settings (over
-    #: pieces of the shards: see param_groups.py); listed in OPTIMIZERS_WITH_PARAM_GROUPS.
-    keeps_param_groups = False
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, **optimizer_kwargs: Any) -> None:
         name = type(self).__name__
@@ -179,8 +174,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         # An instance's param groups, kept over pieces of the shards (see param_groups.py), or None.
         self._grouped: GroupedShards | None = None
         self._group_names: list[list[str]] | None = None
-        if (self.keeps_param_groups and isinstance(optimizer, torch.optim.Optimizer)
-                and len(optimizer.param_groups) > 1):
+        if isinstance(optimizer, torch.optim.Optimizer) and len(optimizer.param_groups) > 1:
             group_of, shard_group, self._group_names = group_indices(optimizer, model)
             self._grouped = GroupedShards(model.shard_layout(), group_of, shard_group,
                                           len(optimizer.param_groups), name)

@@ -135,7 +135,6 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     """
 
     model_class = DDPModel
-    keeps_param_groups = True  # as DDPOptimizer: each group over whole parameters
 
     def __init__(self, model: DDPModel, optimizer: Any, *, compressor: Compressor,
                  error_feedback: bool = True, **optimizer_kwargs: Any) -> None:

@@ -20,7 +20,6 @@ class DDPOptimizer(ShardedOptimizerBase):
     instance keeps its param groups, each with its own settings (its shards are the parameters)."""
 
     model_class = DDPModel
-    keeps_param_groups = True
 
     def synchronize_optimizer_state(self) -> None:
         """Broadcasts rank 0's optimizer state tensors to every rank (one broadcast each)."""
@@ -38,7 +37,6 @@ class ZeRO1Optimizer(ShardedOptimizerBase):
     parameters (views of the chunk: no other memory or communication; see param_groups.py)."""
 
     model_class = ZeRO1Model
-    keeps_param_groups = True
 
 
 class ZeRO2Optimizer(ShardedOptimizerBase):
@@ -46,7 +44,6 @@ class ZeRO2Optimizer(ShardedOptimizerBase):
     gradient shards)."""
 
     model_class = ZeRO2Model
-    keeps_param_groups = True
 
 
 class ZeRO3Optimizer(ShardedOptimizerBase):
@@ -55,7 +52,6 @@ class ZeRO3Optimizer(ShardedOptimizerBase):
     optimizer instance keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = ZeRO3Model
-    keeps_param_groups = True
 
 
 class FSDPOptimizer(ShardedOptimizerBase):
@@ -64,4 +60,3 @@ class FSDPOptimizer(ShardedOptimizerBase):
     keeps its param groups, as under ZeRO1Optimizer."""
 
     model_class = FSDPModel
-    keeps_param_groups = True

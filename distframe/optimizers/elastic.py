@@ -126,8 +126,6 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``step_count`` is the number of optimizer steps the model has taken, across restarts.
     """
 
-    keeps_param_groups = True  # over the wrapped strategy's shards, as its own optimizer
-
     def __init__(self, model: ShardedModelBase, optimizer: Any, *, commit_every: int = 1,
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
                  member: ElasticMember | None = None,

@@ -36,10 +36,6 @@ from distframe.errors import ConfigError
 from distframe.models.flat import Segment
 from distframe.models.sharded_state import ShardLayout
 
-#: The optimizers that take an instance with param groups of different settings.
-OPTIMIZERS_WITH_PARAM_GROUPS = ("DDPOptimizer", "ZeRO1Optimizer", "ZeRO2Optimizer", "ZeRO3Optimizer",
-                                "FSDPOptimizer", "GradientCompressionOptimizer", "ElasticOptimizer")
-
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:

@@ -100,7 +100,7 @@ def test_an_optimizer_instance_trains_as_its_class_with_the_same_settings(optimi
 
 
 def test_an_optimizer_instance_with_groups_of_one_setting_or_with_steps():
-    # Groups of different settings: test_param_groups.py (kept) and its refusal by AsyncSGD.
+    # Groups of different settings are kept: test_param_groups.py.
     def run(backend):
         model = ZeRO2Model(build_model(), backend)
         decay = [p for p in model.parameters() if p.dim() > 1]

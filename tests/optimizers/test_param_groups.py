@@ -11,9 +11,7 @@ from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.mesh import ParallelDims
 from distframe.models import HybridShardedModel
-from distframe.optimizers import (AsyncSGDOptimizer, ShardedGradScaler, ShardedOptimizerBase, ZeRO1Optimizer,
-                                  ZeRO2Optimizer)
-from distframe.optimizers.param_groups import OPTIMIZERS_WITH_PARAM_GROUPS
+from distframe.optimizers import ShardedGradScaler, ZeRO1Optimizer, ZeRO2Optimizer, build_optimizer
 from tests.models.common import SETTINGS, STRATEGIES, build_model, global_batches, loss_fn, rank_slice
 
 GROUPED = list(STRATEGIES)
@@ -222,20 +220,12 @@ def test_a_checkpoint_whose_groups_do_not_match_is_refused(tmp_path):
         assert "without the optimizer" in merged
 
 
-def test_optimizers_that_take_one_setting_name_those_that_keep_groups():
-    def run(backend):
-        model = STRATEGIES["ddp"][0](build_model(), backend)
-        with pytest.raises(ConfigError, match="2 param groups.*DDPOptimizer"):
-            AsyncSGDOptimizer(model, grouped(model.module, SGD))
-    spawn(run, 2)
-    keeping = {cls.__name__ for cls in _subclasses(ShardedOptimizerBase) if cls.keeps_param_groups}
-    assert keeping == set(OPTIMIZERS_WITH_PARAM_GROUPS)
-
-
-def _subclasses(cls):
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
+def test_build_optimizer_refuses_groups_it_would_merge():
+    # The public helper puts the parameters into one group: groups of different settings would
+    # all train with the first one's. Every distframe optimizer keeps them instead.
+    model = build_model()
+    with pytest.raises(ConfigError, match="2 param groups.*one group.*keeps its groups"):
+        build_optimizer(grouped(model, SGD), list(model.parameters()), {}, "test")
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
