@@ -80,7 +80,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "tenth)" + _default("lr"))
     add("--warmup-steps", group=opt, type=int, help="warm-up steps; more than --steps and the "
         "peak --lr is never reached (warned as the run starts)" + _default("warmup_steps"))
-    add("--weight-decay", group=opt, type=float, help="weight decay" + _default("weight_decay"))
+    add("--weight-decay", group=opt, type=float, help="weight decay of the matrices (weights and "
+        "embeddings); biases and norm weights get none" + _default("weight_decay"))
+    add("--decay-all", group=opt, action="store_true", help="weight decay on every parameter, "
+        "biases and norm weights too")
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
     add("--seed", group=opt, type=int, help="seed of the initial model, the batches and the dropout "

@@ -95,6 +95,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
+    decay_all: bool = False
     base_optimizer: str = "adamw"
     dp: int | None = None
     tp: int | None = None
@@ -194,6 +195,8 @@ class TrainConfig:
                               "example 0.1 (0 turns dropout off)")
         if not isinstance(self.round_robin, bool):
             raise ConfigError(f"--round-robin {self.round_robin!r}: use true or false")
+        if not isinstance(self.decay_all, bool):
+            raise ConfigError(f"--decay-all {self.decay_all!r}: use true or false")
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or \
                 not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio {self.topk_ratio!r}: use a fraction in (0, 1], for "

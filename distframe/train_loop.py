@@ -119,10 +119,10 @@ def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: Tra
     ``optimizer_settings`` go to make_optimizer (the elastic run passes its member)."""
     strategy = STRATEGIES[config.strategy]
     train_rng.use_rank_generators(module, config, backend.world_size, backend.rank)
-    optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
-    kwargs = settings(config.lr, config.weight_decay)
+    model = strategy.wrap(module, backend, config)
+    optimizer, kwargs = base_optimizer(model, config)
     if config.optimizer == "none":
-        return strategy.build(module, backend, config, optimizer_cls, kwargs)
+        return model, strategy.optimizer(model, optimizer, kwargs)
     from distframe.optimizers import make_optimizer
     if config.optimizer == "compressed":
         kwargs.update(compressed_settings(config))
@@ -130,9 +130,22 @@ def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: Tra
         kwargs.update(max_staleness=config.max_staleness, deterministic=config.round_robin)
     elif config.optimizer == "elastic":
         kwargs.update(commit_every=config.commit_every)
-    model = strategy.wrap(module, backend, config)
-    return model, make_optimizer(config.optimizer, model, optimizer_cls, **kwargs,
-                                 **optimizer_settings)
+    return model, make_optimizer(config.optimizer, model, optimizer, **kwargs, **optimizer_settings)
+
+
+def base_optimizer(model: Any, config: TrainConfig) -> tuple[Any, dict[str, Any]]:
+    """``--base-optimizer``'s class and settings, or (the weight decay split, unless
+    ``--decay-all`` or no decay) an instance over ``model.parameters()`` whose second group holds
+    the 1-D parameters (biases, norm weights) without weight decay, as GPT-2 and nanoGPT train;
+    every distframe optimizer keeps an instance's groups."""
+    optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
+    kwargs = settings(config.lr, config.weight_decay)
+    if config.decay_all or not config.weight_decay:
+        return optimizer_cls, kwargs
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return optimizer_cls(groups, **kwargs), {}
 
 
 def _device(backend_name: str, backend: Any) -> torch.device:

@@ -127,6 +127,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
     saved = dict(saved)
     if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")
+    saved.setdefault("decay_all", True)  # runs saved before the decay split decayed everything
     settings = _known_settings(saved, path)
     trained_with = settings.get("base_optimizer", TrainConfig.base_optimizer)
     if given.get("base_optimizer", trained_with) != trained_with:

@@ -60,12 +60,6 @@ class Strategy:
     validation_loss: Callable[[Any, torch.Tensor, torch.Tensor, LossFn], torch.Tensor] = \
         model_validation_loss
 
-    def build(self, module: nn.Module, backend: Any, config: Any, optimizer_cls: type,
-              optimizer_kwargs: dict) -> tuple[Any, Any]:
-        """(wrapped model, its optimizer); collective on ``backend``."""
-        model = self.wrap(module, backend, config)
-        return model, self.optimizer(model, optimizer_cls, optimizer_kwargs)
-
 
 def _data_parallel(model_class: str) -> Wrap:
     """Wraps with ``distframe.models.<model_class>``, imported on first use."""
@@ -94,10 +88,13 @@ def _model_parallel(strategy: str) -> Wrap:
     return wrap
 
 
-def _plain_optimizer(model: Any, optimizer_cls: type, kwargs: dict) -> Any:
+def _plain_optimizer(model: Any, optimizer: Any, kwargs: dict) -> Any:
     """Model-parallel models synchronise their own gradients: a torch.optim optimizer over this
-    rank's parameters (its stage, its tensor shards) is all they need."""
-    return optimizer_cls(model.parameters(), **kwargs)
+    rank's parameters (its stage, its tensor shards) is all they need (``optimizer``: its class,
+    or an instance already built over them)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return optimizer(model.parameters(), **kwargs)
 
 
 STRATEGIES: dict[str, Strategy] = {
