@@ -83,8 +83,12 @@ def test_measured_bubble_matches_formula(schedule):
         return pipe.last_timeline
 
     timelines = spawn(run, p)
+    # Sleeps overshoot by what the machine's load makes them: unequal ops move both bubbles off
+    # the formula, by about their relative spread (measured here, not assumed: under the test
+    # suite's two processes a sleep of 20 ms took up to a few ms more).
+    spread = _relative_spread(timelines)
     # Sleep overhead lengthens busy time a little, which shrinks the bubble a little.
-    assert pipeline_bubble(timelines) == pytest.approx(formula(p, m), abs=0.07)
+    assert pipeline_bubble(timelines) == pytest.approx(formula(p, m), abs=0.07 + spread)
     assert all(t.busy_s <= t.step_s for t in timelines)
     # Every forward and backward was recorded once, with its chunk and micro-batch.
     for timeline in timelines:
@@ -93,4 +97,15 @@ def test_measured_bubble_matches_formula(schedule):
     # The replay keeps the measured op times and drops the waits: never a longer step than measured,
     # and with sleeps of (nearly) equal length, (nearly) the formula.
     assert replayed_bubble(timelines) <= pipeline_bubble(timelines) + 1e-9
-    assert replayed_bubble(timelines) == pytest.approx(formula(p, m), abs=0.02)
+    assert replayed_bubble(timelines) == pytest.approx(formula(p, m), abs=0.02 + spread)
+
+
+def _relative_spread(timelines) -> float:
+    """max / min - 1 of the forward and of the backward sleeps' measured durations (the last
+    stage's loss, a separate interval of well under a millisecond, left out)."""
+    spreads = []
+    for kind in "FB":
+        durations = [end - start for t in timelines for k, _, _, start, end in t.ops
+                     if k == kind and end - start > 1e-3]
+        spreads.append(max(durations) / min(durations) - 1)
+    return max(spreads)
