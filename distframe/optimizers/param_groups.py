@@ -4,13 +4,15 @@ A user builds ``torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"par
 "weight_decay": 0.0}], lr=3e-4)`` over the model's parameters; the sharded optimizer rebuilds it
 over its local shards with the same groups, in the same order. Over a HybridShardedModel (a ZeRO
 optimizer over its data-parallel group) the parameters are this rank's stages and tensor slices,
-best chosen by their names in the unwrapped model (``model.dense_named_parameters()``). Each shard is cut into *pieces*:
-maximal runs of consecutive parameters of one group (the padding at the end of a chunk goes with
-the run before it, so the pieces tile the shard). A piece covering a whole shard is the shard
-itself (DDP: every shard is one parameter, so its groups map parameter by parameter); any other
-piece is a 1-D view of its shard, whose ``.grad`` is pointed at the same range of the shard's
-gradient after each synchronisation (``GroupedShards.take_gradients``). Updating a piece updates
-its shard: the model's collectives, memory and checkpoint ranges stay as they were.
+best chosen by their names in the unwrapped model (``model.dense_named_parameters()``).
+
+Each shard is cut into *pieces*: maximal runs of consecutive parameters of one group (the padding
+at the end of a chunk goes with the run before it, so the pieces tile the shard). A piece covering
+a whole shard is the shard itself (DDP: every shard is one parameter, so its groups map parameter
+by parameter); any other piece is a 1-D view of its shard, whose ``.grad`` is pointed at the same
+range of the shard's gradient after each synchronisation (``GroupedShards.take_gradients``).
+Updating a piece updates its shard: the model's collectives, memory and checkpoint ranges stay as
+they were.
 
 [Note: why the flat spaces are not reordered by group] DeepSpeed flattens one space per group,
 and the flat spaces could instead be ordered by group so that each (space, group) is one range.

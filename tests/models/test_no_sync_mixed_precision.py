@@ -61,4 +61,5 @@ def test_no_sync_accumulates_in_the_reduce_dtype(strategy, cleared):
     for update in spawn(run, WORLD):
         for name, value in expected.items():
             # float32 rounding of the master's subtraction: ~1e-8; bfloat16 accumulation: ~1e-4
-            torch.testing.assert_close(update[name], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(update[name], value, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{name}: {m}")

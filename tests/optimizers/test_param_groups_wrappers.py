@@ -18,7 +18,8 @@ from tests.optimizers.test_param_groups import ADAMW, SGD, STEPS, assert_paramet
 
 def _compressed(backend, spec=ADAMW, seed=0, settings=None):
     model = STRATEGIES["ddp"][0](build_model(seed=seed), backend, **SETTINGS["ddp"])
-    opt = GradientCompressionOptimizer(model, grouped(model.module, spec, settings), compressor=IdentityCompressor())
+    opt = GradientCompressionOptimizer(model, grouped(model.module, spec, settings),
+                                       compressor=IdentityCompressor())
     return model, opt
 
 
