@@ -63,3 +63,27 @@ def test_no_sync_accumulates_in_the_reduce_dtype(strategy, cleared):
             # float32 rounding of the master's subtraction: ~1e-8; bfloat16 accumulation: ~1e-4
             torch.testing.assert_close(update[name], value, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_the_sum_kept_aside_is_counted_in_the_memory_footprint(strategy):
+    """Counted from the tensors' storage (memory_footprint's 'buffers'): one float32 element per
+    flat element of every bucket or unit while micro-steps accumulate, none once reduced."""
+    batches = _micro_batches()
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build_model(torch.float32), backend, mixed_precision=POLICY, **SETTINGS[strategy])
+        opt_cls(model, torch.optim.SGD, lr=1.0)
+        x, y = batches[(0, backend.rank)]
+        before = model.memory_footprint()["buffers"]
+        with model.no_sync():
+            loss_fn(model(x.bfloat16()).float(), y).backward()
+        during = model.memory_footprint()["buffers"]
+        loss_fn(model(x.bfloat16()).float(), y).backward()
+        after = model.memory_footprint()["buffers"]
+        spaces = model.spaces if strategy == "zero2" else [u.space for u in model.units]
+        return during - before, after - before, 4 * sum(s.padded_numel for s in spaces)
+
+    for grew, left, expected in spawn(run, WORLD):
+        assert grew == expected and left <= 0
