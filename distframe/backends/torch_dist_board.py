@@ -44,6 +44,16 @@ from distframe.backends.departures import Departure, departure_error, receive_de
 WAIT_SLICE = datetime.timedelta(seconds=0.2)
 _LEFT = "/left"
 _CUT = datetime.timedelta(milliseconds=1)
+# A rank whose function returns drops the groups it made (their connections close) just before it
+# departs: a lost connection is put down to a departure that shows within this many seconds.
+DEPARTURE_SETTLE_S = 0.5
+_PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether a transport error says the connection to a peer is gone (not a timeout)."""
+    lowered = str(exc).lower()
+    return not ("timed out" in lowered or "timeout" in lowered) and any(w in lowered for w in _PEER_LOST)
 
 
 class ProgressBoard:

@@ -44,7 +44,8 @@ from distframe.backends.composed import read_scatter_header, scatter_header, sca
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
+from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WAIT_SLICE, ProgressBoard,
+                                                 departures_key, meet_in_store, peer_lost,
                                                  wait_for_members, wait_in_slices)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
@@ -56,18 +57,8 @@ from distframe.errors import CollectiveTimeoutError, RankFailedError
 
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16
-# A rank whose function returns drops the groups it made (their connections close) just before it
-# departs: a lost connection is put down to a departure that shows within this many seconds.
-_DEPARTURE_SETTLE_S = 0.5
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
 _POSTABLE = NATIVE_DTYPES - {torch.bool}
-_PEER_LOST = ("connection", "closed", "reset by peer", "broken pipe", "aborted", "socket")
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """Whether a transport error says the connection to a peer is gone (not a timeout)."""
-    lowered = str(exc).lower()
-    return not ("timed out" in lowered or "timeout" in lowered) and any(w in lowered for w in _PEER_LOST)
 
 
 @dataclasses.dataclass
@@ -390,7 +381,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
             return None
         self._shared.failed = True
         if peers is None and not timed_out:  # a peer that departs may close its connections first
-            departed = self._departure_error(op, seq, 0.0, _DEPARTURE_SETTLE_S)
+            departed = self._departure_error(op, seq, 0.0, DEPARTURE_SETTLE_S)
             if departed is not None:
                 return departed
         detail = f"{self.engine} reported: " + _SOURCE_LOCATION.sub("", text.splitlines()[0] if text else "")

@@ -38,7 +38,8 @@ import torch
 
 from distframe.backends.departures import Departure, receive_departure_error, send_departure_error
 from distframe.backends.signature import ENCODED_LENGTH, Signature
-from distframe.backends.torch_dist_board import _CUT, WAIT_SLICE, WatchedReceive
+from distframe.backends.torch_dist_board import (_CUT, DEPARTURE_SETTLE_S, WAIT_SLICE, WatchedReceive,
+                                                 peer_lost)
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
@@ -192,7 +193,6 @@ class RecvWork(Work):
         """The distframe error for a receive that failed with ``exc`` (None: not a transport
         failure): the board's verdict on a watched receive, then, for a lost connection, a sender
         that left the group (``_sender_left``), else the engine's reading of ``exc``."""
-        from distframe.backends.torch_dist_engine import peer_lost
         backend = self._backend
         error = watched.error if watched is not None else None
         if error is None and backend._wait_slice and self.stop_on_departure and peer_lost(exc):
@@ -208,10 +208,9 @@ class RecvWork(Work):
         because its sender left the group, not because it died: the board's departure error, or,
         when the sender had sent this message, which never matched (another shape or dtype), what
         the timeout would have said. None if the sender did not leave (it failed), seen within
-        ``_DEPARTURE_SETTLE_S`` (its departure is recorded around its shutdown, not before it)."""
-        from distframe.backends.torch_dist_engine import _DEPARTURE_SETTLE_S
+        ``DEPARTURE_SETTLE_S`` (its departure is recorded around its shutdown, not before it)."""
         backend = self._backend
-        deadline = time.monotonic() + _DEPARTURE_SETTLE_S
+        deadline = time.monotonic() + DEPARTURE_SETTLE_S
         departed = backend._shared.board.departure(backend._progress_keys[self._src])
         while departed is None and time.monotonic() < deadline:
             time.sleep(0.05)
