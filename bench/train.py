@@ -30,6 +30,7 @@ from distframe.data import BatchSampler, load_corpus, validation_offsets  # noqa
 from distframe.train_config import TrainConfig  # noqa: E402
 from distframe.train_loop import (base_optimizer, initial_model_state, learning_rate,  # noqa: E402
                                   next_token_loss)
+from distframe.train_strategies import plain_optimizer  # noqa: E402
 
 
 def plain_loop(config: TrainConfig) -> dict:
@@ -37,9 +38,7 @@ def plain_loop(config: TrainConfig) -> dict:
     corpus = load_corpus(config.data)
     model = DilatedTransformerLM(config.model_config(vocab_size=corpus.vocab_size))
     model.load_state_dict(initial_model_state(config, corpus.vocab_size))
-    optimizer, kwargs = base_optimizer(model, config)  # the CLI's: no decay on 1-D parameters
-    if isinstance(optimizer, type):
-        optimizer = optimizer(model.parameters(), **kwargs)
+    optimizer = plain_optimizer(model, *base_optimizer(model, config))  # the CLI's groups
     seq_len = model.config.seq_len
     data = BatchSampler(corpus.train, batch_size=config.batch_size, seq_len=seq_len, seed=config.seed)
     rates, losses = [], []

@@ -88,10 +88,11 @@ def _model_parallel(strategy: str) -> Wrap:
     return wrap
 
 
-def _plain_optimizer(model: Any, optimizer: Any, kwargs: dict) -> Any:
-    """Model-parallel models synchronise their own gradients: a torch.optim optimizer over this
-    rank's parameters (its stage, its tensor shards) is all they need (``optimizer``: its class,
-    or an instance already built over them)."""
+def plain_optimizer(model: Any, optimizer: Any, kwargs: dict) -> Any:
+    """A torch.optim optimizer over ``model.parameters()``: ``optimizer`` itself when it is an
+    instance already built over them (``base_optimizer``'s groups), else the class with ``kwargs``.
+    Model-parallel models synchronise their own gradients: one over this rank's parameters (its
+    stage, its tensor shards) is all they need."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     return optimizer(model.parameters(), **kwargs)
@@ -109,13 +110,13 @@ STRATEGIES: dict[str, Strategy] = {
     "fsdp": Strategy(help="flat parameter shards per wrapped unit", wrap=_data_parallel("FSDPModel"),
                      optimizer=_sharded_optimizer("FSDPOptimizer")),
     "pipeline": Strategy(help="layers split into --pp stages, --micro-batches per step",
-                         wrap=_model_parallel("pipeline"), optimizer=_plain_optimizer,
+                         wrap=_model_parallel("pipeline"), optimizer=plain_optimizer,
                          model_parallel=True),
     "tensor": Strategy(help="attention heads and MLP split over --tp ranks",
-                       wrap=_model_parallel("tensor"), optimizer=_plain_optimizer,
+                       wrap=_model_parallel("tensor"), optimizer=plain_optimizer,
                        model_parallel=True),
     "hybrid": Strategy(help="--dp x --tp x --pp", wrap=_model_parallel("hybrid"),
-                       optimizer=_plain_optimizer, model_parallel=True),
+                       optimizer=plain_optimizer, model_parallel=True),
 }
 
 

@@ -7,8 +7,7 @@ import torch
 
 from distframe.launch import spawn
 from distframe.models import MixedPrecisionPolicy
-from tests.models.common import SETTINGS, build_model, global_batches, loss_fn, rank_slice
-from tests.models.common import STRATEGIES
+from tests.models.common import SETTINGS, STRATEGIES, build_model, global_batches, loss_fn, rank_slice
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 K, WORLD, MICRO = 4, 2, 3
