@@ -35,6 +35,7 @@ class AsyncCalls:
     #: the last synchronous call; set and read on the communication thread, cleared by ``_drain``.
     _async_failure: str | None
     _check_signature: Callable[[Call], None]
+    _announce: Callable[[Call], None]
     _stall_check: Callable[[Call], Callable[[], BaseException | None] | None]
 
     def _missing_ranks(self, seq: int) -> list[int] | None:
@@ -53,6 +54,7 @@ class AsyncCalls:
             try:
                 if self.debug:
                     self._check_signature(call)
+                self._announce(call)
                 return fn(call)
             except BaseException as exc:
                 self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "

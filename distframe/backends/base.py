@@ -41,7 +41,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     ``timeout`` (seconds) bounds every blocking wait; ``debug=True`` makes engines that cannot see
     their peers' arguments (MPI, Gloo, NCCL) exchange a 16-integer signature before each
     collective, so a mismatch raises ``CollectiveMismatchError`` on every rank instead of giving a
-    wrong answer or hanging. The in-memory engine always checks.
+    wrong answer or hanging. The in-memory engine always checks; the others always compare the
+    ranks of one node (``call_slots``).
     """
 
     engine: str = "base"
@@ -135,7 +136,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         applied = effective_op(op, tensor.dtype)
         if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION) and self._posted(
-                "all_reduce", data.nbytes, self._post_all_reduce, data,
+                "all_reduce", data.nbytes, (tensor.shape, tensor.dtype, (("op", op.name),)),
+                self._post_all_reduce, data,
                 ReduceOp.SUM if applied is ReduceOp.AVG else applied):
             if applied is ReduceOp.AVG:
                 data.div_(self._world_size)
@@ -164,7 +166,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
             self._check_out("all_gather", out, shape, tensor)
         if self._may_post(async_op) and flat.is_cpu:
             result = out if out is not None else flat.new_empty(shape)
-            if self._posted("all_gather", tensor.nbytes, self._post_all_gather, flat, result):
+            if self._posted("all_gather", tensor.nbytes, (tensor.shape, tensor.dtype, ()),
+                            self._post_all_gather, flat, result):
                 return result
         sig = lambda: Signature("all_gather", tuple(tensor.shape), tensor.dtype)
         return self._run("all_gather", sig, tensor.nbytes,
@@ -187,7 +190,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION):
             result = out if out is not None else data.new_empty(shape)
-            if self._posted("reduce_scatter", data.nbytes, self._post_reduce_scatter, data, result,
+            if self._posted("reduce_scatter", data.nbytes, (tensor.shape, tensor.dtype, (("op", op.name),)),
+                            self._post_reduce_scatter, data, result,
                             ReduceOp.SUM if applied is ReduceOp.AVG else applied):
                 return result.div_(self._world_size) if applied is ReduceOp.AVG else result
         sig = lambda: Signature("reduce_scatter", tuple(tensor.shape), tensor.dtype, (("op", op.name),))
@@ -332,6 +336,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
             self._drain()
         if self.debug:
             self._check_signature(call)
+        self._announce(call)
         return fn(call)
 
     def _stall_check(self, call: Call) -> Callable[[], BaseException | None] | None:

@@ -79,6 +79,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._ops = mpi_ops(MPI)
         self._address = AddressWire(MPI)
         self._board = ProgressBoard(comm, MPI)
+        self._slots = self._board.slots
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
         self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
@@ -111,6 +112,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _stuck(self, call: Call, request: Any, keep: Any, waited: float,
                timed_out: bool) -> BaseException | None:
         """The error that ends a wait for ``request`` (see ``wait_request``), if any."""
+        error = self._slots.error(call.op, call.seq)  # a peer on this node called something else
+        if error is not None:
+            self._abandoned.append((request, keep))
+            return error
         if timed_out:
             return self._timed_out(call, request, keep)
         error = departure_error(self._board.departures(), call.op, call.seq, waited)

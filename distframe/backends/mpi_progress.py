@@ -24,25 +24,27 @@ the number of calls it had issued plus one, negated if it failed (one 8-byte sto
 never reads half of it). Departures of ranks on other nodes are not seen. Before that word, a
 departing rank writes the messages it had sent and the receives it had posted: word 2 holds how
 many channels follow (-1 when they do not fit in the page: unknown), then (direction, peer, tag,
-count) for each, direction 0 for messages sent to peer, 1 for receives posted from it. x86 keeps stores
+count) for each, direction 0 for messages sent to peer, 1 for receives posted from it. The map's
+second part holds the rank's call slots (``distframe.backends.call_slots``). x86 keeps stores
 in order and so does a reader's loads, so a peer that sees the departure word sees the table.
 """
 from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from distframe.backends.call_slots import AREA_BYTES, CallSlots, close_map, create_shared, open_shared
 from distframe.backends.departures import Departure
 
 SPIN_SECONDS = 0.05
 MAX_SLEEP_SECONDS = 1e-3
 CHECK_SECONDS = 0.05
+_MAP_BYTES = mmap.PAGESIZE + AREA_BYTES  # the board's page, then the call slots
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
@@ -80,10 +82,10 @@ class ProgressBoard:
     def __init__(self, comm: Any, MPI: Any) -> None:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         try:
-            self._own_map, path = _create_map()
+            self._own_map, path = create_shared(_MAP_BYTES, "distframe-progress-")
             try:
                 entries = node.allgather((comm.Get_rank(), path))
-                self._peer_maps = {rank: _open_map(p) for rank, p in entries if p != path}
+                self._peer_maps = {rank: open_shared(p, _MAP_BYTES) for rank, p in entries if p != path}
                 node.Barrier()  # every peer has mapped every file: the names can go
             finally:
                 os.unlink(path)
@@ -91,9 +93,12 @@ class ProgressBoard:
             node.Free()
         # Word 0: the last sequence number entered; word 1: the departure; then the messages sent
         # (see the module's notes).
-        self._own = np.frombuffer(self._own_map, dtype=np.int64)
+        self._own = np.frombuffer(self._own_map, dtype=np.int64, count=mmap.PAGESIZE // 8)
         self._own_rank = comm.Get_rank()
-        self._peers = {rank: np.frombuffer(m, dtype=np.int64) for rank, m in self._peer_maps.items()}
+        # The second part of each map holds the call slots (distframe.backends.call_slots).
+        self.slots = CallSlots(self._own_map, self._peer_maps, self._own_rank, offset=mmap.PAGESIZE)
+        self._peers = {rank: np.frombuffer(m, dtype=np.int64, count=mmap.PAGESIZE // 8)
+                       for rank, m in self._peer_maps.items()}
 
     def publish(self, seq: int) -> None:
         self._own[0] = seq
@@ -141,32 +146,12 @@ class ProgressBoard:
         return seen
 
     def close(self) -> None:
+        self.slots.close()
         self._own = None
         self._peers = {}
         for m in [self._own_map, *self._peer_maps.values()]:
-            try:
-                m.close()
-            except BufferError:  # a view is still referenced somewhere; the GC unmaps it later
-                pass
+            close_map(m)
         self._peer_maps = {}
-
-
-def _create_map() -> tuple[mmap.mmap, str]:
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix="distframe-progress-", dir=directory)
-    try:
-        os.ftruncate(fd, mmap.PAGESIZE)
-        return mmap.mmap(fd, mmap.PAGESIZE), path
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _open_map(path: str) -> mmap.mmap:
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), mmap.PAGESIZE, access=mmap.ACCESS_READ)
 
 
 def missing_ranks(seen: dict[int, int], seq: int, world_size: int) -> tuple[list[int], list[int]]:

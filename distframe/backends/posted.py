@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.call_slots import CallSlots
 from distframe.backends.types import CommStats, ReduceOp
 
 
@@ -38,6 +39,8 @@ class PostedCollectives:
     debug: bool
     stats: CommStats
     _check_open: Callable[[str], None]
+    #: The same-node call slots (distframe.backends.call_slots), where the engine has them.
+    _slots: CallSlots | None = None
 
     def _may_post(self, async_op: bool) -> bool:
         return self._posts_first and not (async_op or self.debug or self._pending or self._closed
@@ -60,10 +63,24 @@ class PostedCollectives:
         what the general path would (a timeout names ``op``, ``seq`` and the missing ranks)."""
         raise NotImplementedError(f"{type(self).__name__} posts calls but cannot wait for them")
 
-    def _posted(self, op: str, nbytes: int, post: Callable[..., Any], *args: Any) -> bool:
+    def _announce(self, call: Any) -> None:
+        """Writes ``call`` into the same-node call slots before the engine issues it, raising
+        CollectiveMismatchError when a peer's differs (``distframe.backends.call_slots``)."""
+        if self._slots is not None:
+            signature = call.signature
+            self._slots.announce(call.op, call.seq, signature.shape, signature.dtype, signature.args)
+
+    def _posted(self, op: str, nbytes: int, described: tuple[Any, Any, Any], post: Callable[..., Any],
+                *args: Any) -> bool:
         """Posts through ``post`` (a hook), numbers and counts the call, and waits for it; False
-        when the hook declined."""
+        when the hook declined. ``described``: the call's (shape, dtype, args) as its
+        ``Signature`` gives them, for the call slots."""
         try:
+            if self._slots is not None:
+                # The hot path numbers its call after posting: this is the number it will get
+                # (no other call can be numbered in between: no asynchronous call is pending).
+                # A call the hook declines is announced again, the same, on the general path.
+                self._slots.announce(op, self._seq + 1, *described)
             handle = post(*args)
         except BaseException:
             self._count(op, nbytes)  # the peers may have posted theirs: keep the numbering in step

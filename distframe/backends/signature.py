@@ -1,9 +1,10 @@
 """What a rank says it is calling: compared across ranks to turn a mismatch into an error.
 
 The in-memory engine compares :class:`Signature` objects directly at every rendezvous. Engines
-that live in separate processes compare them only in ``debug=True`` mode, by all-gathering the
-fixed-length integer encoding from :meth:`Signature.encode` before each collective: one extra
-small all-gather (a latency, not a bandwidth cost) per call.
+that live in separate processes compare the ranks of one node through shared memory
+(``call_slots``), and every rank in ``debug=True`` mode, by all-gathering the fixed-length integer
+encoding from :meth:`Signature.encode` before each collective: one extra small all-gather (a
+latency, not a bandwidth cost) per call.
 """
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.call_slots import exchanged_slots
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
@@ -100,10 +101,10 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self._p2p_counts = self._p2p_seq  # the base's message numbers; its departure announces the sends
         self._shared.board.register(self._my_progress_key, self._p2p_counts)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
-        self._pg = self._create_process_group(
-            dist.PrefixStore(f"{prefix}/pg/", self._shared.store), rank, world_size, timeout_delta)
-        wait_for_members(dist.PrefixStore(f"{prefix}/ready/", self._shared.store), rank, world_size,
-                         timeout_delta)
+        store = lambda name: dist.PrefixStore(f"{prefix}/{name}/", self._shared.store)  # noqa: E731
+        with exchanged_slots(store("slots").set, store("slots").get, rank, world_size) as self._slots:
+            self._pg = self._create_process_group(store("pg"), rank, world_size, timeout_delta)
+            wait_for_members(store("ready"), rank, world_size, timeout_delta)  # every peer mapped ours
         self._sends = UnfinishedSends(waited=bool(self._wait_slice))
         self._shared.groups.add(self)
         # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
@@ -275,6 +276,7 @@ class TorchDistributedBackend(CommunicationBackendBase):
         self.depart()
         self._sends.finish(self._rank, self.timeout, self.departures)
         self._pg = None
+        self._slots.close()
         if self._owns_shared:
             self._shared.board.close()
 
@@ -341,7 +343,8 @@ class TorchDistributedBackend(CommunicationBackendBase):
     def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0,
                          peer_keys: dict[int, str] | None = None) -> Exception | None:
         keys = self._peer_progress_keys if peer_keys is None else peer_keys  # of the ranks waited for
-        error = self._shared.board.departure_error(keys, op, seq, waited, settle)
+        error = self._slots.error(op, seq) if peer_keys is None else None  # a call of this group
+        error = error or self._shared.board.departure_error(keys, op, seq, waited, settle)
         if error is not None:
             self._shared.failed = True
         return error
@@ -380,6 +383,8 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if not timed_out and not peer_lost(exc):
             return None
         self._shared.failed = True
+        if peers is None and (mismatch := self._slots.error(op, seq)) is not None:
+            return mismatch
         if peers is None and not timed_out:  # a peer that departs may close its connections first
             departed = self._departure_error(op, seq, 0.0, DEPARTURE_SETTLE_S)
             if departed is not None:

@@ -1,0 +1,221 @@
+"""CallSlots: every rank writes what it is about to call into memory its same-node peers can read,
+and reads theirs, so that ranks calling different ops, shapes or dtypes raise
+``CollectiveMismatchError`` outside ``debug`` mode too.
+
+[Note: why always on] MPI and Gloo compare nothing across ranks by themselves. Without a check, an
+all_reduce of 4 float32 on one rank and 4 int32 on another returned bit patterns on both, one of 8
+elements against one of 4 returned a half-reduced tensor under MPI, and Gloo ended the process
+("Received data size doesn't match expected size"). ``debug=True`` all-gathers a signature
+before every call (one small-message latency, and it reaches ranks on other nodes). This check
+costs a few stores and reads of shared memory per call and covers the ranks of this node.
+
+[Note: the slots] Each rank owns ``SLOTS`` slots of ``SLOT_BYTES``; call ``seq`` goes to slot
+``seq % SLOTS``: first its description (op, dtype, number of dims, the first ``_DIMS`` dims, a
+digest of the whole shape, a digest of the arguments that must agree: root, reduce op), then
+``seq``. A reader reads ``seq``, the description, then ``seq`` again, and uses the description only
+when both reads give the call it asks about (x86 keeps a writer's stores and a reader's loads in
+order, so it never pairs a new ``seq`` with an old description). A peer more than ``SLOTS`` calls
+ahead has overwritten the slot; a peer that has not arrived has not written it: both go unchecked.
+
+[Note: who notices] A rank writes its slot, then (after a full memory barrier, so that two ranks
+arriving together cannot both miss each other) reads its peers' slots for the same call, and
+raises before issuing anything if one differs. So of two ranks that disagree at least the later
+one raises before it issues; the earlier one may already have issued and waits: its engine asks
+``conflicts`` while it waits (where it asks about departures) and raises too. The group is then
+unusable, as after a timeout.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import struct
+import tempfile
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from distframe.backends.signature import DTYPES, OPS, describe_mismatch
+from distframe.backends.types import ReduceOp
+from distframe.errors import CollectiveMismatchError
+
+SLOTS = 64
+SLOT_BYTES = 128
+AREA_BYTES = SLOTS * SLOT_BYTES
+_DIMS = 4
+# op, dtype, ndim (-1: no shape), _DIMS dims, digest of the shape, digest of the arguments.
+_WORDS = struct.Struct(f"<{5 + _DIMS}q")
+_SEQ = struct.Struct("<q")
+_OP_CODES = {op: i for i, op in enumerate(OPS)}
+_DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+_ARGS_CODES: dict[Any, int] = {}
+_ARGS_BY_CODE: dict[int, Any] = {}
+_MAX_CACHED = 4096
+
+
+def args_code(args: Any) -> int:
+    """The same int in every process for equal ``args`` (repr-based; ``hash`` of a str is not)."""
+    try:
+        code = _ARGS_CODES.get(args)
+    except TypeError:  # a list inside (new_group's ranks)
+        return zlib.crc32(repr(args).encode())
+    if code is None:
+        code = zlib.crc32(repr(args).encode())
+        if len(_ARGS_CODES) < _MAX_CACHED:
+            _ARGS_CODES[args] = code
+            _ARGS_BY_CODE[code] = args
+    return code
+
+
+for _op in ReduceOp:  # so that a peer's reduce op reads as a name, even one this rank never used
+    args_code((("op", _op.name),))
+
+
+def call_words(op: str, shape: Any, dtype: Any, args: Any) -> tuple[int, ...]:
+    """What a slot holds for a call (``shape`` None where ranks may differ: scatter's receivers)."""
+    if shape is None:
+        dims: tuple[int, ...] = (-1,) * (_DIMS + 2)
+    else:
+        head = tuple(shape[:_DIMS])
+        dims = (len(shape), *head, *(-1,) * (_DIMS - len(head)), hash(tuple(shape)))
+    return (_OP_CODES[op], _DTYPE_CODES.get(dtype, -1), *dims, args_code(args))
+
+
+def describe_words(words: tuple[int, ...]) -> str:
+    op = OPS[words[0]] if 0 <= words[0] < len(OPS) else f"op#{words[0]}"
+    parts, ndim = [], words[2]
+    if ndim >= 0:
+        dims = ", ".join(str(d) for d in words[3:3 + min(ndim, _DIMS)])
+        parts.append(f"shape=({dims}{', ...' if ndim > _DIMS else ',' if ndim == 1 else ''})")
+    if 0 < words[1] < len(DTYPES):
+        parts.append(f"dtype={str(DTYPES[words[1]]).removeprefix('torch.')}")
+    args = _ARGS_BY_CODE.get(words[-1])
+    if args is not None:
+        parts.extend(f"{k}={v}" for k, v in args)
+    elif words[-1] != args_code(()):
+        parts.append(f"args#{words[-1] & 0xFFFF:04x}")
+    return f"{op}({', '.join(parts)})"
+
+
+class CallSlots:
+    """This rank's slots (writable) and its same-node peers' (read-only), each at ``offset`` in
+    its map. The maps stay owned by the caller."""
+
+    def __init__(self, own: mmap.mmap, peers: dict[int, mmap.mmap], rank: int, offset: int = 0, *,
+                 owns_maps: bool = False) -> None:
+        self._own, self._peers, self._rank, self._offset = own, dict(peers), rank, offset
+        self._owns_maps = owns_maps
+        self._fence = threading.Lock()
+        self.last: tuple[int, tuple[int, ...]] | None = None  # (seq, words) last announced
+
+    def announce(self, op: str, seq: int, shape: Any, dtype: Any, args: Any) -> None:
+        """Writes call ``seq`` into this rank's slot; raises CollectiveMismatchError, before the
+        caller issues anything, if a same-node peer has written a different call ``seq``."""
+        words = call_words(op, shape, dtype, args)
+        at = self._offset + (seq % SLOTS) * SLOT_BYTES
+        _SEQ.pack_into(self._own, at, -1)  # the slot is being rewritten: readers skip it
+        _WORDS.pack_into(self._own, at + 8, *words)
+        _SEQ.pack_into(self._own, at, seq)
+        self.last = (seq, words)
+        with self._fence:  # a locked instruction: the stores above are visible before the reads
+            pass
+        error = self.error(op, seq)
+        if error is not None:
+            raise error
+
+    def error(self, op: str, seq: int) -> CollectiveMismatchError | None:
+        """The mismatch seen so far at call ``seq`` (this rank's last announced), or None."""
+        if self.last is None or self.last[0] != seq or not self._peers:
+            return None
+        words = self.last[1]
+        at = self._offset + (seq % SLOTS) * SLOT_BYTES
+        texts = {}
+        for rank, view in self._peers.items():
+            theirs = _read(view, at, seq)
+            if theirs is not None and theirs != words:
+                texts[rank] = describe_words(theirs)
+        if not texts:
+            return None
+        texts[self._rank] = describe_words(words)
+        return CollectiveMismatchError(op, seq, describe_mismatch(texts) + " (seen through this node's "
+                                       "shared memory; the group is unusable now, shut it down)")
+
+    def close(self) -> None:
+        peers, self._peers, self.last = self._peers, {}, None
+        if self._owns_maps:
+            for m in [self._own, *peers.values()]:
+                close_map(m)
+
+
+def create_shared(size: int, prefix: str) -> tuple[mmap.mmap, str]:
+    """A new file of ``size`` zero bytes in /dev/shm (where it exists), mapped writable."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size), path
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_shared(path: str, size: int) -> mmap.mmap:
+    """A peer's file from ``create_shared``, mapped read-only."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+
+def close_map(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:  # a view is still referenced somewhere; the GC unmaps it later
+        pass
+
+
+def node_id() -> str:
+    """Names this machine (and boot), so that ranks can tell which peers share its memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@contextlib.contextmanager
+def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str], str | bytes], rank: int,
+                    world_size: int) -> Iterator[CallSlots]:
+    """Call slots for a group whose members meet through a key-value store: publishes this
+    rank's file as key ``str(rank)`` and maps the same-node peers' files (``get_key`` waits for
+    a key to be set). The file's name is removed when the block ends: end it only once every
+    member has mapped it (after the group's construction barrier)."""
+    own, path = create_shared(AREA_BYTES, "distframe-calls-")
+    try:
+        here = node_id()
+        set_key(str(rank), f"{here}\n{path}")
+        peers = {}
+        for peer in range(world_size):
+            if peer != rank:
+                value = get_key(str(peer))
+                node, _, peer_path = (value.decode() if isinstance(value, bytes) else value).partition("\n")
+                if node == here:
+                    with contextlib.suppress(FileNotFoundError):  # the same name, another /dev/shm
+                        peers[peer] = open_shared(peer_path, AREA_BYTES)
+        slots = CallSlots(own, peers, rank, owns_maps=True)
+        yield slots
+    except BaseException:
+        close_map(own)
+        raise
+    finally:
+        os.unlink(path)
+
+
+def _read(view: Any, at: int, seq: int) -> tuple[int, ...] | None:
+    if _SEQ.unpack_from(view, at)[0] != seq:
+        return None
+    words = _WORDS.unpack_from(view, at + 8)
+    return words if _SEQ.unpack_from(view, at)[0] == seq else None
