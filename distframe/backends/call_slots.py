@@ -52,6 +52,10 @@ _OP_CODES = {op: i for i, op in enumerate(OPS)}
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
 _ARGS_CODES: dict[Any, int] = {}
 _ARGS_BY_CODE: dict[int, Any] = {}
+_PACKED: dict[Any, bytes] = {}
+_NO_SHAPE = (-1,) * (_DIMS + 2)
+_PADS = [(-1,) * k for k in range(_DIMS + 1)]
+_FIELDS_END = 8 + _WORDS.size
 _MAX_CACHED = 4096
 
 
@@ -76,11 +80,28 @@ for _op in ReduceOp:  # so that a peer's reduce op reads as a name, even one thi
 def call_words(op: str, shape: Any, dtype: Any, args: Any) -> tuple[int, ...]:
     """What a slot holds for a call (``shape`` None where ranks may differ: scatter's receivers)."""
     if shape is None:
-        dims: tuple[int, ...] = (-1,) * (_DIMS + 2)
+        dims: tuple[int, ...] = _NO_SHAPE
     else:
-        head = tuple(shape[:_DIMS])
-        dims = (len(shape), *head, *(-1,) * (_DIMS - len(head)), hash(tuple(shape)))
+        shape = tuple(shape)  # a tuple of ints hashes the same in every process (a str does not)
+        n = len(shape)
+        dims = ((n, *shape, *_PADS[_DIMS - n], hash(shape)) if n <= _DIMS
+                else (n, *shape[:_DIMS], hash(shape)))
     return (_OP_CODES[op], _DTYPE_CODES.get(dtype, -1), *dims, args_code(args))
+
+
+def packed_call(op: str, shape: Any, dtype: Any, args: Any) -> bytes:
+    """``call_words`` packed as a slot holds them, from a cache (a training loop repeats its calls)."""
+    key = (op, None if shape is None else tuple(shape), dtype, args)
+    try:
+        packed = _PACKED.get(key)
+    except TypeError:  # a list inside (new_group's ranks)
+        return _WORDS.pack(*call_words(op, shape, dtype, args))
+    if packed is None:
+        packed = _WORDS.pack(*call_words(op, shape, dtype, args))
+        if len(_PACKED) >= _MAX_CACHED:
+            _PACKED.clear()
+        _PACKED[key] = packed
+    return packed
 
 
 def describe_words(words: tuple[int, ...]) -> str:
@@ -108,37 +129,39 @@ class CallSlots:
         self._own, self._peers, self._rank, self._offset = own, dict(peers), rank, offset
         self._owns_maps = owns_maps
         self._fence = threading.Lock()
-        self.last: tuple[int, tuple[int, ...]] | None = None  # (seq, words) last announced
+        self.last: tuple[int, bytes] | None = None  # (seq, packed words) last announced
 
     def announce(self, op: str, seq: int, shape: Any, dtype: Any, args: Any) -> None:
         """Writes call ``seq`` into this rank's slot; raises CollectiveMismatchError, before the
         caller issues anything, if a same-node peer has written a different call ``seq``."""
-        words = call_words(op, shape, dtype, args)
-        at = self._offset + (seq % SLOTS) * SLOT_BYTES
-        _SEQ.pack_into(self._own, at, -1)  # the slot is being rewritten: readers skip it
-        _WORDS.pack_into(self._own, at + 8, *words)
-        _SEQ.pack_into(self._own, at, seq)
-        self.last = (seq, words)
+        packed = packed_call(op, shape, dtype, args)
+        own, at = self._own, self._offset + (seq % SLOTS) * SLOT_BYTES
+        _SEQ.pack_into(own, at, -1)  # the slot is being rewritten: readers skip it
+        own[at + 8:at + _FIELDS_END] = packed
+        _SEQ.pack_into(own, at, seq)
+        self.last = (seq, packed)
         with self._fence:  # a locked instruction: the stores above are visible before the reads
             pass
-        error = self.error(op, seq)
-        if error is not None:
-            raise error
+        for view in self._peers.values():
+            if _SEQ.unpack_from(view, at)[0] == seq and view[at + 8:at + _FIELDS_END] != packed:
+                error = self.error(op, seq)
+                if error is not None:
+                    raise error
 
     def error(self, op: str, seq: int) -> CollectiveMismatchError | None:
         """The mismatch seen so far at call ``seq`` (this rank's last announced), or None."""
         if self.last is None or self.last[0] != seq or not self._peers:
             return None
-        words = self.last[1]
+        packed = self.last[1]
         at = self._offset + (seq % SLOTS) * SLOT_BYTES
         texts = {}
         for rank, view in self._peers.items():
             theirs = _read(view, at, seq)
-            if theirs is not None and theirs != words:
-                texts[rank] = describe_words(theirs)
+            if theirs is not None and theirs != packed:
+                texts[rank] = describe_words(_WORDS.unpack(theirs))
         if not texts:
             return None
-        texts[self._rank] = describe_words(words)
+        texts[self._rank] = describe_words(_WORDS.unpack(packed))
         return CollectiveMismatchError(op, seq, describe_mismatch(texts) + " (seen through this node's "
                                        "shared memory; the group is unusable now, shut it down)")
 
@@ -214,8 +237,8 @@ def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str]
         os.unlink(path)
 
 
-def _read(view: Any, at: int, seq: int) -> tuple[int, ...] | None:
+def _read(view: Any, at: int, seq: int) -> bytes | None:
     if _SEQ.unpack_from(view, at)[0] != seq:
         return None
-    words = _WORDS.unpack_from(view, at + 8)
-    return words if _SEQ.unpack_from(view, at)[0] == seq else None
+    packed = view[at + 8:at + _FIELDS_END]
+    return packed if _SEQ.unpack_from(view, at)[0] == seq else None
