@@ -21,7 +21,7 @@ ahead has overwritten the slot; a peer that has not arrived has not written it: 
 arriving together cannot both miss each other) reads its peers' slots for the same call, and
 raises before issuing anything if one differs. So of two ranks that disagree at least the later
 one raises before it issues; the earlier one may already have issued and waits: its engine asks
-``conflicts`` while it waits (where it asks about departures) and raises too. The group is then
+``CallSlots.error`` while it waits (where it asks about departures) and raises too. The group is then
 unusable, as after a timeout.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def describe_words(words: tuple[int, ...]) -> str:
 
 class CallSlots:
     """This rank's slots (writable) and its same-node peers' (read-only), each at ``offset`` in
-    its map. The maps stay owned by the caller."""
+    its map; ``close`` unmaps them when ``owns_maps``, else they stay the caller's."""
 
     def __init__(self, own: mmap.mmap, peers: dict[int, mmap.mmap], rank: int, offset: int = 0, *,
                  owns_maps: bool = False) -> None:
@@ -217,10 +217,10 @@ def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str]
     a key to be set). The file's name is removed when the block ends: end it only once every
     member has mapped it (after the group's construction barrier)."""
     own, path = create_shared(AREA_BYTES, "distframe-calls-")
+    peers: dict[int, mmap.mmap] = {}
     try:
         here = node_id()
         set_key(str(rank), f"{here}\n{path}")
-        peers = {}
         for peer in range(world_size):
             if peer != rank:
                 value = get_key(str(peer))
@@ -228,10 +228,10 @@ def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str]
                 if node == here:
                     with contextlib.suppress(FileNotFoundError):  # the same name, another /dev/shm
                         peers[peer] = open_shared(peer_path, AREA_BYTES)
-        slots = CallSlots(own, peers, rank, owns_maps=True)
-        yield slots
+        yield CallSlots(own, peers, rank, owns_maps=True)
     except BaseException:
-        close_map(own)
+        for m in [own, *peers.values()]:
+            close_map(m)
         raise
     finally:
         os.unlink(path)
