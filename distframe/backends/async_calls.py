@@ -34,8 +34,7 @@ class AsyncCalls:
     #: "op (sequence number n) failed (error)" for the first asynchronous call that failed since
     #: the last synchronous call; set and read on the communication thread, cleared by ``_drain``.
     _async_failure: str | None
-    _check_signature: Callable[[Call], None]
-    _announce: Callable[[Call], None]
+    _check_call: Callable[[Call], None]
     _stall_check: Callable[[Call], Callable[[], BaseException | None] | None]
 
     def _missing_ranks(self, seq: int) -> list[int] | None:
@@ -52,9 +51,7 @@ class AsyncCalls:
                                      f"{self._async_failure}, and the calls queued behind a "
                                      "failed asynchronous call are not run")
             try:
-                if self.debug:
-                    self._check_signature(call)
-                self._announce(call)
+                self._check_call(call)
                 return fn(call)
             except BaseException as exc:
                 self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "

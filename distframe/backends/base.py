@@ -334,9 +334,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
             return self._submit(call, fn)
         if self._pending or self._async_failure is not None:
             self._drain()
-        if self.debug:
-            self._check_signature(call)
-        self._announce(call)
+        self._check_call(call)
         return fn(call)
 
     def _stall_check(self, call: Call) -> Callable[[], BaseException | None] | None:

@@ -39,6 +39,7 @@ class PostedCollectives:
     debug: bool
     stats: CommStats
     _check_open: Callable[[str], None]
+    _check_signature: Callable[[Any], None]
     #: The same-node call slots (distframe.backends.call_slots), where the engine has them.
     _slots: CallSlots | None = None
 
@@ -63,9 +64,12 @@ class PostedCollectives:
         what the general path would (a timeout names ``op``, ``seq`` and the missing ranks)."""
         raise NotImplementedError(f"{type(self).__name__} posts calls but cannot wait for them")
 
-    def _announce(self, call: Any) -> None:
-        """Writes ``call`` into the same-node call slots before the engine issues it, raising
-        CollectiveMismatchError when a peer's differs (``distframe.backends.call_slots``)."""
+    def _check_call(self, call: Any) -> None:
+        """Compares ``call`` with the peers' before the engine issues it (general path, either
+        way a call is run), raising CollectiveMismatchError: in ``debug`` mode the all-gathered
+        signature, then the same-node call slots (``distframe.backends.call_slots``)."""
+        if self.debug:
+            self._check_signature(call)
         if self._slots is not None:
             signature = call.signature
             self._slots.announce(call.op, call.seq, signature.shape, signature.dtype, signature.args)
