@@ -4,6 +4,8 @@ next optimizer step, ``synchronize_gradients()`` or forward instead, and trainin
 
 On a GPU the condition is real (tests/models/test_gpu.py); here each rank's backend reports its
 peer as sharing the thread, which takes the same path on the CPU. float64, 1e-10."""
+import threading
+
 import pytest
 import torch
 
@@ -60,18 +62,32 @@ def test_without_deferral_backward_leaves_the_average():
 
 
 def test_deferred_gradients_are_local_until_synchronised():
-    # What the warning says: .grad read straight after backward is not yet the average.
+    # What the warning says: .grad read straight after backward is not yet the average. Rank 1
+    # starts its backward only once rank 0 has read .grad, so rank 0's average cannot have
+    # completed by then (without the hold, whether it had was a race between the two threads).
+    batch = global_batches(1, 12)[0]
+    rank0_read = threading.Event()
+
     def run(backend):
         model = DDPModel(build_model(), sharing(backend), **SETTINGS["ddp"])
-        x, y = rank_slice(global_batches(1, 12)[0], backend.rank, backend.world_size)
+        x, y = rank_slice(batch, backend.rank, backend.world_size)
+        if backend.rank == 1:
+            assert rank0_read.wait(30)
         loss_fn(model(x), y).backward()
         before = [p.grad.clone() for p in model.parameters()]
+        rank0_read.set()
         model.synchronize_gradients()
         return before, [p.grad.clone() for p in model.parameters()]
-    (before0, after0), (before1, after1) = spawn(run, 2)
-    assert any(not torch.equal(a, b) for a, b in zip(before0, before1))
-    for a, b in zip(after0, after1):
+    (before0, after0), (_, after1) = spawn(run, 2)
+    local = build_model()
+    loss_fn(local(rank_slice(batch, 0, 2)[0]), rank_slice(batch, 0, 2)[1]).backward()
+    whole = build_model()
+    loss_fn(whole(batch[0]), batch[1]).backward()
+    for a, p in zip(before0, local.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=0, atol=0)
+    for a, b, p in zip(after0, after1, whole.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, p.grad, **TOL)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
