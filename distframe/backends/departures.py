@@ -53,7 +53,8 @@ abandoned cannot be cancelled. Where the engines differ:
   meet in the store (polled, asking about departures every slice) before torch's rendezvous in
   the process group's constructor, which cannot be interrupted; a member that leaves after
   entering ``new_group`` but before that rendezvous ends is seen only at the timeout, or when
-  its connections close. Receives: ``torch_dist_board``, [Note: watching a receive].
+  its connections close. Receives and reduce_scatter (whose waits cannot be sliced):
+  ``torch_dist_board``, [Note: watching a receive].
 * MPI reads its peers' words in shared memory every 50 ms once a call has spun for 50 ms; it
   sees the departures of ranks on its own node only.
 """

@@ -19,13 +19,15 @@ one run to the next: the pool clears the departures (``clear_departures``) befor
 every rank has answered the last one.
 
 [Note: watching a receive] Gloo's receive cannot be waited for in slices: a ``wait(timeout)`` that
-times out closes the group's connections. So a receive waits in one piece, and registers itself
-with the board (two dict operations); the board's thread, which wakes every ``interval`` anyway,
-looks at receives that have waited longer than ``WAIT_SLICE``, and when the sender has left
-without sending the message (``departures.receive_departure_error``) it records the error and
-ends the wait by waiting on the same work with a 1 ms timeout from its own thread: that wait
-times out, which closes the group's connections and wakes the receiver, which raises the error
-recorded. The group is unusable after such an error anyway.
+times out closes the group's connections. Nor can its reduce_scatter: its ``wait(timeout)`` ignores
+the timeout and its ``is_completed()`` stays False. So such a call waits in one piece and registers
+a ``WatchedWait`` with the board (two dict operations); the board's thread, which wakes every
+``interval`` anyway, asks each that has waited longer than ``WAIT_SLICE`` for its verdict (a
+receive: has its sender left without sending the message, ``departures.receive_departure_error``;
+a reduce_scatter: has a peer departed, or called something else, ``call_slots``). On an error it
+records it and cuts the wait: a receive of the same group waited for with a 1 ms timeout from the
+board's thread times out, which closes the group's connections and wakes the waiting call, which
+raises the error recorded. The group is unusable after such an error anyway.
 """
 from __future__ import annotations
 
@@ -36,14 +38,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from distframe.backends.departures import Departure, departure_error, receive_departure_error
+from distframe.backends.departures import Departure, departure_error
 
 #: How long a call waits before it first asks whether a peer has departed, and between asks.
 WAIT_SLICE = datetime.timedelta(seconds=0.2)
 _LEFT = "/left"
 _CUT = datetime.timedelta(milliseconds=1)
+_CUT_TAG = 2**31 - 1  # above every tag a message uses (torch_dist_p2p)
 # A rank whose function returns drops the groups it made (their connections close) just before it
 # departs: a lost connection is put down to a departure that shows within this many seconds.
 DEPARTURE_SETTLE_S = 0.5
@@ -68,8 +72,8 @@ class ProgressBoard:
         self._latest: dict[str, int] = {}
         self._written: dict[str, int] = {}
         self._p2p_counts: dict[str, dict[tuple[str, int, int], int]] = {}
-        self._receives: dict[int, WatchedReceive] = {}
-        self._receives_lock = threading.Lock()
+        self._watched: dict[int, WatchedWait] = {}
+        self._watched_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -166,32 +170,31 @@ class ProgressBoard:
             return None
         return _parse_departure(self._store.get(key + _LEFT).decode())
 
-    def watch(self, receive: WatchedReceive) -> None:
+    def watch(self, watched: WatchedWait) -> None:
         """[Note: watching a receive]; ``unwatch`` once its wait has returned or raised."""
-        with self._receives_lock:
-            self._receives[id(receive)] = receive
+        with self._watched_lock:
+            self._watched[id(watched)] = watched
 
-    def unwatch(self, receive: WatchedReceive) -> None:
-        with self._receives_lock:
-            self._receives.pop(id(receive), None)
+    def unwatch(self, watched: WatchedWait) -> None:
+        with self._watched_lock:
+            self._watched.pop(id(watched), None)
 
-    def _check_receives(self) -> None:
+    def _check_watched(self) -> None:
         now = time.monotonic()
-        with self._receives_lock:
-            slow = [r for r in self._receives.values()
-                    if now - r.since > WAIT_SLICE.total_seconds() and r.error is None]
-        for receive in slow:
-            error = receive_departure_error(self.departure(receive.sender_key), receive.src,
-                                            receive.receiver, receive.tag, receive.seq, now - receive.since)
+        with self._watched_lock:
+            slow = [w for w in self._watched.values()
+                    if now - w.since > WAIT_SLICE.total_seconds() and w.error is None]
+        for watched in slow:
+            error = watched.verdict(now - watched.since)
             if error is None:
                 continue
-            with self._receives_lock:  # not once its wait has ended: the work may be gone
-                if id(receive) not in self._receives:
+            with self._watched_lock:  # not once its wait has ended: the work may be gone
+                if id(watched) not in self._watched:
                     continue
-                receive.error = error
+                watched.error = error
                 try:
-                    receive.work.wait(_CUT)
-                except RuntimeError:  # the cut: it timed out, waking the receiver
+                    watched.cut()
+                except RuntimeError:  # the cut: it timed out, waking the waiting call
                     pass
 
     def close(self) -> None:
@@ -201,8 +204,8 @@ class ProgressBoard:
 
     def _publish_loop(self) -> None:
         while not self._stop.wait(self._interval):
-            if self._receives:
-                self._check_receives()
+            if self._watched:
+                self._check_watched()
             for key, seq in list(self._latest.items()):
                 if self._written.get(key) == seq:
                     continue
@@ -214,18 +217,29 @@ class ProgressBoard:
 
 
 @dataclasses.dataclass(eq=False)
-class WatchedReceive:
-    """A receive waiting for message ``seq`` from ``src`` (progress key ``sender_key``) to
-    ``receiver`` with ``tag``, on ``work``, since ``since``; ``error`` once the board ended it."""
+class WatchedWait:
+    """A wait that cannot be sliced ([Note: watching a receive]): ``verdict(seconds waited)`` is
+    the error that ends it (None: wait on), ``cut()`` wakes the waiting call; ``error`` once the
+    board ended it."""
 
-    work: Any
-    src: int
-    sender_key: str
-    receiver: int
-    tag: int
-    seq: int
+    verdict: Callable[[float], Exception | None]
+    cut: Callable[[], Any]
     since: float = dataclasses.field(default_factory=time.monotonic)
     error: Exception | None = None
+
+
+def cut_receive(pg: Any, peers: list[int]) -> Callable[[], None]:
+    """A cut for a wait on ``pg`` (Gloo): receives that no one sends, waited for 1 ms, whose
+    timeout closes the group's connections. One from each peer: a connection that a peer has
+    closed already (by its own cut) fails at once, without closing the others."""
+    def cut() -> None:
+        for peer in peers:
+            try:
+                pg.recv([torch.empty(1)], peer, _CUT_TAG).wait(_CUT)
+            except RuntimeError:  # timed out (the cut), or that connection was closed already
+                pass
+
+    return cut
 
 
 def _parse_departure(text: str) -> Departure:

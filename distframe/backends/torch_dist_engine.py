@@ -11,7 +11,8 @@ every member derives the same one without talking, and only members build it (to
 the caller's tensor (or a zero-copy view of it), plus one dict assignment for the progress board
 (see ``torch_dist_board``). Gloo waits in slices of ``WAIT_SLICE`` (0.2 s), asking between them
 whether a peer has departed (``distframe.backends.departures``): a call that completes within
-the first slice pays nothing for it. Conversions happen only where the transport lacks something:
+the first slice pays nothing for it. A reduce_scatter, whose Gloo wait cannot be sliced, is
+watched by the board's thread instead (``torch_dist_waits``). Conversions happen only where the transport lacks something:
 see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base class's all-gather of a
 16 x int64 signature (128 bytes per rank: one small-message latency), and per point-to-point
 message a 128-byte header that the receiver checks before it posts the payload's receive.
@@ -31,7 +32,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
-import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,18 +45,17 @@ from distframe.backends.composed import read_scatter_header, scatter_header, sca
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WAIT_SLICE, ProgressBoard,
-                                                 departures_key, meet_in_store, peer_lost,
-                                                 wait_for_members, wait_in_slices)
+from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
+                                                 wait_for_members)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends, message_tag
+from distframe.backends.torch_dist_waits import TorchDistWaits
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
-from distframe.errors import CollectiveTimeoutError, RankFailedError
+from distframe.errors import CollectiveTimeoutError
 
-_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")
 _SCATTER_MAX_DIMS = 16
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
 _POSTABLE = NATIVE_DTYPES - {torch.bool}
@@ -72,7 +71,7 @@ class _Shared:
     groups: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # its live backends
 
 
-class TorchDistributedBackend(CommunicationBackendBase):
+class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
     """The engine shared by Gloo and NCCL; subclasses say how to build the process group and on
     which device its tensors live (``_device``). Tensors elsewhere are staged: copied to
     ``_device`` for the call and the results copied back to where the caller's tensors were.
@@ -314,41 +313,6 @@ class TorchDistributedBackend(CommunicationBackendBase):
         if not shares_memory:
             staged.copy_(from_reducible(wire, staged.dtype))
 
-    def _complete(self, call: Call, issue: Callable[..., Any], *args: Any) -> None:
-        """Issues one process-group operation and waits for it, translating transport failures."""
-        self._await(issue(*args), call.op, call.seq)
-
-    def _await(self, work: Any, op: str, seq: int) -> None:
-        try:
-            work.wait(self._wait_slice)
-            return
-        except RuntimeError as exc:
-            first = exc
-        # Outside the except block, so that what it raises does not chain "Operation timed out!".
-        self._await_rest(work, first, op, seq)
-
-    def _await_rest(self, work: Any, exc: RuntimeError, op: str, seq: int) -> None:
-        """``_await`` once the first wait raised ``exc``, perhaps only because the slice ended."""
-        if self._wait_slice:
-            failure = wait_in_slices(work, self._wait_slice,
-                                     lambda waited: self._departure_error(op, seq, waited))
-            if failure is None:
-                return
-            exc = failure
-        error = self._comm_error(exc, op, seq, None)
-        if error is None:
-            raise exc
-        raise error from exc
-
-    def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0,
-                         peer_keys: dict[int, str] | None = None) -> Exception | None:
-        keys = self._peer_progress_keys if peer_keys is None else peer_keys  # of the ranks waited for
-        error = self._slots.error(op, seq) if peer_keys is None else None  # a call of this group
-        error = error or self._shared.board.departure_error(keys, op, seq, waited, settle)
-        if error is not None:
-            self._shared.failed = True
-        return error
-
     # ---- post first (see distframe.backends.posted; Gloo only): native dtypes ------------------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         if tensor.dtype in _POSTABLE:
@@ -368,33 +332,3 @@ class TorchDistributedBackend(CommunicationBackendBase):
     def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
         self._shared.board.reached(self._my_progress_key, seq)
         self._await(handle, op, seq)
-
-    def _missing_ranks(self, seq: int) -> list[int] | None:
-        return self._shared.board.behind(self._progress_keys, seq)
-
-    def _comm_error(self, exc: BaseException, op: str, seq: int, peers: list[int] | None,
-                    timeout: float | None = None, hint: str = "") -> Exception | None:
-        """The distframe error for a transport failure (None if ``exc`` is not one). ``peers``:
-        the ranks being waited for when known (point to point); else read from the board.
-        ``hint`` ends the message of a timeout."""
-        text = str(exc).strip()
-        lowered = text.lower()
-        timed_out = "timed out" in lowered or "timeout" in lowered
-        if not timed_out and not peer_lost(exc):
-            return None
-        self._shared.failed = True
-        if peers is None and (mismatch := self._slots.error(op, seq)) is not None:
-            return mismatch
-        if peers is None and not timed_out:  # a peer that departs may close its connections first
-            departed = self._departure_error(op, seq, 0.0, DEPARTURE_SETTLE_S)
-            if departed is not None:
-                return departed
-        detail = f"{self.engine} reported: " + _SOURCE_LOCATION.sub("", text.splitlines()[0] if text else "")
-        missing = peers if peers is not None else self._shared.board.behind(self._peer_progress_keys, seq)
-        if missing == []:
-            detail += "; every rank had reached this call"
-        if timed_out:
-            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail + hint)
-        return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
-                               f"{op} (sequence number {seq}): {detail}")
-

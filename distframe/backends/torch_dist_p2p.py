@@ -38,7 +38,7 @@ import torch
 
 from distframe.backends.departures import Departure, receive_departure_error, send_departure_error
 from distframe.backends.signature import ENCODED_LENGTH, Signature
-from distframe.backends.torch_dist_board import (_CUT, DEPARTURE_SETTLE_S, WAIT_SLICE, WatchedReceive,
+from distframe.backends.torch_dist_board import (_CUT, DEPARTURE_SETTLE_S, WAIT_SLICE, WatchedWait,
                                                  peer_lost)
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
@@ -174,8 +174,9 @@ class RecvWork(Work):
         board = backend._shared.board
         watched = None
         if backend._wait_slice and self.stop_on_departure:  # not NCCL: its waits are not sliced
-            watched = WatchedReceive(work, self._src, backend._progress_keys[self._src], backend.rank,
-                                     self._tag, self._seq)
+            key, src, tag, seq = backend._progress_keys[self._src], self._src, self._tag, self._seq
+            watched = WatchedWait(lambda waited: receive_departure_error(
+                board.departure(key), src, backend.rank, tag, seq, waited), lambda: work.wait(_CUT))
             board.watch(watched)
         start = time.monotonic()
         try:
@@ -189,7 +190,7 @@ class RecvWork(Work):
             if watched is not None:
                 board.unwatch(watched)
 
-    def _failure(self, exc: RuntimeError, waited: float, watched: WatchedReceive | None) -> Exception | None:
+    def _failure(self, exc: RuntimeError, waited: float, watched: WatchedWait | None) -> Exception | None:
         """The distframe error for a receive that failed with ``exc`` (None: not a transport
         failure): the board's verdict on a watched receive, then, for a lost connection, a sender
         that left the group (``_sender_left``), else the engine's reading of ``exc``."""

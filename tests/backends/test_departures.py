@@ -73,9 +73,10 @@ def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
     """The last rank leaves without making the call its peers wait in: its function returns
     (``how`` "return"), or it shuts down the backend the call is made on or the one that backend
     was made from, and stays until its peers have their outcome ("shutdown"). The call is an
-    all_reduce (the post-first path) or a broadcast from the leaver on that backend, or a barrier
-    on a subgroup of it whose rank order is reversed. Waiting ranks return (the op, sequence
-    number and missing ranks they expect, what happened)."""
+    all_reduce (the post-first path), a broadcast from the leaver or a reduce_scatter (whose Gloo
+    wait cannot be sliced) on that backend, or a barrier on a subgroup of it whose rank order is
+    reversed. Waiting ranks return (the op, sequence number and missing ranks they expect, what
+    happened)."""
     leaver = b.world_size - 1
     if how == "return":
         owner = b
@@ -95,6 +96,7 @@ def rank_leave_while_peers_wait(b, where: str, how: str, signals: str):
     expected = (op, group.stats.total_calls() + 1, [leaver_there])
     calls = {"all_reduce": lambda: group.all_reduce(torch.ones(3)),
              "broadcast": lambda: group.broadcast(torch.ones(3, dtype=torch.float64), leaver_there),
+             "reduce_scatter": lambda: group.reduce_scatter(torch.ones(2 * group.world_size)),
              "subgroup barrier": lambda: group.barrier()}
     outcome = _outcome(calls[where])
     if how == "shutdown":
@@ -208,12 +210,16 @@ def rank_raise_while_peers_wait(b):
 
 
 def rank_last_arrives_late(b):
-    """Every rank completes every call; the last rank enters the last one late, while the others
-    wait in it, and each rank returns as soon as its call is done."""
+    """Every rank completes every call; the last rank enters the last two late, while the others
+    wait in them (a reduce_scatter too, which the Gloo board watches past 0.2 s and must not cut),
+    and each rank returns as soon as its call is done."""
     b.all_reduce(torch.ones(2))
     if b.rank == b.world_size - 1:
         time.sleep(0.6)
-    return b.all_reduce(torch.ones(2))[0].item()
+    total = b.all_reduce(torch.ones(2))[0].item()
+    if b.rank == b.world_size - 1:
+        time.sleep(0.6)
+    return total, b.reduce_scatter(torch.ones(2 * b.world_size)).tolist()
 
 
 def rank_last_call_left_running(b):
@@ -229,7 +235,7 @@ def rank_last_call_left_running(b):
 
 # ---- tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["return", "shutdown"])
-@pytest.mark.parametrize("where", ["all_reduce", "broadcast", "subgroup barrier"])
+@pytest.mark.parametrize("where", ["all_reduce", "broadcast", "reduce_scatter", "subgroup barrier"])
 def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, how):
     results = pool.run(rank_leave_while_peers_wait, where, how, str(tmp_path))
     assert results[-1] is None
@@ -304,7 +310,7 @@ def test_a_rank_that_departs_as_failed_stops_its_peers_with_rank_failed_error(po
 def test_ranks_ending_at_different_times_raise_nothing(pool):
     world = pool.world_size
     for _ in range(2):  # the second run must not see the first run's departures
-        assert pool.run(rank_last_arrives_late) == [float(world)] * world
+        assert pool.run(rank_last_arrives_late) == [(float(world), [float(world)] * 2)] * world
     assert pool.run(rank_last_call_left_running) == [float(world)] * (world - 1) + [None]
 
 
