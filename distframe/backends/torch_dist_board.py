@@ -228,18 +228,15 @@ class WatchedWait:
     error: Exception | None = None
 
 
-def cut_receive(pg: Any, peers: list[int]) -> Callable[[], None]:
-    """A cut for a wait on ``pg`` (Gloo): receives that no one sends, waited for 1 ms, whose
-    timeout closes the group's connections. One from each peer: a connection that a peer has
-    closed already (by its own cut) fails at once, without closing the others."""
-    def cut() -> None:
-        for peer in peers:
-            try:
-                pg.recv([torch.empty(1)], peer, _CUT_TAG).wait(_CUT)
-            except RuntimeError:  # timed out (the cut), or that connection was closed already
-                pass
-
-    return cut
+def cut_waits(pg: Any, peers: list[int]) -> None:
+    """Ends the waits on ``pg`` (Gloo) by closing its connections: receives that no one sends,
+    waited for 1 ms, whose timeout closes them. One from each of ``peers``: a connection that a
+    peer has closed already (by its own cut) fails at once, without closing the others."""
+    for peer in peers:
+        try:
+            pg.recv([torch.empty(1)], peer, _CUT_TAG).wait(_CUT)
+        except RuntimeError:  # timed out (the cut), or that connection was closed already
+            pass
 
 
 def _parse_departure(text: str) -> Departure:

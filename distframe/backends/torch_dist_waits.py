@@ -11,7 +11,7 @@ from typing import Any
 
 from distframe.backends.base import Call
 from distframe.backends.call_slots import CallSlots
-from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WatchedWait, cut_receive, peer_lost,
+from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WatchedWait, cut_waits, peer_lost,
                                                  wait_in_slices)
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
@@ -51,8 +51,7 @@ class TorchDistWaits:
     def _await_watched(self, work: Any, op: str, seq: int) -> None:
         """Waits for ``work`` in one piece while the board asks whether a peer has departed or
         called something else, and cuts the wait if so ([Note: watching a receive])."""
-        watched = WatchedWait(lambda waited: self._departure_error(op, seq, waited),
-                              cut_receive(self._pg, list(self._peer_progress_keys)))
+        watched = WatchedWait(lambda waited: self._departure_error(op, seq, waited), self._cut_waits)
         self._shared.board.watch(watched)
         failure = None
         try:
@@ -66,6 +65,11 @@ class TorchDistWaits:
             raise error from (None if error is watched.error else failure)
         if failure is not None:
             raise failure
+
+    def _cut_waits(self) -> None:
+        pg = self._pg
+        if pg is not None:  # (None: shut down meanwhile, which ended the wait)
+            cut_waits(pg, list(self._peer_progress_keys))
 
     def _await_rest(self, work: Any, exc: RuntimeError, op: str, seq: int) -> None:
         """``_await`` once the first wait raised ``exc``, perhaps only because the slice ended."""
