@@ -113,7 +113,8 @@ class World:
             groups = list(self._groups)
         for group in groups:
             with group.cond:
-                group.cond.notify_all()
+                for cond in (group.cond, *group._inboxes):
+                    cond.notify_all()
 
     def check(self) -> None:
         if self.failure is not None:
@@ -138,7 +139,12 @@ class Rendezvous:
         self.world = world
         self.global_ranks = list(global_ranks)
         self.size = len(global_ranks)
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        # One condition per receiving rank, on the same lock: a message wakes its receiver only,
+        # not every rank of the group that waits for something else (at world 4, a third less
+        # time per message: BENCHMARKS.md).
+        self._inboxes = [threading.Condition(lock) for _ in range(self.size)]
         self._slots: dict[int, Slot] = {}
         # (src, dst, tag) -> {message number on that channel: (number, payload)}
         self._mailboxes: dict[tuple[int, int, int], dict[int, Any]] = {}
@@ -197,7 +203,7 @@ class Rendezvous:
         self.world.note_gpus(self.global_ranks[src], payload)
         with self.cond:
             self._mailboxes.setdefault((src, dst, tag), {})[seq] = (seq, payload)
-            self.cond.notify_all()
+            self._inboxes[dst].notify_all()
 
     def has_message(self, src: int, dst: int, tag: int, seq: int) -> bool:
         with self.cond:
@@ -208,11 +214,13 @@ class Rendezvous:
         deadline = time.monotonic() + timeout
         with self.cond:
             box = self._mailboxes.setdefault((src, dst, tag), {})
-            self._wait(lambda: seq in box, deadline, timeout, "recv", seq, lambda: {src})
+            self._wait(lambda: seq in box, deadline, timeout, "recv", seq, lambda: {src},
+                       self._inboxes[dst])
             return box.pop(seq)
 
     # ---- waiting -----------------------------------------------------------------------------
-    def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing) -> None:
+    def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing,
+              cond: threading.Condition | None = None) -> None:
         """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure,
         or at once when the missing ranks cannot arrive (``[Note: ranks sharing a GPU, ...]``)."""
         start = time.monotonic()
@@ -234,7 +242,7 @@ class Rendezvous:
                 if stalled is not None:  # the missing ranks can never arrive: stop now
                     raise stalled
             # Wake at least once a second: a peer failure notifies us, this is only a backstop.
-            self.cond.wait(min(remaining, 1.0))
+            (cond or self.cond).wait(min(remaining, 1.0))
         # No failure check once ready: a call that completed is not undone by a peer failing
         # afterwards; this rank learns of the failure at its next wait.
 
