@@ -12,10 +12,11 @@ the caller's tensor (or a zero-copy view of it), plus one dict assignment for th
 (see ``torch_dist_board``). Gloo waits in slices of ``WAIT_SLICE`` (0.2 s), asking between them
 whether a peer has departed (``distframe.backends.departures``): a call that completes within
 the first slice pays nothing for it. A reduce_scatter, whose Gloo wait cannot be sliced, is
-watched by the board's thread instead (``torch_dist_waits``). Conversions happen only where the transport lacks something:
-see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base class's all-gather of a
-16 x int64 signature (128 bytes per rank: one small-message latency), and per point-to-point
-message a 128-byte header that the receiver checks before it posts the payload's receive.
+watched by the board's thread instead (``torch_dist_waits``). Conversions happen only where the
+transport lacks something: see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base
+class's all-gather of a 16 x int64 signature (128 bytes per rank: one small-message latency), and
+per point-to-point message a 128-byte header that the receiver checks before it posts the
+payload's receive.
 
 [Note: point to point] ``send`` is buffered, as in the in-memory engine: the payload is copied
 and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
