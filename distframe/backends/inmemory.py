@@ -3,7 +3,9 @@
 Data moves by direct tensor copies between the threads' buffers, so the engine works for any
 device torch supports. Reductions are split by rank: rank r reduces element range r of every
 input (in rank order, so results are bitwise identical on all ranks and deterministic) and writes
-it straight into every rank's output, so the ranks share the memory traffic.
+it straight into every rank's output, so the ranks share the memory traffic. A small all_reduce
+(``WHOLE_REDUCE_BYTES``) is reduced whole by one rank, in the same order (the same bits), and
+copied by each: there the split's world_size small ops per rank cost more than the data.
 """
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ from distframe.backends.reduction import reduce_into
 from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World, autograd_device
 from distframe.backends.types import CompletedWork, ReduceOp, Work
 from distframe.errors import CollectiveMismatchError
+
+
+# An all_reduce of at most this many bytes is reduced whole, once, by the first rank there to ask:
+# split by rank, it cost every rank world_size small ops (2.5x slower at world 4: BENCHMARKS.md).
+WHOLE_REDUCE_BYTES = 128 * 1024
 
 
 class InMemoryCommunicationBackend(CommunicationBackendBase):
@@ -103,6 +110,11 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
                         f"ranks are threads of one process, so a {op.name} in place into one tensor "
                         "would count it more than once: give each rank a tensor of its own "
                         "(tensor.clone(), or copy.deepcopy(model) per rank)")
+            if tensor.nbytes <= WHOLE_REDUCE_BYTES:
+                reduced = self._rdv.compute_once(slot, "reduced", lambda: reduce_into(
+                    torch.empty_like(tensor), [slot.inputs[r] for r in range(self._world_size)], op))
+                tensor.copy_(reduced)
+                return
             part = self._element_range(tensor.numel())
             flats = [slot.inputs[r].view(-1)[part] for r in range(self._world_size)]
             # Only this rank touches range `part` of the inputs, so it may reduce into rank 0's
