@@ -4,8 +4,9 @@ Data moves by direct tensor copies between the threads' buffers, so the engine w
 device torch supports. Reductions are split by rank: rank r reduces element range r of every
 input (in rank order, so results are bitwise identical on all ranks and deterministic) and writes
 it straight into every rank's output, so the ranks share the memory traffic. A small all_reduce
-(``WHOLE_REDUCE_BYTES``) is reduced whole by one rank, in the same order (the same bits), and
-copied by each: there the split's world_size small ops per rank cost more than the data.
+or reduce_scatter (``WHOLE_REDUCE_BYTES``) is reduced whole by one rank, in the same order (the
+same bits), and copied by each: there the split's world_size small ops per rank cost more than
+the data.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from distframe.backends.types import CompletedWork, ReduceOp, Work
 from distframe.errors import CollectiveMismatchError
 
 
-# An all_reduce of at most this many bytes is reduced whole, once, by the first rank there to ask:
-# split by rank, it cost every rank world_size small ops (2.5x slower at world 4: BENCHMARKS.md).
+# An all_reduce or reduce_scatter of at most this many bytes is reduced whole, once, by the first
+# rank there to ask: split by rank, it cost every rank world_size small ops (an all_reduce of 1 KB
+# took twice as long at world 4: BENCHMARKS.md).
 WHOLE_REDUCE_BYTES = 128 * 1024
 
 
@@ -111,9 +113,7 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
                         "would count it more than once: give each rank a tensor of its own "
                         "(tensor.clone(), or copy.deepcopy(model) per rank)")
             if tensor.nbytes <= WHOLE_REDUCE_BYTES:
-                reduced = self._rdv.compute_once(slot, "reduced", lambda: reduce_into(
-                    torch.empty_like(tensor), [slot.inputs[r] for r in range(self._world_size)], op))
-                tensor.copy_(reduced)
+                tensor.copy_(self._reduced_whole(slot, tensor, op))
                 return
             part = self._element_range(tensor.numel())
             flats = [slot.inputs[r].view(-1)[part] for r in range(self._world_size)]
@@ -132,9 +132,18 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         def body(slot: Slot) -> torch.Tensor:
+            if tensor.nbytes <= WHOLE_REDUCE_BYTES:
+                mine = self._reduced_whole(slot, tensor, op).chunk(self._world_size)[self._rank]
+                return mine.clone() if out is None else out.copy_(mine)
             chunks = [slot.inputs[r].chunk(self._world_size)[self._rank] for r in range(self._world_size)]
             return reduce_into(torch.empty_like(chunks[0]) if out is None else out, chunks, op)
         return self._collective(call, tensor, body)
+
+    def _reduced_whole(self, slot: Slot, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Every rank's input of ``slot`` folded with ``op`` in rank order, computed once by the
+        first rank to ask (``WHOLE_REDUCE_BYTES``); the inputs are not read after it."""
+        return self._rdv.compute_once(slot, "reduced", lambda: reduce_into(
+            torch.empty_like(tensor), [slot.inputs[r] for r in range(self._world_size)], op))
 
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
         def body(slot: Slot) -> None:
