@@ -112,9 +112,7 @@ class World:
         with self._lock:
             groups = list(self._groups)
         for group in groups:
-            with group.cond:
-                for cond in (group.cond, *group._inboxes):
-                    cond.notify_all()
+            group.wake_all()
 
     def check(self) -> None:
         if self.failure is not None:
@@ -219,6 +217,12 @@ class Rendezvous:
             return box.pop(seq)
 
     # ---- waiting -----------------------------------------------------------------------------
+    def wake_all(self) -> None:
+        """Wakes every rank waiting here, in a collective or a receive, to look again."""
+        with self.cond:
+            for cond in (self.cond, *self._inboxes):
+                cond.notify_all()
+
     def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing,
               cond: threading.Condition | None = None) -> None:
         """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure,
