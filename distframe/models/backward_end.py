@@ -19,7 +19,8 @@ A pass that reached no parameter leaves the reductions to ``synchronize_gradient
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,11 +36,15 @@ class BackwardEnd:
         self._only_if_accumulated = only_if_accumulated
         self._accumulated = False
 
-    def watch(self, output: Any, hook: Callable[..., Any] | None = None) -> None:
-        """Registers ``hook`` (default: ``queue``) on every tensor of ``output`` requiring grad."""
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+    def watch(self, output: Any, hook: Callable[..., Any] | None = None) -> int:
+        """Registers ``hook`` (default: ``queue``) on every tensor of ``output`` requiring grad;
+        returns how many it hooked (none: a backward from ``output`` goes unseen)."""
+        hooked = 0
+        for tensor in output_tensors(output):
+            if tensor.requires_grad:
                 tensor.register_hook(hook or self.queue)
+                hooked += 1
+        return hooked
 
     def queue(self, *_: Any) -> None:
         if not self._queued:
@@ -61,3 +66,15 @@ class BackwardEnd:
         accumulated, self._accumulated = self._accumulated, False
         if accumulated or not self._only_if_accumulated:
             self._finish()
+
+
+def output_tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's ``output``: in torch's pytree containers (tuples, lists, dicts,
+    namedtuples, types registered with it) and in the fields of dataclasses (ModelOutput-style
+    results, which pytree treats as leaves) at any depth."""
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                yield from output_tensors(getattr(leaf, field.name))

@@ -63,6 +63,13 @@ so its records await nothing that backward reached. The cost of a stale record (
 grad that never got a backward, such as an evaluation without ``torch.no_grad``) is overlap:
 the units it ran are reduced by ``finish`` in that step, not during the backward.
 
+[Note: an output the hooks cannot see] A unit's output is hooked to gather it again for its
+backward; the tensors are found in torch's pytree containers and in dataclasses (``output_tensors``
+in backward_end.py). An output holding its tensors where neither looks (an object of another
+class) leaves nothing to hook, and a unit freed after such a forward would run its backward on
+freed storage; so it stays gathered until its backward ends (its inputs' hook, or ``finish``),
+as with ``reshard_after_forward=False``.
+
 [Note: double backward] A backward with ``create_graph=True`` (a gradient penalty) builds a graph
 over the unit's gathered parameters, which the unit frees when its backward ends, so a second
 backward through it read freed storage (torch's "setStorage ... out of bounds for storage of size
@@ -204,10 +211,13 @@ class UnitLifecycle:
     def post_forward(self, unit: ShardedUnit, output: Any) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # a recomputation in backward (see pre_forward): keep the unit gathered
+        seen = True
         if torch.is_grad_enabled():
             record, boundary = self._record, len(self._record.order)
-            self._backward_end.watch(output, lambda grad: self._gradient_reached(unit, record, boundary))
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+            seen = self._backward_end.watch(
+                output, lambda grad: self._gradient_reached(unit, record, boundary)) > 0
+        # An output with no tensor to hook: see [Note: an output the hooks cannot see].
+        if (self.reshard_after_forward and seen) or not torch.is_grad_enabled():
             unit.reshard()
         unit.state = TrainingState.IDLE
 

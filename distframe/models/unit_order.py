@@ -39,9 +39,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
-
 from distframe.backends.protocol import ICommunicationBackend
+from distframe.models.backward_end import output_tensors
 
 
 class ForwardRecord:
@@ -111,8 +110,8 @@ def unit_ancestors(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[
 def hook_inputs(args: tuple, kwargs: dict, callback: Callable[[], None]) -> None:
     """Calls ``callback`` when the backward reaches any non-leaf tensor among the inputs that
     requires grad (see the Note on leaves above)."""
-    for tensor in tree_leaves((args, kwargs)):
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.grad_fn is not None:
+    for tensor in output_tensors((args, kwargs)):
+        if tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(lambda grad: callback())
 
 
