@@ -40,7 +40,7 @@ class BackwardEnd:
         """Registers ``hook`` (default: ``queue``) on every tensor of ``output`` requiring grad;
         returns how many it hooked (none: a backward from ``output`` goes unseen)."""
         hooked = 0
-        for tensor in output_tensors(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(hook or self.queue)
                 hooked += 1
@@ -68,8 +68,8 @@ class BackwardEnd:
             self._finish()
 
 
-def output_tensors(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a forward's ``output``: in torch's pytree containers (tuples, lists, dicts,
+def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's ``output`` (or arguments): in torch's pytree containers (tuples, lists, dicts,
     namedtuples, types registered with it) and in the fields of dataclasses (ModelOutput-style
     results, which pytree treats as leaves) at any depth."""
     for leaf in tree_leaves(output):
@@ -77,4 +77,4 @@ def output_tensors(output: Any) -> Iterator[torch.Tensor]:
             yield leaf
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for field in dataclasses.fields(leaf):
-                yield from output_tensors(getattr(leaf, field.name))
+                yield from tensors_in(getattr(leaf, field.name))

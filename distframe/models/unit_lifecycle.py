@@ -64,7 +64,7 @@ grad that never got a backward, such as an evaluation without ``torch.no_grad``)
 the units it ran are reduced by ``finish`` in that step, not during the backward.
 
 [Note: an output the hooks cannot see] A unit's output is hooked to gather it again for its
-backward; the tensors are found in torch's pytree containers and in dataclasses (``output_tensors``
+backward; the tensors are found in torch's pytree containers and in dataclasses (``tensors_in``
 in backward_end.py). An output holding its tensors where neither looks (an object of another
 class) leaves nothing to hook, and a unit freed after such a forward would run its backward on
 freed storage; so it stays gathered until its backward ends (its inputs' hook, or ``finish``),

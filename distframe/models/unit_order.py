@@ -39,8 +39,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
 from distframe.backends.protocol import ICommunicationBackend
-from distframe.models.backward_end import output_tensors
+from distframe.models.backward_end import tensors_in
 
 
 class ForwardRecord:
@@ -110,7 +111,7 @@ def unit_ancestors(root: nn.Module, unit_modules: list[nn.Module]) -> list[list[
 def hook_inputs(args: tuple, kwargs: dict, callback: Callable[[], None]) -> None:
     """Calls ``callback`` when the backward reaches any non-leaf tensor among the inputs that
     requires grad (see the Note on leaves above)."""
-    for tensor in output_tensors((args, kwargs)):
+    for tensor in tensors_in((args, kwargs)):
         if tensor.requires_grad and tensor.grad_fn is not None:
             tensor.register_hook(lambda grad: callback())
 
