@@ -269,9 +269,11 @@ class ShardedModelBase(nn.Module, abc.ABC):
         collective for sharded strategies."""
         self._sync_buffers()
         params = self._gather_parameters()
+        first = {id(p): n for n, p in self.wrapped_model.named_parameters()}  # a shared one's first name
         out = {}
         for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():
-            out[name] = params[name] if name in params else tensor.detach().clone()
+            gathered = params.get(name, params.get(first.get(id(tensor), name)))  # any name of a shared one
+            out[name] = gathered if gathered is not None else tensor.detach().clone()
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:

@@ -171,13 +171,7 @@ class UnitShardedModelBase(ShardedModelBase):
         frozen = {n: p.detach().clone() for n, p in self.wrapped_model.named_parameters()
                   if not p.requires_grad}
         out.update(frozen)
-        # A shared parameter is gathered once, under its first name; its other state_dict names
-        # get the same tensor, as the unwrapped model's state_dict() has it.
-        first_name = {id(p): n for n, p in self.wrapped_model.named_parameters()}
-        for name, p in self.wrapped_model.named_parameters(remove_duplicate=False):
-            if name not in out:
-                out[name] = out[first_name[id(p)]]
-        return out
+        return out  # a shared parameter under its first name: gather_full_parameters adds the others
 
     def _strategy_buffers(self) -> list[torch.Tensor]:
         return [t for u in self.units for t in (u.full, u.accumulated) if t is not None]
