@@ -21,7 +21,8 @@ from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.inputs import call_with
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard, plain_optimizers
-from distframe.models.replicas import broadcast_module_state, broadcast_tensors, check_same_structure
+from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_same_structure,
+                                      check_unwrapped)
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
 
@@ -58,6 +59,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         if not isinstance(backend, ICommunicationBackend):
             raise ConfigError(f"backend must implement ICommunicationBackend (for example the one "
                               f"spawn() passes to your function), got {type(backend).__name__}")
+        check_unwrapped(module, type(self).__name__)
         self.wrapped_model = module
         self.backend = backend
         self.config = resolve_config(config, settings)
@@ -389,12 +391,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
 def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
     total = 0
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
         if key == 0 or key in seen:
             continue
         seen.add(key)
-        total += storage.nbytes()
+        total += t.untyped_storage().nbytes()
     return total

@@ -13,6 +13,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.flat import FlatSpace, Segment, partition_into_buckets
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
+from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 
 CommHook = Callable[[ICommunicationBackend, GradBucket], Work]
@@ -49,6 +50,7 @@ class DDPModel(ShardedModelBase):
     def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
+        mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         spaces = []
         for dtype in sorted({p.dtype for _, p in self._named}, key=str):

@@ -56,7 +56,7 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
                                            zero_counted_segments)
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_runtime import PipelineRunner
-from distframe.models.replicas import broadcast_tensors
+from distframe.models.replicas import broadcast_tensors, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
@@ -92,6 +92,7 @@ class HybridShardedModel(ShardedModelBase):
         ranges = stage_ranges(model, dims, virtual_stages, split_points)
         every_stage = stage_layers(model, ranges, dims.pp, virtual_stages)
         self.catalog = ParameterCatalog(model, every_stage)
+        mark_wrapped(model, type(self).__name__)  # the model changes from here (layers split, stages kept)
         origins: dict[int, int] = {}
         self.dropout_rng: TensorParallelRNG | None = None
         if dims.tp_enabled:

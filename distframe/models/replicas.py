@@ -4,6 +4,7 @@ check_same_structure: one all_gather of a fingerprint per parameter and buffer (
 they differ, one all_gather of the descriptions) so every rank raises the same ConfigError.
 broadcast_module_state: one broadcast per dtype of all parameters and buffers, flattened.
 broadcast_tensors: the same for any tensors (the buffers DDP-style strategies re-broadcast).
+check_unwrapped, mark_wrapped: a module is wrapped once (no communication).
 """
 from __future__ import annotations
 
@@ -16,6 +17,28 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 
 _DESCRIPTION_BYTES = 200
+_WRAPPED_BY = "_distframe_wrapped_by"
+
+
+def check_unwrapped(module: nn.Module, strategy: str) -> None:
+    """ConfigError if ``module``, or a submodule, was wrapped before (``mark_wrapped``). A wrapper
+    changes the module's parameters in place (gradient hooks; under ZeRO-3 and FSDP, views of
+    storage freed between uses, which torch reads as garbage or crashes on), so a second wrapper
+    would run the first one's hooks, or read freed storage."""
+    for name, sub in module.named_modules():
+        earlier = sub.__dict__.get(_WRAPPED_BY)
+        if earlier is not None:
+            which = f"its submodule '{name}'" if name else "it"
+            raise ConfigError(
+                f"{strategy} cannot wrap this module: {which} was wrapped by {earlier} already, which "
+                "hooked its parameters (ZeRO-3 and FSDP also replace their storage); build a fresh "
+                "module for each wrapper (or copy.deepcopy it before the first wrap)")
+
+
+def mark_wrapped(module: nn.Module, strategy: str) -> None:
+    """Called by a strategy once its checks have passed, before it changes ``module``: a failed
+    check leaves the module as it was, free to be wrapped again once fixed."""
+    module.__dict__[_WRAPPED_BY] = strategy
 
 
 def describe_entries(module: nn.Module) -> list[str]:

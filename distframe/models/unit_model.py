@@ -23,6 +23,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError, DistFrameError
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
+from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_lifecycle import UnitLifecycle
@@ -44,11 +45,14 @@ class UnitShardedModelBase(ShardedModelBase):
         super().__init__(module, backend, config=config, **settings)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         single_dtype(named, type(self).__name__)
+        refuse_sparse_gradients(module, type(self).__name__)
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
+        chosen = self._choose_units(module)
+        mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         self.units = [
             ShardedUnit(i, owner, params, backend, policy,
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
-            for i, (owner, params) in enumerate(self._choose_units(module))]
+            for i, (owner, params) in enumerate(chosen)]
         self.lifecycle = UnitLifecycle(self.units, module,
                                        reshard_after_forward=self.config.reshard_after_forward,
                                        prefetch=self.config.prefetch, misuse_error=self._misused_unit_error,
@@ -179,6 +183,17 @@ class UnitShardedModelBase(ShardedModelBase):
     def largest_unit_bytes(self) -> int:
         """Bytes of the largest gathered unit (the transient peak above the shards)."""
         return max((u.full_bytes for u in self.units), default=0)
+
+
+def refuse_sparse_gradients(module: nn.Module, strategy: str) -> None:
+    """ConfigError for an embedding that makes sparse gradients: a unit reduce-scatters one flat
+    dense gradient (as FSDP does, which does not take them either)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ConfigError(
+                f"{strategy}: '{name}' ({type(sub).__name__}) has sparse=True, but its units reduce "
+                "one flat dense gradient; build it with sparse=False, or use DDPModel or "
+                "ZeRO1Model/ZeRO2Model, which take sparse gradients")
 
 
 # Containers whose forward never runs: their hooks would never gather a unit rooted there.

@@ -14,6 +14,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.flat import FlatSpace, partition_into_buckets
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
+from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.precision import MixedPrecisionPolicy
 
@@ -48,6 +49,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         super().__init__(module, backend, config=config, **settings)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dtype = single_dtype(named, type(self).__name__)
+        mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
         self.compute_dtype = policy.compute_dtype(dtype)
         self.reduce_dtype = policy.communication_dtype(dtype)

@@ -183,3 +183,18 @@ def test_a_torch_optimizer_state_dict_is_a_config_error(strategy):
         with pytest.raises(ConfigError, match=expected):
             opt.load_state_dict(plain.state_dict())
     spawn(run, 2)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+@pytest.mark.parametrize("table", [nn.Embedding, nn.EmbeddingBag])
+def test_sparse_gradients_are_refused_by_the_flat_sharded_strategies(strategy, table):
+    # Their units reduce-scatter one flat dense gradient; a sparse one crashed in backward with
+    # torch's "reshape is not implemented for sparse tensors".
+    def run(backend):
+        model = nn.Sequential(nn.Linear(4, 4))
+        model.add_module("table", table(10, 4, sparse=True))
+        with pytest.raises(ConfigError, match=r"'table' \(.*\) has sparse=True.*sparse=False.*DDPModel"):
+            STRATEGIES[strategy][0](model, backend)
+        model.table.weight.requires_grad_(False)  # frozen: it makes no gradient, nothing to refuse
+        STRATEGIES[strategy][0](model, backend)
+    _one_rank(run)
