@@ -58,6 +58,7 @@ from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
+from distframe.models.tensor_parallel_flow import SplitOutputCheck
 from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
@@ -101,6 +102,8 @@ class HybridShardedModel(ShardedModelBase):
             origins = apply_stage_tensor_parallel(model, tp_plan, every_stage[self.groups.pp_index],
                                                   self.groups.tp, self.dropout_rng)
         chunks = build_chunks(model, ranges, dims.pp, self.groups.pp_index, virtual_stages)
+        # See [Note: a split output that no row takes] in tensor_parallel_flow.py.
+        self._split_output_check = SplitOutputCheck(chunks) if dims.tp_enabled else None
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         if dims.cp_enabled:
             apply_context_parallel([model, stage], self.groups.cp)

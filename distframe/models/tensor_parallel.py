@@ -48,6 +48,9 @@ class ColumnParallelLinear(nn.Module):
     (backward: keep the slice). Holds ``weight (out/t, in)`` and ``bias (out/t)``.
     """
 
+    # Until SplitOutputCheck (tensor_parallel_flow) has run: the latest output's autograd node.
+    record_output, output_node = False, None
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, backend: ICommunicationBackend,
                  *, gather_output: bool = False, copy_input: bool = True) -> None:
         super().__init__()
@@ -74,7 +77,11 @@ class ColumnParallelLinear(nn.Module):
         if self.copy_input:
             x = copy_to_parallel_region(x, self.backend)
         y = F.linear(x, self.weight, self.bias)  # (..., out/t)
-        return gather_from_parallel_region(y, self.backend) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_parallel_region(y, self.backend)
+        if self.record_output:
+            self.output_node = y.grad_fn
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -84,6 +91,8 @@ class RowParallelLinear(nn.Module):
     last dim; the local matmul gives a partial sum, ``g`` all-reduces it, then the (replicated)
     bias is added once. Holds ``weight (out, in/t)`` and the full ``bias (out)``.
     """
+
+    record_output, output_node = False, None  # as ColumnParallelLinear's
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, backend: ICommunicationBackend,
                  *, input_is_parallel: bool = True) -> None:
@@ -113,7 +122,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.backend)
         y = reduce_from_parallel_region(F.linear(x, self.weight), self.backend)  # (..., out)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        if self.record_output:
+            self.output_node = y.grad_fn
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,10 +5,14 @@ Parallelism is applied from outside, as torchtitan does: the planned ``nn.Linear
 parameter names stay the dense model's. Rules:
 
 * ``"vocab"`` on an ``nn.Embedding``: VocabParallelEmbedding.
-* ``"column"`` on an ``nn.Linear``: ColumnParallelLinear. Its output stays split when a sibling
-  (same parent module) is planned ``"row"`` (the MLP's ``fc_in -> fc_out``); otherwise it is
-  gathered, so the module computes what the dense one did (the LM head).
-* ``"row"``: RowParallelLinear; its input is split first unless a sibling is ``"column"``.
+* ``"column"`` on an ``nn.Linear``: ColumnParallelLinear. Its output stays split when a ``"row"``
+  layer takes it (the MLP's ``fc_in -> fc_out``); otherwise it is gathered, so the module computes
+  what the dense one did (the LM head). In an ``nn.Sequential`` the order says which: a column
+  pairs with the next planned layer if that is a row. Elsewhere a column pairs with any sibling
+  (same parent module) planned ``"row"`` (a gated MLP's two columns feed one row); a split output
+  that reaches the stage's output anyway is a ConfigError at the first forward
+  (``tensor_parallel_flow``).
+* ``"row"``: RowParallelLinear; its input is split first unless it pairs with a column.
 * ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
   ``MultiheadDilatedAttention``: the whole attention is replaced by
   TensorParallelDilatedAttention (split by heads, one ``f`` for q/k/v).
@@ -83,12 +87,12 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
                 parallel = _replace_attention(model, parent_name, parent, children, backend, shared, rng)
             _record(origins, parent, parallel)
             continue
-        styles = set(children.values())
+        paired = _paired(parent, children)
         for child, style in mine.items():
             dense = parent.get_submodule(child)
             name = f"{parent_name}.{child}" if parent_name else child
             with _naming(name):
-                layer = _parallel_layer(dense, style, styles, backend, shared, name)
+                layer = _parallel_layer(dense, style, paired[child], backend, shared, name)
             layer.plan_name = name  # named in its wiring errors
             setattr(parent, child, layer)
             _record(origins, dense, layer)
@@ -150,16 +154,26 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     return dict(plan)
 
 
-def _parallel_layer(dense: nn.Module, style: str, sibling_styles: set[str], backend: ICommunicationBackend,
+def _paired(parent: nn.Module, children: dict[str, str]) -> dict[str, bool]:
+    """Planned child -> whether it pairs with a partner (see the module docstring): a column's
+    output then stays split, a row's input arrives split."""
+    if isinstance(parent, nn.Sequential):
+        order = [name for name, _ in parent.named_children() if name in children]
+        pairs = [(a, b) for a, b in zip(order, order[1:]) if (children[a], children[b]) == ("column", "row")]
+        in_pair = {name for pair in pairs for name in pair}
+        return {child: child in in_pair for child in children}
+    styles = set(children.values())
+    return {child: {"column": "row", "row": "column"}.get(style) in styles for child, style in children.items()}
+
+
+def _parallel_layer(dense: nn.Module, style: str, paired: bool, backend: ICommunicationBackend,
                     shared: dict, name: str) -> nn.Module:
     if style == "vocab":
         return VocabParallelEmbedding.from_dense(dense, backend, shared=shared)
     if style == "column":
-        return ColumnParallelLinear.from_dense(dense, backend, gather_output="row" not in sibling_styles,
-                                               shared=shared)
+        return ColumnParallelLinear.from_dense(dense, backend, gather_output=not paired, shared=shared)
     if style == "row":
-        return RowParallelLinear.from_dense(dense, backend, input_is_parallel="column" in sibling_styles,
-                                            shared=shared)
+        return RowParallelLinear.from_dense(dense, backend, input_is_parallel=paired, shared=shared)
     raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
 
 
