@@ -163,7 +163,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         flat = data.reshape(1) if data.dim() == 0 else data.contiguous()
         shape = (self._world_size * flat.shape[0], *flat.shape[1:])
         if out is not None:
-            self._check_out("all_gather", out, shape, tensor)
+            out = self._check_out("all_gather", out, shape, tensor)
         if self._may_post(async_op) and flat.is_cpu:
             result = out if out is not None else flat.new_empty(shape)
             if self._posted("all_gather", tensor.nbytes, (tensor.shape, tensor.dtype, ()),
@@ -185,7 +185,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                 f"shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self._world_size}")
         shape = (tensor.shape[0] // self._world_size, *tensor.shape[1:])
         if out is not None:
-            self._check_out("reduce_scatter", out, shape, tensor)
+            out = self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
         if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION):
@@ -377,8 +377,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         self._check_open(op)
         return validation.check_p2p(op, tensor, peer, tag, self._rank, self._world_size, RESERVED_TAG)
 
-    def _check_out(self, op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
-        validation.check_out(op, out, shape, like)
+    def _check_out(self, op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return validation.check_out(op, out, shape, like)
 
     def _check_chunks(self, op: str, chunks: object, *, same_shape: bool) -> list[torch.Tensor]:
         return validation.check_chunks(op, chunks, self._world_size, same_shape=same_shape)

@@ -56,8 +56,9 @@ def check_p2p(op: str, tensor: object, peer: object, tag: object, rank: int, wor
     return data, peer, tag
 
 
-def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> None:
-    check_tensor(op, out)
+def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``out`` as the engines write it (:func:`plain`: a detached alias when it requires grad)."""
+    out = check_tensor(op, out)
     if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
         raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
                          f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
@@ -66,6 +67,7 @@ def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) 
     ptr = _storage_address(out)
     if ptr and ptr == _storage_address(like):
         raise ValueError(f"{op}: out must not share storage with the input; pass a separate buffer")
+    return out
 
 
 def check_chunks(op: str, chunks: object, world_size: int, *, same_shape: bool) -> list[torch.Tensor]:

@@ -373,6 +373,16 @@ def check_tensors_that_require_grad(backend) -> None:
                *(backend.gather(source, 0) or [])]
     if any(t.requires_grad for t in results):
         raise AssertionError("the result of a collective must not require grad (it has no graph)")
+    # out= buffers that require grad are written through a detached alias too (in-memory raised
+    # torch's "functions with out=... arguments don't support automatic differentiation", Gloo
+    # "a view ... is being modified inplace", MPI wrote them).
+    gathered, scattered = torch.empty(2 * n, requires_grad=True), torch.empty(2, requires_grad=True)
+    backend.all_gather(source, out=gathered)
+    backend.reduce_scatter(source.detach().repeat(n), out=scattered)
+    expected = [float(q) for q in range(n) for _ in range(2)]
+    if gathered.detach().tolist() != expected or scattered.detach().tolist() != [float(sum(range(n)))] * 2:
+        raise AssertionError(f"rank {r}: out= buffers that require grad got {gathered.tolist()}, "
+                             f"{scattered.tolist()}")
     if n > 1:
         backend.send(source.double().repeat(2)[:3], (r + 1) % n)
         backend.recv(param[0], (r - 1) % n)  # a parameter's row, written in place
