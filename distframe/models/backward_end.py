@@ -69,9 +69,9 @@ class BackwardEnd:
 
 
 def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a forward's ``output`` (or arguments): in torch's pytree containers (tuples, lists, dicts,
-    namedtuples, types registered with it) and in the fields of dataclasses (ModelOutput-style
-    results, which pytree treats as leaves) at any depth."""
+    """The tensors of a forward's ``output`` (or arguments): in torch's pytree containers (tuples,
+    lists, dicts, namedtuples, types registered with it) and in the fields of dataclasses
+    (ModelOutput-style results, which pytree treats as leaves) at any depth."""
     for leaf in tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             yield leaf

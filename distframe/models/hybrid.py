@@ -102,8 +102,10 @@ class HybridShardedModel(ShardedModelBase):
             origins = apply_stage_tensor_parallel(model, tp_plan, every_stage[self.groups.pp_index],
                                                   self.groups.tp, self.dropout_rng)
         chunks = build_chunks(model, ranges, dims.pp, self.groups.pp_index, virtual_stages)
-        # See [Note: a split output that no row takes] in tensor_parallel_flow.py.
-        self._split_output_check = SplitOutputCheck(chunks) if dims.tp_enabled else None
+        # See [Note: a split output that no row takes] in tensor_parallel_flow.py: the model's
+        # output, the last stage's (a split activation may cross to the stage of its row).
+        last = [c for c in chunks if getattr(c, "index", 0) == getattr(c, "num_stages", 1) - 1]
+        self._split_output_check = SplitOutputCheck(last) if dims.tp_enabled else None
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         if dims.cp_enabled:
             apply_context_parallel([model, stage], self.groups.cp)

@@ -6,10 +6,11 @@ sums the partial products) turns that back into the dense model's activation. Th
 column with a row by position (``tensor_parallel_plan``), which cannot see the dataflow of a
 custom module: a classifier head beside an MLP's column -> row pair in one module is paired with
 that row, and each rank would return a slice of the logits, a silently wrong model. So at the
-first forward with grad of each module whose output leaves the rank's tensor-parallel region
-(the stage), the autograd graph is walked back from that output, stopping at the rows' outputs:
-reaching a split column's output is a ConfigError on every tensor rank (they run the same plan).
-The layers record their output's node only until then, so no graph is kept alive afterwards.
+first forward with grad of each module whose output is the model's (the model, or its last
+pipeline stage: a split activation may cross to the stage holding its row), the autograd graph
+is walked back from that output, stopping at the rows' outputs: reaching a split column's output
+is a ConfigError on every tensor rank (they run the same plan). The layers record their
+output's node only until then, so no graph is kept alive afterwards.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from distframe.models.tensor_parallel import ColumnParallelLinear, RowParallelLi
 
 
 class SplitOutputCheck:
-    """Checks each of ``modules`` (the stage's, run by this rank) once, at its first forward with
-    grad, then stops the layers' recording."""
+    """Checks each of ``modules`` (those of this rank whose output is the model's) once, at its
+    first forward with grad, then stops the layers' recording."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         layers = [m for top in modules for m in top.modules()]

@@ -10,7 +10,7 @@ parameter names stay the dense model's. Rules:
   what the dense one did (the LM head). In an ``nn.Sequential`` the order says which: a column
   pairs with the next planned layer if that is a row. Elsewhere a column pairs with any sibling
   (same parent module) planned ``"row"`` (a gated MLP's two columns feed one row); a split output
-  that reaches the stage's output anyway is a ConfigError at the first forward
+  that reaches the model's output anyway is a ConfigError at the first forward
   (``tensor_parallel_flow``).
 * ``"row"``: RowParallelLinear; its input is split first unless it pairs with a column.
 * ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
