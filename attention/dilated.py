@@ -112,10 +112,27 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             raise ValueError(f"key_padding_mask must be (batch, seq) = {tuple(query.shape[:2])}, "
                              f"got {tuple(key_padding_mask.shape)}")
         if key_padding_mask.dtype != torch.bool:
-            raise ValueError("key_padding_mask must be a bool tensor (True = ignore the key)")
+            raise ValueError(f"key_padding_mask must be a bool tensor (True = ignore the key), got "
+                             f"{key_padding_mask.dtype}")
         if key_padding_mask.device != query.device:
             raise ValueError(f"key_padding_mask device {key_padding_mask.device} differs from query "
                              f"device {query.device}: move the mask to the query's device")
+
+
+def key_padding_mask_as_bool(key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """nn.MultiheadAttention's float form of ``key_padding_mask`` as the bool one (True = ignore
+    the key); any other mask is returned as given. nn.TransformerEncoder(Layer) turns a user's bool
+    ``src_key_padding_mask`` into an additive float mask, 0 to keep a key and -inf to ignore it,
+    before it calls ``self_attn``. Other float values would bias the scores, which dilated
+    attention cannot do: ValueError."""
+    if not isinstance(key_padding_mask, torch.Tensor) or not key_padding_mask.is_floating_point():
+        return key_padding_mask
+    ignore = key_padding_mask == -math.inf
+    if not bool((ignore | (key_padding_mask == 0)).all()):
+        raise ValueError("a floating-point key_padding_mask must hold only 0 (attend) and -inf (ignore "
+                         "the key), the form nn.TransformerEncoder passes; dilated attention adds no "
+                         "other bias to the scores: pass a bool mask, True = ignore the key")
+    return ignore
 
 
 class KeySourceCache(OrderedDict):

@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from attention.dilated import DilatedAttention, positive_int, validate_dropout
+from attention.dilated import (DilatedAttention, key_padding_mask_as_bool, positive_int,
+                              validate_dropout)
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -26,8 +27,9 @@ class MultiheadDilatedAttention(nn.Module):
     ``layer_norm=False`` it computes what ``nn.MultiheadAttention(batch_first=True)`` computes
     with the same weights. It takes that module's keywords where dilated attention can honour
     them (``batch_first=True``; ``attn_mask`` None or the causal mask, ``need_weights=False``,
-    ``average_attn_weights``) and refuses the others saying what to pass (``torch_mha_keywords``),
-    so it can stand in as ``self_attn`` of ``nn.TransformerEncoderLayer``.
+    ``average_attn_weights``; ``key_padding_mask`` bool or the float 0/-inf form torch passes on)
+    and refuses the others saying what to pass (``torch_mha_keywords``), so it can stand in as
+    ``self_attn`` of ``nn.TransformerEncoderLayer``.
     """
 
     # Read by nn.TransformerEncoder(Layer) to choose its fused fast path, which needs
@@ -105,8 +107,8 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).view(batch, seq_len, heads, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(key).view(batch, seq_len, heads, self.head_dim)
         v = self.v_proj(value).view(batch, seq_len, heads, self.head_dim)
-        attended = self.attention(q, k, v, is_causal=is_causal,
-                                  key_padding_mask=key_padding_mask)  # (B, T, H, D)
+        padding = key_padding_mask_as_bool(key_padding_mask)  # (B, T) bool, or None
+        attended = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=padding)  # (B, T, H, D)
         attended = attended.reshape(batch, seq_len, heads * self.head_dim)  # (B, T, E)
         if self.norm is not None:
             attended = self.norm(attended)

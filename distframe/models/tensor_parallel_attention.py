@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention.dilated import DilatedAttention
+from attention.dilated import DilatedAttention, key_padding_mask_as_bool
 from attention.function import LocalKeySource
 from attention.multihead import MultiheadDilatedAttention, torch_mha_keywords
 from attention.plan import make_slot_plans
@@ -102,7 +102,8 @@ class TensorParallelDilatedAttention(nn.Module):
         q = self.q_proj(query_p).view(shape)  # (B, T, H/t, D)
         k = self.k_proj(key_p).view(batch, key.shape[1], self.local_heads, self.head_dim)
         v = self.v_proj(value_p).view(batch, value.shape[1], self.local_heads, self.head_dim)
-        attended = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask)
+        padding = key_padding_mask_as_bool(key_padding_mask)  # the float 0/-inf form as bool
+        attended = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=padding)
         attended = attended.reshape(batch, seq_len, self.local_heads * self.head_dim)  # (B, T, E/t)
         if self.norm is not None:
             attended = self.norm(attended)
