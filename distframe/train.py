@@ -24,7 +24,7 @@ from distframe.data import check_windows, load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig, timeout_of
-from distframe.train_settings import saved_run_named
+from distframe.train_settings import check_resumed_model, saved_run_named
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
 __all__ = ["TrainConfig", "TrainResult", "run"]
@@ -49,6 +49,8 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    if config.resume:  # the data's vocabulary: the model's shape was checked with the settings
+        check_resumed_model(config, corpus.vocab_size)
     check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     check_out_writable(config.out)
     if config.optimizer == "elastic":
@@ -87,7 +89,15 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         if config.resume and train_checkpoint.agreed_resume_step(
                 config.out, config.steps, backend) == config.steps:
             return _already_finished(config, rank=backend.rank)
-        return train_on_rank(backend, config, backend_name=name, start_notes=start_notes)
+        corpus = load_corpus(config.data, token_dtype=config.token_dtype)
+        if config.resume:  # each rank reads its own OUT/config.json: they agree on the verdict
+            try:
+                check_resumed_model(config, corpus.vocab_size)
+                error = None
+            except ConfigError as exc:
+                error = exc
+            agree(backend, error, "--resume")
+        return train_on_rank(backend, config, backend_name=name, corpus=corpus, start_notes=start_notes)
     finally:
         backend.shutdown()
 

@@ -11,8 +11,9 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
-from distframe.train_checkpoint import read_config_json
-from distframe.train_config import LAUNCH_SETTINGS, PARALLEL_SETTINGS, TrainConfig, flag
+from distframe.train_checkpoint import latest_checkpoint, read_config_json
+from distframe.train_config import (LAUNCH_SETTINGS, MODEL_FLAGS, PARALLEL_SETTINGS, TrainConfig,
+                                    flag)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
 
@@ -37,6 +38,8 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None, *,
     settings["resume"] = resume
     with saved_run_named(resume, out):
         config = TrainConfig(**settings)
+    if resume:  # before anything is built: a checkpoint of another shape fails only in the load
+        check_resumed_model(config)
     for line in setting_warnings(config, given) if warn else ():
         warn(line)
     return config
@@ -89,6 +92,58 @@ def saved_run_named(resume: bool, out: str) -> Iterator[None]:
                           "takes its settings unless given, but not --world-size)") from None
 
 
+def check_resumed_model(config: TrainConfig, vocab_size: int | None = None) -> None:
+    """ConfigError, naming the flag with its value and the run's, when the model ``config``
+    describes is not the one the resumed run in ``config.out`` trained (``OUT/config.json``'s
+    "model"): --resume continues that model's checkpoint, which fits no other shape (and other
+    segment lengths or dilation rates would load, and silently train another function).
+    ``vocab_size``: the vocabulary of the data this run reads; None (not read yet): not compared.
+    Dropout may change: it is no part of the parameters."""
+    path = os.path.join(config.out, "config.json")
+    if not os.path.isfile(path) or latest_checkpoint(config.out) is None:
+        return  # nothing to continue: --resume says so itself
+    raw = read_config_json(path)
+    saved = raw.get("model")
+    if not isinstance(saved, dict):  # not what distframe train writes: the load says what it lacks
+        return
+    if vocab_size is None:
+        vocab_size = saved.get("vocab_size", 256)
+    model = dataclasses.asdict(config.model_config(vocab_size=vocab_size))
+    # The fields the command line names first: a --seq-len also changes fitted segment lengths.
+    for field in ("vocab_size", *MODEL_FLAGS.values(), *model):
+        before = tuple(saved[field]) if isinstance(saved.get(field), list) else saved.get(field)
+        if field != "dropout" and field in saved and before != model[field]:
+            saved_train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+            changed, drop = _model_change(config, field, model[field], before, saved_train)
+            raise ConfigError(f"{changed} (in {path}): a resumed run keeps its model; drop {drop} or "
+                              "start a new --out")
+
+
+def _model_change(config: TrainConfig, field: str, value: Any, before: Any,
+                  saved_train: Mapping[str, Any]) -> tuple[str, str]:
+    """How the flags change model field ``field`` from the run's ``before`` to ``value``, and the
+    flags to drop."""
+    if field == "vocab_size":
+        data = f"--data {config.data or '(the default corpus)'} --token-dtype {config.token_dtype}"
+        was = (f"{saved_train.get('data') or 'the default corpus'} with --token-dtype "
+               f"{saved_train.get('token_dtype')}")
+        return (f"{data}: its vocabulary of {value} tokens differs from the run's {before}, read from {was}",
+                "--data and --token-dtype")
+    name = next((name for name, model_field in MODEL_FLAGS.items() if model_field == field), None)
+    if name is not None and getattr(config, name) is not None:
+        return f"{flag(name)} {_setting(value)} differs from the run's {_setting(before)}", flag(name)
+    if config.preset != saved_train.get("preset"):
+        return f"--preset {config.preset} differs from the run's {saved_train.get('preset')}", "--preset"
+    # config.json edited by hand, or the preset itself changed since the run
+    return (f"{field} {_setting(value)} of --preset {config.preset} differs from the run's "
+            f"{_setting(before)}", "--preset")
+
+
+def _setting(value: Any) -> str:
+    """A setting as the command line spells it: ``8,16,32`` for a list."""
+    return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+
+
 def load_toml(path: str) -> dict[str, Any]:
     """The settings of a TOML file whose keys mirror the flags (``d-model`` or ``d_model``)."""
     try:
@@ -109,6 +164,10 @@ def load_toml(path: str) -> dict[str, Any]:
                           "a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets the decoding error through
+        line = exc.object.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"--config {path}: not valid TOML (byte {exc.object[exc.start]:#x} at line "
+                          f"{line} is not UTF-8); save the file as UTF-8") from None
     return _known_settings(raw, f"--config {path}")
 
 
