@@ -12,9 +12,8 @@ for a receive whose sender, or a send whose receiver, left without sending or re
 message stops at once (``departures``, [Note: sends to a rank that left]).
 
 With ``debug=True`` the base class all-gathers a 16-integer signature before each collective, so
-ranks that disagree on op, shape, dtype or arguments all raise ``CollectiveMismatchError``. Cost:
-one extra 128-byte-per-rank all-gather per call, i.e. one small-message latency (a few
-microseconds between ranks of one node); the bandwidth of large calls is unaffected.
+ranks that disagree on op, shape, dtype or arguments all raise ``CollectiveMismatchError``, for
+one small-message latency per call (128 bytes per rank; a few microseconds on one node).
 
 [Note: after a timeout] A timed-out MPI request cannot be cancelled. It stays referenced by the
 backend (with its buffers) and may still complete if the late rank arrives, so a group that has
@@ -76,7 +75,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._MPI = MPI
         self._comm = comm
         self._device_aware = device_aware(MPI)
-        self._ops = mpi_ops(MPI)
+        ops = mpi_ops(MPI)  # by op and whether the dtype is floating: [Note: NaN in MPI's MIN and MAX]
+        self._op = lambda op, tensor: ops[op, tensor.is_floating_point()]
         self._address = AddressWire(MPI)
         self._board = ProgressBoard(comm, MPI)
         self._slots = self._board.slots
@@ -141,7 +141,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
     # ---- post first (see distframe.backends.posted): dtypes MPI reduces as they are -----------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         if tensor.dtype in _POSTABLE:
-            return self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(tensor), self._ops[op]), tensor
+            request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(tensor), self._op(op, tensor))
+            return request, tensor
         return None
 
     def _post_all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Any:
@@ -152,7 +153,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
         if out.is_cpu and tensor.dtype in _POSTABLE:
             return (self._comm.Ireduce_scatter_block(self._address(tensor), self._address(out),
-                                                     self._ops[op]), (tensor, out))
+                                                     self._op(op, tensor)), (tensor, out))
         return None
 
     def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
@@ -168,7 +169,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         host = stage_in(tensor, stage)
         work = upcast_for_mpi(host)
         self._board.publish(call.seq)
-        self._wait(call, self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(work), self._ops[op]), work)
+        request = self._comm.Iallreduce(self._MPI.IN_PLACE, self._address(work), self._op(op, work))
+        self._wait(call, request, work)
         write_back(host, work)
         write_back(tensor, host)
 
@@ -189,7 +191,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
             out = work.new_empty((work.shape[0] // self._world_size, *work.shape[1:]))
         self._board.publish(call.seq)
         self._wait(call, self._comm.Ireduce_scatter_block(self._address(work), self._address(out),
-                                                          self._ops[op]), (work, out))
+                                                          self._op(op, work)), (work, out))
         if out.dtype != tensor.dtype:
             out = out.to(tensor.dtype)
         return stage_back(out, tensor, stage)
@@ -209,7 +211,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         root = self._rank == dst
         send = self._MPI.IN_PLACE if root else buf
         self._complete(call, lambda: self._comm.Ireduce(
-            send, buf if root else None, self._ops[op], root=dst), buf)
+            send, buf if root else None, self._op(op, work), root=dst), buf)
         if root:
             write_back(host, work)
             write_back(tensor, host)

@@ -13,10 +13,11 @@ the caller's tensor (or a zero-copy view of it), plus one dict assignment for th
 whether a peer has departed (``distframe.backends.departures``): a call that completes within
 the first slice pays nothing for it. A reduce_scatter, whose Gloo wait cannot be sliced, is
 watched by the board's thread instead (``torch_dist_waits``). Conversions happen only where the
-transport lacks something: see ``torch_dist_wire``. ``debug=True`` adds, per collective, the base
-class's all-gather of a 16 x int64 signature (128 bytes per rank: one small-message latency), and
-per point-to-point message a 128-byte header that the receiver checks before it posts the
-payload's receive.
+transport lacks something: see ``torch_dist_wire``; floating MIN and MAX travel with a NaN flag
+per element, twice the bytes (``nan_flags``, [Note: NaN flags]). ``debug=True`` adds, per
+collective, the base class's all-gather of a 16 x int64 signature (128 bytes per rank: one
+small-message latency), and per point-to-point message a 128-byte header that the receiver checks
+before it posts the payload's receive.
 
 [Note: point to point] ``send`` is buffered, as in the in-memory engine: the payload is copied
 and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
@@ -44,6 +45,8 @@ from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendB
 from distframe.backends.call_slots import exchanged_slots
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
 from distframe.backends.departures import Departure
+from distframe.backends.nan_flags import (ORDER_OPS, needs_nan_flags, pack_with_nan_flags,
+                                          unpack_with_nan_flags)
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
@@ -149,6 +152,8 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
                         out: torch.Tensor | None = None) -> torch.Tensor:
         self._arrive(call)
         staged = self._stage(tensor)
+        if needs_nan_flags(staged, op):
+            return self._reduce_scatter_with_nan_flags(tensor, staged, op, call, out)
         plan = to_reducible(staged, op)
         if plan is None:
             return super()._reduce_scatter(tensor, op, call)
@@ -158,6 +163,17 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         self._complete(call, self._pg._reduce_scatter_base, out, wire,
                        options(dist.ReduceScatterOptions, reduceOp=TORCH_OPS[op]))
         return self._result(from_reducible(out, tensor.dtype), tensor)
+
+    def _reduce_scatter_with_nan_flags(self, tensor: torch.Tensor, staged: torch.Tensor, op: ReduceOp,
+                                       call: Call, out: torch.Tensor | None) -> torch.Tensor:
+        """Floating MIN/MAX: each rank's chunk travels with its NaN flags ([Note: NaN flags])."""
+        packed = pack_with_nan_flags(staged, op, self._world_size).view(-1)
+        share = packed.new_empty(packed.numel() // self._world_size)  # flat: Gloo divides dim 0
+        self._complete(call, self._pg._reduce_scatter_base, share, packed,
+                       options(dist.ReduceScatterOptions, reduceOp=TORCH_OPS[op]))
+        if out is None or staged is not tensor:  # else write into the caller's buffer
+            out = staged.new_empty((staged.shape[0] // self._world_size, *staged.shape[1:]))
+        return self._result(unpack_with_nan_flags(share, out), tensor)
 
     def _all_gather(self, tensor: torch.Tensor, call: Call, out: torch.Tensor | None = None) -> torch.Tensor:
         self._arrive(call)
@@ -303,6 +319,11 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
 
     def _reduce_in_place(self, staged: torch.Tensor, op: ReduceOp, call: Call,
                          issue: Callable[[torch.Tensor, dist.ReduceOp], Any]) -> None:
+        if needs_nan_flags(staged, op):  # the values travel with their NaN flags ([Note: NaN flags])
+            packed = pack_with_nan_flags(staged, op)
+            self._complete(call, issue, packed, TORCH_OPS[op])
+            unpack_with_nan_flags(packed, staged)
+            return
         plan = to_reducible(staged, op)
         if plan is None:  # e.g. complex PRODUCT: gather everything, reduce here in rank order
             everyone = self._all_gather(staged.reshape(1, staged.numel()), call)
@@ -315,8 +336,9 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
             staged.copy_(from_reducible(wire, staged.dtype))
 
     # ---- post first (see distframe.backends.posted; Gloo only): native dtypes ------------------
+    # Floating MIN/MAX is not posted: it goes with its NaN flags (nan_flags), on the general path.
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        if tensor.dtype in _POSTABLE:
+        if tensor.dtype in _POSTABLE and not (op in ORDER_OPS and tensor.is_floating_point()):
             return self._pg.allreduce([tensor], ALLREDUCE_OPTIONS[op])
         return None
 
@@ -326,7 +348,7 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         return None
 
     def _post_reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> Any:
-        if out.is_cpu and tensor.dtype in _POSTABLE:
+        if out.is_cpu and tensor.dtype in _POSTABLE and not (op in ORDER_OPS and tensor.is_floating_point()):
             return self._pg._reduce_scatter_base(out, tensor, REDUCE_SCATTER_OPTIONS[op])
         return None
 
