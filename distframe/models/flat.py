@@ -25,17 +25,16 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class FlatEntry:
+    """``param``'s place in the space; its shape as it was when the space was made (ZeRO-3 and
+    FSDP empty a parameter between uses: [Note: parameters between uses] in sharded_unit.py)."""
     name: str
     param: nn.Parameter
     offset: int
+    shape: torch.Size
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.param.shape
+        return self.shape.numel()
 
 
 class FlatSpace:
@@ -47,7 +46,7 @@ class FlatSpace:
         offset = 0
         entries = []
         for name, param in named_params:
-            entries.append(FlatEntry(name, param, offset))
+            entries.append(FlatEntry(name, param, offset, param.shape))
             offset += param.numel()
         self.entries = entries
         # Buffers of this space live where its parameters do (a CUDA model's on its GPU).

@@ -1,10 +1,21 @@
 """ShardedUnit: a group of parameters kept as 1/N of one flat space per rank, gathered on demand.
 
-The unit's parameters are views into ``full`` (the padded flat space in the compute dtype).
-Resharding frees ``full``'s storage (``untyped_storage().resize_(0)``) without touching any
-tensor's metadata, so the views autograd saved during forward become valid again as soon as
-``unshard`` refills the storage before backward. Rank r keeps chunk r as a master Parameter
-(float32 under mixed precision) that its optimizer updates.
+While gathered, the unit's parameters are views into ``full`` (the padded flat space in the
+compute dtype). Resharding frees ``full``'s storage (``untyped_storage().resize_(0)``) without
+touching the views' metadata, so the views autograd saved during forward become valid again as
+soon as ``unshard`` refills the storage before backward. Rank r keeps chunk r as a master
+Parameter (float32 under mixed precision) that its optimizer updates.
+
+[Note: parameters between uses] A view of freed storage keeps its shape, and torch reads it as
+memory it no longer owns: ``p.sum()``, ``print(p)`` or an EMA of the weights outside forward
+crashed the process. So while resharded each parameter holds a stand-in (``p.data``, which
+leaves the Parameter, its ``.grad`` and its hooks as they are; a leaf autograd saved is read
+through the Parameter, which holds its view again by the time backward needs it): one NaN
+expanded to the parameter's shape. Shape, dtype and device stay what user code reads them for
+(counting parameters, choosing optimizer groups by ``p.dim()``); a read gives NaN, never freed
+memory or a plausible number, and an in-place write raises (every element is one memory
+location). ``gather_full_parameters()`` gives the values. (FSDP1 empties them instead, shape
+``(0,)``, which breaks that user code.)
 
 Collectives: ``unshard`` is one all_gather of the chunk (optionally asynchronous, for prefetch);
 ``reduce_gradients`` is one asynchronous reduce_scatter(AVG) of the flattened gradients.
@@ -18,6 +29,8 @@ prefetch, is what kept FSDPModel's peak RSS above FSDP2's (BENCHMARKS.md, issue 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -26,6 +39,13 @@ from distframe.backends.types import ReduceOp, Work
 from distframe.models.config import TrainingState
 from distframe.models.flat import FlatSpace
 from distframe.precision import MixedPrecisionPolicy, finer
+
+
+@functools.cache
+def stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The one 0-dim NaN of ``dtype`` on ``device`` that every resharded parameter of that dtype
+    expands (see [Note: parameters between uses]): one element of storage per process."""
+    return torch.full((), float("nan"), dtype=dtype, device=device)
 
 
 class ShardedUnit:
@@ -51,9 +71,10 @@ class ShardedUnit:
         self.full = self.space.flatten(originals, self.compute_dtype)
         # From the model's own values: ``full`` holds them rounded to the compute dtype.
         self.master = nn.Parameter(self.space.chunk(originals, backend.rank, policy.master(dtype)))
-        with torch.no_grad():
-            for param, view in zip(self.space.params, self.space.views(self.full)):
-                param.data = view
+        self._views = list(self.space.views(self.full))
+        nan = stand_in(self.full.dtype, self.full.device)  # what the parameters hold while resharded
+        self._stand_ins = [nan.expand(e.shape) for e in self.space.entries]
+        self._attach(self._views)
         self.state = TrainingState.IDLE
         self.is_unsharded = True
         self.stale = False
@@ -88,6 +109,7 @@ class ShardedUnit:
             storage = self.full.untyped_storage()
             if storage.nbytes() < self._full_bytes:
                 storage.resize_(self._full_bytes)
+                self._attach(self._views)
             shard = self.master.detach().to(self.compute_dtype)
             self._gather = self.backend.all_gather(shard, out=self.full, async_op=True)
         if not async_op:
@@ -105,7 +127,13 @@ class ShardedUnit:
         if self.persistent or not self.is_unsharded:
             return
         self.full.untyped_storage().resize_(0)
+        self._attach(self._stand_ins)  # see [Note: parameters between uses]
         self.is_unsharded = False
+
+    def _attach(self, data: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for param, tensor in zip(self.space.params, data):
+                param.data = tensor
 
     def drop_prefetch(self) -> None:
         """Waits for a gather in flight; ``full`` then holds the masters' values as of its start
