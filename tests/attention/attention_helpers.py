@@ -20,3 +20,17 @@ def max_error(a, b):
     if isinstance(a, (tuple, list)):
         return max(max_error(x, y) for x, y in zip(a, b))
     return (a.double() - b.double()).abs().max().item()
+
+
+def copy_weights(ours, theirs) -> None:
+    """``theirs`` (an nn.MultiheadAttention) gets ``ours``'s (a MultiheadDilatedAttention)
+    projections, after drawing random biases for ours, so a bias handled wrongly shows."""
+    with torch.no_grad():
+        for proj in (ours.q_proj, ours.k_proj, ours.v_proj):
+            proj.bias.normal_()
+        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
+                                               ours.v_proj.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias,
+                                             ours.v_proj.bias]))
+        theirs.out_proj.weight.copy_(ours.out_proj.weight)
+        theirs.out_proj.bias.copy_(ours.out_proj.bias)

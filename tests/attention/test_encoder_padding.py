@@ -12,23 +12,11 @@ import torch
 from torch import nn
 
 from attention import MultiheadDilatedAttention
-from attention_helpers import max_error
+from attention_helpers import copy_weights, max_error
 from distframe.launch import spawn
 from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
 
 EMBED, HEADS, SEQ = 16, 4, 12
-
-
-def _copy_weights(ours: MultiheadDilatedAttention, theirs: nn.MultiheadAttention) -> None:
-    with torch.no_grad():
-        for proj in (ours.q_proj, ours.k_proj, ours.v_proj):
-            proj.bias.normal_()
-        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
-                                               ours.v_proj.weight]))
-        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias,
-                                             ours.v_proj.bias]))
-        theirs.out_proj.weight.copy_(ours.out_proj.weight)
-        theirs.out_proj.bias.copy_(ours.out_proj.bias)
 
 
 def _layers() -> tuple[nn.TransformerEncoderLayer, nn.TransformerEncoderLayer]:
@@ -41,7 +29,7 @@ def _layers() -> tuple[nn.TransformerEncoderLayer, nn.TransformerEncoderLayer]:
     ours.load_state_dict(theirs.state_dict())
     ours.self_attn = MultiheadDilatedAttention(EMBED, HEADS, segment_lengths=[SEQ], dilation_rates=[1],
                                                layer_norm=False, dtype=torch.float64)
-    _copy_weights(ours.self_attn, theirs.self_attn)
+    copy_weights(ours.self_attn, theirs.self_attn)
     return ours, theirs
 
 

@@ -7,19 +7,7 @@ import torch
 from torch import nn
 
 from attention import DilatedTransformerConfig, DilatedTransformerLM, MultiheadDilatedAttention
-from attention_helpers import max_error
-
-
-def _copy_weights(ours: MultiheadDilatedAttention, theirs: nn.MultiheadAttention) -> None:
-    with torch.no_grad():
-        for proj in (ours.q_proj, ours.k_proj, ours.v_proj):
-            proj.bias.normal_()
-        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,
-                                               ours.v_proj.weight]))
-        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias,
-                                             ours.v_proj.bias]))
-        theirs.out_proj.weight.copy_(ours.out_proj.weight)
-        theirs.out_proj.bias.copy_(ours.out_proj.bias)
+from attention_helpers import copy_weights, max_error
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -29,7 +17,7 @@ def test_equals_nn_multihead_attention(causal):
     ours = MultiheadDilatedAttention(embed, heads, segment_lengths=[seq], dilation_rates=[1],
                                      layer_norm=False, dtype=torch.float64)
     theirs = nn.MultiheadAttention(embed, heads, batch_first=True, dtype=torch.float64)
-    _copy_weights(ours, theirs)
+    copy_weights(ours, theirs)
     x = torch.randn(2, seq, embed, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(2, seq) < 0.3
     mask[:, 0] = False
@@ -79,7 +67,7 @@ def test_in_a_causal_transformer_encoder_equals_nn_multihead_attention():
     ours.load_state_dict(theirs.state_dict())
     ours.self_attn = MultiheadDilatedAttention(embed, heads, segment_lengths=[seq], dilation_rates=[1],
                                                layer_norm=False, batch_first=True, dtype=torch.float64)
-    _copy_weights(ours.self_attn, theirs.self_attn)
+    copy_weights(ours.self_attn, theirs.self_attn)
     x = torch.randn(2, seq, embed, dtype=torch.float64)
     mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64)
     # TransformerEncoder detects the causal mask and passes it with is_causal=True; in eval mode
