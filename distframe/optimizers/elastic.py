@@ -1,18 +1,18 @@
 """ElasticOptimizer: data-parallel training whose workers may leave, fail or join.
 
 State lives in *commits*: ``commit()`` snapshots the model and optimizer state of every rank
-(the sharded pieces of ``state_dict()``, keyed by parameter range) into one ``Commit`` that
-every rank holds, so the survivors of any failure hold all of it, and (every
-``checkpoint_every`` commits) writes a checkpoint. Building an ElasticOptimizer in a new group
-restores the newest commit any member holds (one broadcast from a member that has it, so a
-joining worker receives it) and re-shards it for the new world size through the strategies'
-range-keyed ``load_state_dict``; with no commit in memory it resumes from the newest checkpoint
-in ``checkpoint_dir`` (a torchrun/mpiexec restart at a new world size), else starts fresh and
-commits step 0. It never goes back silently: when the members know the run's newest commit
-(``ElasticMember.newest_committed_step``, set by ElasticController) and every worker that held
-it failed, it restores a checkpoint of that step, or raises ElasticRollbackError naming the
-steps that would be lost (``allow_rollback=True``: goes on from the newest older state, with a
-warning). Works with DDP, ZeRO-1/2/3 and FSDP models.
+(the sharded pieces of ``state_dict()``, keyed by parameter range), with the lr scheduler's and
+the GradScaler's, into one ``Commit`` (elastic_commit.py) that every rank holds, so the
+survivors of any failure hold all of it, and (every ``checkpoint_every`` commits) writes a
+checkpoint. Building an ElasticOptimizer in a new group restores the newest commit any member
+holds (one broadcast from a member that has it, so a joining worker receives it) and re-shards
+it for the new world size through the strategies' range-keyed ``load_state_dict``; with no
+commit in memory it resumes from the newest checkpoint in ``checkpoint_dir`` (a torchrun/mpiexec
+restart at a new world size), else starts fresh and commits step 0. It never goes back
+silently: when the members know the run's newest commit (``ElasticMember.newest_committed_step``,
+set by ElasticController) and every worker that held it failed, it restores a checkpoint of that
+step, or raises ElasticRollbackError naming the steps that would be lost (``allow_rollback=True``:
+goes on from the newest older state, with a warning). Works with DDP, ZeRO-1/2/3 and FSDP models.
 
 How membership changes on the in-memory engine is ``elastic_membership.py``.
 """
@@ -25,7 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from distframe.backends.objects import all_gather_bytes, broadcast_bytes
@@ -33,40 +32,13 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase
+from distframe.optimizers.elastic_commit import Commit
+from distframe.optimizers.elastic_grad_scaler import CommittedGradScaler, refuse_unregistered
 from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source, lost_commit,
                                                   unsaved_load)
 
-_META_KEY = "__elastic_meta__"
-
-
-@dataclasses.dataclass(frozen=True)
-class Commit:
-    """A complete snapshot at ``step``: model and optimizer pieces of every rank, merged."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]  # {"tensors", "scalars", "param_groups"}
-    world_size: int
-    lr_scheduler: dict[str, Any] | None = None  # the scheduler's state_dict (JSON), if any
-
-    def to_bytes(self) -> bytes:
-        meta = {"step": self.step, "world_size": self.world_size, "model_keys": sorted(self.model),
-                "scalars": self.optimizer["scalars"], "param_groups": self.optimizer["param_groups"],
-                "lr_scheduler": self.lr_scheduler}
-        tensors = {**{f"m/{k}": v for k, v in self.model.items()},
-                   **{f"o/{k}": v for k, v in self.optimizer["tensors"].items()},
-                   _META_KEY: _encode_json(meta)}
-        return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()})
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> Commit:
-        tensors = safetensors.torch.load(blob)
-        meta = json.loads(bytes(tensors.pop(_META_KEY).tolist()))
-        model = {k[2:]: v for k, v in tensors.items() if k.startswith("m/")}
-        opt = {k[2:]: v for k, v in tensors.items() if k.startswith("o/")}
-        return cls(meta["step"], model, {"tensors": opt, "scalars": meta["scalars"],
-                                         "param_groups": meta["param_groups"]}, meta["world_size"],
-                   meta.get("lr_scheduler"))
+__all__ = ["Commit", "ElasticMember", "ElasticOptimizer", "ElasticRollbackError", "latest_checkpoint",
+           "latest_checkpoint_and_step"]
 
 
 @dataclasses.dataclass
@@ -114,9 +86,17 @@ class ElasticOptimizer(ShardedOptimizerBase):
     ``step_count``), so a restart from one resumes the schedule where it was. It is built after
     the restore, then given the restored state.
 
-    Loss scaling: as the wrapped strategy's optimizer (DDP: a plain GradScaler; ZeRO, FSDP:
-    ``distframe.ShardedGradScaler``). A step the scaler skips, on every rank alike, does not
-    count in ``step_count``, step the scheduler or commit.
+    ``grad_scaler``: the GradScaler that drives the steps (DDP: a plain ``torch.amp.GradScaler``
+    or ``distframe.ShardedGradScaler``; ZeRO, FSDP: ShardedGradScaler), used as usual
+    (``scaler.scale(loss).backward()``, ``scaler.step(optimizer)``, ``scaler.update()``). Its state
+    is part of every commit and checkpoint, as the scheduler's is: joiners receive the scale,
+    survivors rolled back and restarts get back the scale of what they restore, so every rank
+    uses the same scale at every step (elastic_grad_scaler.py). A scaler that drives the steps
+    without being registered is noticed (a GradScaler hands ``step()`` its found-inf flag), and
+    restoring a commit made under it (a membership change, a rollback) raises ConfigError rather
+    than let the replicas diverge; so do ranks whose scalers' states differ at a commit. A step
+    the scaler skips, on every rank alike, does not count in ``step_count``, step the scheduler
+    or commit.
 
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
     one all_gather (each member's committed step, the run's newest step, any load not yet
@@ -130,6 +110,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
                  checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
                  member: ElasticMember | None = None,
                  lr_scheduler: Callable[[ElasticOptimizer], Any] | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None,
                  allow_rollback: bool = False, **optimizer_kwargs: Any) -> None:
         if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
             raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
@@ -144,7 +125,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
             raise ConfigError("ElasticOptimizer checkpoint_every needs checkpoint_dir=<directory>")
         if not isinstance(allow_rollback, bool):
             raise ConfigError(f"ElasticOptimizer allow_rollback={allow_rollback!r}: use True or False")
+        scaler = CommittedGradScaler(grad_scaler, model)
         super().__init__(model, optimizer, **optimizer_kwargs)
+        self._scaler = scaler
         self.commit_every = commit_every
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
@@ -187,6 +170,25 @@ class ElasticOptimizer(ShardedOptimizerBase):
             self.commit()
         return super().step(closure)
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # Over DDP too (the base class leaves DDP to torch's own path): a GradScaler then hands
+        # step() its flag, so this optimizer knows that one drives it, registered or not.
+        return True
+
+    def _apply_grad_scaler(self) -> bool:
+        if getattr(self, "found_inf", None) is not None:
+            self._scaler.saw_scaled_step(self)
+        if not self.model.replicates_gradients:
+            return super()._apply_grad_scaler()
+        with self.agreed_scaler_step():  # DDP: every rank finds the same in the same averaged gradients
+            return super()._apply_grad_scaler()
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler passed as ``grad_scaler=`` (None: none)."""
+        return self._scaler.scaler
+
     def _step(self, closure: Any = None) -> Any:
         # Not step(): a step a GradScaler skips (on every rank alike) counts and commits nothing.
         loss = super()._step(closure)
@@ -220,20 +222,11 @@ class ElasticOptimizer(ShardedOptimizerBase):
     def commit(self) -> Commit:
         """Snapshots every rank's state into one Commit held by every rank; collective."""
         backend = self.model.backend
-        mine = Commit(self.step_count, dict(self.model.state_dict()), self.state_dict(), backend.world_size,
-                      self._scheduler_state())
+        state = self.state_dict()
+        mine = Commit(self.step_count, dict(self.model.state_dict()), state, backend.world_size,
+                      state["lr_scheduler"], state["grad_scaler"], self._scaler.unregistered)
         blobs = all_gather_bytes(backend, mine.to_bytes())
-        parts = [Commit.from_bytes(b) for b in blobs]
-        merged_model: dict[str, torch.Tensor] = {}
-        merged_tensors: dict[str, torch.Tensor] = {}
-        scalars: dict[str, Any] = {}
-        for part in parts:
-            merged_model.update(part.model)
-            merged_tensors.update(part.optimizer["tensors"])
-            scalars.update(part.optimizer["scalars"])
-        commit = Commit(self.step_count, merged_model, {"tensors": merged_tensors, "scalars": scalars,
-                        "param_groups": parts[0].optimizer["param_groups"]}, backend.world_size,
-                        parts[0].lr_scheduler)
+        commit = Commit.merge([Commit.from_bytes(b) for b in blobs])
         self.member.commit = commit
         self.member.loaded_step = None
         return commit
@@ -291,7 +284,10 @@ class ElasticOptimizer(ShardedOptimizerBase):
 
     def load_commit(self, commit: Commit) -> None:
         """Re-shards ``commit`` onto this model and optimizer (any saved world size); collective
-        for strategies whose load gathers parameters."""
+        for strategies whose load gathers parameters. ConfigError (on every rank alike) for a
+        commit made while an unregistered GradScaler drove the steps."""
+        if commit.unregistered_scaler:
+            refuse_unregistered(commit.step)
         self.model.load_state_dict(RangeReader.from_tensors(commit.model))
         self.load_state_dict(commit.optimizer)
         self.step_count = commit.step
@@ -299,16 +295,18 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.member.loaded_step = None
         if self.lr_scheduler is not None and commit.lr_scheduler is not None:
             self._load_scheduler(commit.lr_scheduler)
+        self._scaler.load(commit.grad_scaler)
 
     def state_dict(self) -> dict[str, Any]:
-        """The strategy's sharded state plus ``step_count`` and the owned scheduler's state
-        (JSON, the same on every rank), so a checkpoint resumes the schedule where it was."""
+        """The strategy's sharded state plus ``step_count`` and the states of the owned scheduler
+        and the GradScaler (JSON, the same on every rank), so a checkpoint resumes both."""
         return {**super().state_dict(), "step_count": self.step_count,
-                "lr_scheduler": self._scheduler_state()}
+                "lr_scheduler": self._scheduler_state(), "grad_scaler": self._scaler.state(self)}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
-        """Loads as the strategy's optimizer does, plus ``step_count`` and the scheduler's state;
-        the next ``step()`` commits what was loaded (``commit()`` commits it at once)."""
+        """Loads as the strategy's optimizer does, plus ``step_count`` and the states of the
+        scheduler and the GradScaler (where saved and registered); the next ``step()`` commits
+        what was loaded (``commit()`` commits it at once)."""
         super().load_state_dict(state, reader)
         if state.get("step_count") is not None:
             self.step_count = int(state["step_count"])
@@ -317,6 +315,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
             self._load_scheduler(saved)
         elif saved is not None:  # restoring in the constructor: the scheduler is built after
             self._loaded_scheduler = saved
+        self._scaler.load(state.get("grad_scaler"))
         # Until committed, a failure would roll the survivors back to before this load. The
         # restore's own loads (a commit, a checkpoint) clear it as they commit.
         self.member.loaded_step = self.step_count
@@ -370,7 +369,3 @@ def _slice_batch(batch: Any, rank: int, world_size: int) -> Any:
                           f"{world_size} ranks; use a multiple of every world size")
     n = batch.shape[0] // world_size
     return batch[rank * n:(rank + 1) * n]
-
-
-def _encode_json(obj: Any) -> torch.Tensor:
-    return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)

@@ -19,7 +19,8 @@ The controller tells every member the step of the run's newest commit
 died before joiners received it), the next group's restore cannot reach it: it restores a
 checkpoint of that step, or raises ElasticRollbackError, and the controller ends the run with
 that error instead of going on from an older state (workers whose ElasticOptimizer has
-``allow_rollback=True`` go on from it with a warning naming the steps lost).
+``allow_rollback=True`` go on from it with a warning naming the steps lost). A ConfigError raised
+by a worker (bad settings, a GradScaler not registered) ends the run the same way.
 
 ``worker_fn(backend, member)`` builds the model and an ``ElasticOptimizer(..., member=member)``
 and trains until ``optimizer.membership_changes`` or its own end; it is called once per member
@@ -110,10 +111,12 @@ class ElasticController:
             self.generations.append(generation)
             outcomes = _run_group(self.worker_fn, self.members, self.timeout)
             self._note_newest_commit()
-            rollback = next((o for o in outcomes if isinstance(o, ElasticRollbackError)), None)
-            if rollback is not None:  # every member's restore refused: another try would too
-                generation.end, generation.error = "failed", str(rollback)
-                raise rollback
+            # A refused restore (on every member alike) or a settings error is not a worker's
+            # failure: dropping workers and trying again would meet it again.
+            refused = next((o for o in outcomes if isinstance(o, (ElasticRollbackError, ConfigError))), None)
+            if refused is not None:
+                generation.end, generation.error = "failed", str(refused)
+                raise refused
             self._refuse_early_return(outcomes)
             failed = _blamed(outcomes)
             if failed:
