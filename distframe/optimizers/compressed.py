@@ -40,7 +40,10 @@ stepped this iteration (``loss_scale_changed``); a plain GradScaler cannot, so w
 feedback this optimizer refuses it (``_step_supports_amp_scaling``: torch then hands ``step()``
 the found-inf flag, and the base class refuses a flag that ShardedGradScaler did not agree).
 A checkpoint holds the residuals with the scale they are in, not the scaler: the first step
-after a load at another scale is refused (``compression_residuals.ResidualScale``).
+after a load at another scale is refused (``compression_residuals.ResidualScale``). That scale is
+the scaler's at the step, which ShardedGradScaler.step passes to ``gradients_scaled_by``: the
+``grad_scale`` torch hands ``step()`` is None once ``unscale_`` has run (taken for no scaling,
+scale 1, it refused a resume with the right scaler and let one at another scale through).
 """
 from __future__ import annotations
 
@@ -59,12 +62,10 @@ from distframe.models.gradient_buckets import GradBucket
 from distframe.models.sharded_state import RangeReader
 from distframe.optimizers.base import ShardedOptimizerBase, state_reader
 from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
-from distframe.optimizers.compression_residuals import (RESIDUAL_KIND, ResidualScale, add_residual,
-                                                        load_residuals, residual_dtype)
-
-_WARM_Q = "compression.powersgd_q"
-_OWN_STATE = "compression.{what}.rank{rank}"  # other compressor state (int8's generator), per rank
-_ITERATION = "compression.iteration"
+from distframe.optimizers.compression_residuals import (ResidualScale, add_residual, load_residuals,
+                                                        residual_dtype)
+from distframe.optimizers.compression_state import (compression_pieces, load_compressor_state,
+                                                    saved_iteration)
 
 
 class _Then(Work):
@@ -130,8 +131,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     [Note: residuals under loss scaling]); without it, or for lossless compressors, either will do.
 
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
-    (``compression.residual.rank<r>/<name>@0``), PowerSGD's warm-start factors, this rank's
-    stochastic int8 rounding generator and the step count.
+    (``compression.residual.rank<r>/<name>@0``) and stochastic int8 rounding generator, and on
+    rank 0 PowerSGD's warm-start factors, the step count and the residuals' loss scale (the same on
+    every rank: see [Note: state written once] in ``compression_state.py``).
     """
 
     model_class = DDPModel
@@ -154,6 +156,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self._rounding: dict[str, torch.Tensor] = {}  # add_residual's, until _keep_residual
         self._staged_warm: dict[str, torch.Tensor] = {}
         self._residual_scale = ResidualScale()
+        self._scaler_scale: torch.Tensor | None = None  # see gradients_scaled_by
         model.register_comm_hook(self._communicate)
 
     @property
@@ -177,9 +180,19 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             for residual in residuals.values():
                 residual.mul_(factor.to(residual.device, residual.dtype))
 
+    def gradients_scaled_by(self, scale: torch.Tensor) -> None:
+        """Called by ShardedGradScaler.step, before ``step()``, with the loss scale this step's
+        backward ran at: torch hands ``step()`` ``grad_scale=None`` once ``unscale_`` has run."""
+        self._scaler_scale = scale
+
     def _apply_grad_scaler(self) -> bool:
-        if self.error_feedback:  # the scale this step's residuals are in; checked after a load
-            self._residual_scale.stepping(getattr(self, "grad_scale", None), type(self).__name__)
+        scaler_scale, self._scaler_scale = self._scaler_scale, None
+        found_inf = getattr(self, "found_inf", None)
+        # A plain GradScaler's flag is refused by the base class, whatever the scale.
+        if self.error_feedback and (found_inf is None or self._scaler_flags_agreed):
+            # The scale this step's residuals are in (checked after a load); None: no scaler (1).
+            scale = scaler_scale if scaler_scale is not None else getattr(self, "grad_scale", None)
+            self._residual_scale.stepping(None if found_inf is None else scale, type(self).__name__)
         return super()._apply_grad_scaler()
 
     def _step(self, closure: Any = None) -> Any:
@@ -335,62 +348,23 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's pieces plus this rank's residuals, PowerSGD's warm-start
-        factors (the same on every rank) and the step count, all as ``tensors`` pieces."""
+        """The wrapped optimizer's pieces plus this rank's residuals and compressor state and, on
+        rank 0, the state every rank holds alike (``compression_state``)."""
         state = super().state_dict()
-        tensors = dict(state["tensors"])
-        rank = self.model.backend.rank
-        for name, residual in self.residuals.items():
-            tensors[f"{RESIDUAL_KIND.format(rank=rank)}/{name}@0"] = residual.detach().reshape(-1).clone()
-        for key, value in self.compressor.state_dict().items():
-            what, name = key.split("/", 1)
-            kind = _WARM_Q if what == "powersgd_q" else _OWN_STATE.format(what=what, rank=rank)
-            tensors[f"{kind}/{name}@0"] = value.reshape(-1).clone()
-        tensors[f"{_ITERATION}/step@0"] = torch.tensor([self.iteration], dtype=torch.int64)
-        if self.residuals:
-            self._residual_scale.save(tensors)
-        return {**state, "tensors": tensors}
+        own = compression_pieces(self.compressor, self.residuals, self.iteration, self._residual_scale,
+                                 self.model.backend.rank)
+        return {**state, "tensors": {**state["tensors"], **own}}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads the optimizer pieces, then this rank's residuals (under another world size see
-        [Note: residuals across world sizes]), the warm-start factors and the step."""
+        [Note: residuals across world sizes]), the compressor state and the step."""
         reader = reader or state_reader(state, type(self).__name__)
         super().load_state_dict(state, reader)
-        kinds = reader.kinds()
-        if _ITERATION in kinds:
-            self.iteration = int(reader.read(_ITERATION, "step", 0, 1)[0])
+        iteration = saved_iteration(reader)
+        if iteration is not None:
+            self.iteration = iteration
         params = dict(self.model.wrapped_model.named_parameters())
         backend = self.model.backend
-        self.residuals = load_residuals(reader, kinds, params, backend.rank, backend.world_size)
-        self._residual_scale.load(reader, kinds)
-        if isinstance(self.compressor, PowerSGDCompressor) and _WARM_Q in kinds:
-            held = [name for name, param in params.items()
-                    if reader.holds(_WARM_Q, name) and self.compressor.compressible(param.shape)]
-            self.compressor.load_state_dict(
-                {f"powersgd_q/{name}": self._saved_warm_start(reader, name, params[name]) for name in held})
-        elif not isinstance(self.compressor, PowerSGDCompressor):
-            self._load_own_compressor_state(reader)
-
-    def _saved_warm_start(self, reader: RangeReader, name: str, param: torch.Tensor) -> torch.Tensor:
-        """``name``'s saved warm start as this compressor's m x r Q. Saved at another ``rank``, its
-        leading columns are kept and the missing ones left zero, which ``warm_start`` replaces by
-        seeded ones (see [Note: dead columns])."""
-        psgd: PowerSGDCompressor = self.compressor  # type: ignore[assignment]
-        _, m = psgd.matrix_shape(param.shape)
-        saved = reader.whole(_WARM_Q, name).reshape(m, -1)  # (m, saved rank)
-        q = saved.new_zeros(m, psgd.effective_rank(param.shape))
-        kept = min(q.shape[1], saved.shape[1])
-        q[:, :kept] = saved[:, :kept]
-        return q
-
-    def _load_own_compressor_state(self, reader: RangeReader) -> None:
-        """This rank's saved compressor state, where it was saved (else it stays as built)."""
-        loaded = {}
-        for key, value in self.compressor.state_dict().items():
-            what, name = key.split("/", 1)
-            kind = _OWN_STATE.format(what=what, rank=self.model.backend.rank)
-            if reader.holds(kind, name):
-                loaded[key] = reader.read(kind, name, 0, value.numel()).view_as(value).clone()
-        if loaded:
-            self.compressor.load_state_dict(loaded)
-
+        self.residuals = load_residuals(reader, reader.kinds(), params, backend.rank, backend.world_size)
+        self._residual_scale.load(reader, reader.kinds())
+        load_compressor_state(self.compressor, reader, params, backend.rank)

@@ -303,28 +303,27 @@ class PowerSGDCompressor(Compressor):
 
     @staticmethod
     def orthogonalize(p: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-        """Modified Gram-Schmidt on the columns of ``p``, in place; a column that is (numerically)
-        dependent on the earlier ones becomes zero. Deterministic, so ranks holding the same
-        summed P get bitwise the same result.
-
-        Dependence is relative: a column is dropped when what is left of it after removing the
-        earlier columns is at most ``eps`` times its own norm (or zero). An absolute threshold
-        would drop every column of a small gradient (entries of 1e-6 give a P far below 1e-8),
-        so nothing would be sent however long the residual grew. ``eps`` defaults to 1000 units
-        in the last place of ``p``'s dtype: Gram-Schmidt's own rounding leaves about 1e-7 of a
-        dependent float32 column, which a smaller ``eps`` would normalise into noise."""
+        """Gram-Schmidt on the columns of ``p``, in place: orthonormal columns, but one that is
+        (numerically) dependent on the earlier ones becomes zero. Deterministic: ranks holding
+        the same summed P get bitwise the same result and keep the same columns. Dependence is
+        relative: a column is dropped when what is left of it after removing the earlier columns
+        is at most ``eps`` times its own norm (an absolute threshold would drop every column of a
+        small gradient). ``eps`` defaults to 1000 units in the last place of ``p``'s dtype:
+        Gram-Schmidt's rounding leaves about 1e-7 of a dependent float32 column, which a smaller
+        ``eps`` would normalise into noise."""
         eps = 1000 * torch.finfo(p.dtype).eps if eps is None else eps
         before = p.norm(dim=0)  # (r,)
         for i in range(p.shape[1]):
-            col = p[:, i]
+            col, done = p[:, i], p[:, :i]  # done: (n, i), orthonormal or zero columns
+            # Twice is enough (Kahan, Parlett): one pass leaves a column that kept a fraction f of
+            # its norm ulp / f off orthogonal (3e-4 at f = 1e-12 in float64); a second, rounding.
+            for _ in range(2):
+                col.sub_(done @ (done.t() @ col))
             norm = col.norm()
             if norm > eps * before[i]:
                 col.div_(norm)
             else:
                 col.zero_()
-            if i + 1 < p.shape[1]:
-                rest = p[:, i + 1:]
-                rest.sub_(col.unsqueeze(1) * (col @ rest).unsqueeze(0))
         return p
 
     @staticmethod

@@ -42,8 +42,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
     scalers start their scale at ``init_scale`` in their first ``unscale_``/``step`` (build every
     stage's scaler with the same settings). A DDP optimizer needs none of this (a plain
     GradScaler agrees there), but the scaler works with it too; GradientCompressionOptimizer with
-    error feedback needs it (``update()`` rescales its residuals). ``AsyncSGDOptimizer`` is refused:
-    its workers step on their own, so each worker keeps a plain GradScaler.
+    error feedback needs it (``update()`` rescales its residuals, and ``step()`` tells it the scale
+    they were made at, which torch no longer hands ``step()`` after ``unscale_``).
+    ``AsyncSGDOptimizer`` is refused: its workers step on their own, so each worker keeps a plain
+    GradScaler.
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -71,6 +73,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, ShardedOptimizerBase):
+            # The loss scale of this step's gradients, for an optimizer that keeps state in its
+            # units: once unscale_ has run, torch hands step() grad_scale=None.
+            follow = getattr(optimizer, "gradients_scaled_by", None)
+            if follow is not None and self._enabled and self._scale is not None:
+                follow(self._scale)
             # Tells the optimizer the found-inf flag it is handed is every rank's (see its step).
             with optimizer.agreed_scaler_step():
                 return super().step(optimizer, *args, **kwargs)
