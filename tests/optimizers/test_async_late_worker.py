@@ -19,7 +19,7 @@ from tests.optimizers.test_async_exactly_once import _gradient, _Linear
 
 # worker_timeout: the slow worker sleeps 3x it; every other gap between a worker's messages is a
 # few ms, with room for a loaded machine (Gloo's processes: more room, as they compete for cores)
-STEPS, SLOW_RANK, TIMEOUT, GLOO_TIMEOUT = 5, 2, 0.5, 1.0
+STEPS, SLOW_RANK, TIMEOUT, GLOO_TIMEOUT = 5, 2, 0.5, 2.0
 MORE_STEPS = 30  # at most, for rank 1 keeping the server serving (2 ** (10 + k) stays exact)
 
 
