@@ -169,12 +169,14 @@ def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:
 
 
 def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
-    """'mpi' under mpirun/mpiexec, 'torchrun' under torchrun, None otherwise."""
+    """'mpi' under mpirun/mpiexec, 'torchrun' under torchrun, None otherwise. torchrun's variables
+    win: a torchrun per node started by mpirun or srun (a common cluster layout) passes the MPI
+    launcher's on to its workers, which MPI_Init would then fail on or take as a world of one."""
     env = os.environ if environ is None else environ
-    if any(k in env for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")):
-        return "mpi"
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return "torchrun"
+    if any(k in env for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")):
+        return "mpi"
     return None
 
 

@@ -29,6 +29,10 @@ def test_spawn_passes_timeout_to_backends():
     ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "torchrun"),
     ({"RANK": "0"}, None),
+    # A torchrun per node started by mpirun or srun: its workers inherit the MPI launcher's
+    # variables, and MPI_Init failed in them (or each took itself for a world of one).
+    ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0", "OMPI_COMM_WORLD_RANK": "0"}, "torchrun"),
+    ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0", "PMIX_RANK": "0", "PMI_RANK": "0"}, "torchrun"),
 ])
 def test_detect_launcher(env, expected):
     assert detect_launcher(env) == expected
