@@ -240,9 +240,14 @@ def _shut_down_at_exit() -> None:
     more), shuts down what the script left open: a Gloo process group destroyed only by the
     interpreter's teardown aborted the process now and then ("terminate called without an
     active exception", 3 exits in 12 under load), which torchrun reports as the rank failing."""
+    # The watcher thread does not get to run after an uncaught exception in the script, so the
+    # departure is told here too: as failed when the script raised (sys.last_value is set then),
+    # so peers raise RankFailedError rather than hear that it returned.
+    failed = getattr(sys, "last_value", None) is not None
     for backend in list(_script_backends):
         if not backend.is_shut_down:
             try:
+                backend.depart(failed=failed)
                 backend.shutdown()
             except Exception:  # noqa: BLE001 - exiting anyway; the peers were told it departed
                 pass

@@ -70,6 +70,7 @@ class ProgressBoard:
         self._interval = interval
         self._departures_key = departures_key
         self._latest: dict[str, int] = {}
+        self._failed = False  # a departure as failed stands: a later shutdown's does not undo it
         self._written: dict[str, int] = {}
         self._p2p_counts: dict[str, dict[tuple[str, int, int], int]] = {}
         self._watched: dict[int, WatchedWait] = {}
@@ -109,7 +110,8 @@ class ProgressBoard:
         ([Note: departures in the store]), after issuing ``issued[key]`` calls on each. A group
         missing from ``issued`` is gone (garbage): the last call it entered was its last, and it
         is announced this once, then forgotten."""
-        suffix = " failed" if failed else ""
+        self._failed = self._failed or failed
+        suffix = " failed" if self._failed else ""
         counts = {key: issued.get(key, entered) for key, entered in list(self._latest.items())
                   if key.startswith(under)}
         channels = {key: "".join(f" {'' if direction == 'send' else 'r'}{peer}:{tag}:{n}"
