@@ -24,7 +24,7 @@ from __future__ import annotations
 import glob
 import json
 import numbers
-import random
+import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -258,7 +258,10 @@ def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
 
 
 def _agree_token(backend: ICommunicationBackend) -> str:
-    token = torch.tensor([random.getrandbits(48) if backend.rank == 0 else 0], dtype=torch.int64)
+    # From the OS, not Python's global random: a save must not move the caller's random stream
+    # (on rank 0 only), and a seeded run must not reuse a dead save's temporary directory.
+    token = torch.tensor([int.from_bytes(os.urandom(6), "little") if backend.rank == 0 else 0],
+                         dtype=torch.int64)
     backend.broadcast(token, 0)
     return f"{int(token):012x}"
 

@@ -144,3 +144,20 @@ def test_an_old_directory_that_is_not_a_saves_is_left_alone(tmp_path, name, cont
     assert _names(tmp_path) == sorted(["ckpt", name])
     for relative, data in content.items():
         assert (other / relative).read_bytes() == data
+
+
+def test_a_save_leaves_pythons_random_stream_alone(tmp_path):
+    # The temporary directory's token came from random.getrandbits on rank 0 only: a save moved
+    # rank 0's stream out of step with the others' (and of a run without the save), and after
+    # random.seed the token, so the temporary directory, repeated from run to run.
+    import random
+
+    def run(backend, save):
+        model = STRATEGIES["ddp"][0](build_model(), backend)
+        random.seed(1234)
+        if save:
+            checkpoint.save(tmp_path / f"ckpt-{save}", model, step=0)
+        return random.random()
+
+    # One rank: in-memory ranks are threads, which share Python's random module.
+    assert spawn(lambda b: run(b, "a"), 1) == spawn(lambda b: run(b, None), 1)
