@@ -6,31 +6,12 @@ Before, torch hands ``step()`` ``grad_scale=None`` once ``unscale_`` has run, an
 took that for "no loss scaling" (scale 1): a run resumed with the saved scaler's state was
 refused (saved at "scale 2", the growth factor, not 2**11), and one resumed with a fresh scaler
 at another scale went on silently with residuals off by that factor (64x here)."""
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from distframe import ConfigError, DDPModel, ShardedGradScaler, checkpoint, spawn
-from distframe.optimizers.compressed import GradientCompressionOptimizer
-from distframe.optimizers.compression import TopKCompressor
-
-torch.manual_seed(5)
-MLP = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 2)).double()
-SAVED_AT = 3
-
-
-def _batch(step, rank):
-    g = torch.Generator().manual_seed(50 + step)
-    x = torch.randn(8, 6, generator=g, dtype=torch.float64)
-    y = torch.randn(8, 2, generator=g, dtype=torch.float64)
-    return x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
-
-
-def _build(backend):
-    model = DDPModel(copy.deepcopy(MLP), backend)
-    return model, GradientCompressionOptimizer(model, torch.optim.SGD, compressor=TopKCompressor(0.2), lr=0.1)
+from distframe import ConfigError, ShardedGradScaler, checkpoint, spawn
+from tests.optimizers.test_compression_scale_resume import SAVED_AT, _batch, _build
 
 
 def _train(model, opt, scaler, first, last, unscale_first):
