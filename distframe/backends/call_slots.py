@@ -23,6 +23,18 @@ raises before issuing anything if one differs. So of two ranks that disagree at 
 one raises before it issues; the earlier one may already have issued and waits: its engine asks
 ``CallSlots.error`` while it waits (where it asks about departures) and raises too. The group is then
 unusable, as after a timeout.
+
+[Note: after a mismatch] A rank whose part of a call completes without waiting (a root whose
+broadcast was sent eagerly, a receiver the root served before the late rank came) never asks, and
+returned from call ``seq`` as if nothing were wrong; its next call then hung until the timeout,
+because the rank that raised never issued ``seq``. So a rank that finds a mismatch (``announce``
+or ``error``) records it (``mismatch``) and marks its slots for the next ``SLOTS - 1`` calls: each
+holds ``seq + k`` and, instead of a description, the mismatched call's op and number. A peer that
+raced ahead reads such a mark where it compares its next call (``announce``, or ``error`` in its
+wait), raises ``CollectiveMismatchError`` naming call ``seq`` and records it too. From then on
+``announce`` raises it again before anything is written or issued: the marks stay in place, and a
+peer is never left waiting for a call this rank will not make. It costs the hot path one
+attribute test per call; the comparison that finds a mark is the one every call makes anyway.
 """
 from __future__ import annotations
 
@@ -46,7 +58,8 @@ SLOT_BYTES = 128
 AREA_BYTES = SLOTS * SLOT_BYTES
 _DIMS = 4
 # op, dtype, ndim (-1: no shape), _DIMS dims, digest of the shape, digest of the arguments.
-_WORDS = struct.Struct(f"<{5 + _DIMS}q")
+_WORDS_COUNT = 5 + _DIMS
+_WORDS = struct.Struct(f"<{_WORDS_COUNT}q")
 _SEQ = struct.Struct("<q")
 _OP_CODES = {op: i for i, op in enumerate(OPS)}
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
@@ -56,7 +69,10 @@ _PACKED: dict[Any, bytes] = {}
 _NO_SHAPE = (-1,) * (_DIMS + 2)
 _PADS = [(-1,) * k for k in range(_DIMS + 1)]
 _FIELDS_END = 8 + _WORDS.size
+PACKED_BYTES = _WORDS.size  # of what packed_call returns
 _MAX_CACHED = 4096
+_MARK = -2  # the op word of a slot marked after a mismatch: [Note: after a mismatch]
+_UNUSABLE = "the group is unusable now, shut it down"
 
 
 def args_code(args: Any) -> int:
@@ -104,6 +120,11 @@ def packed_call(op: str, shape: Any, dtype: Any, args: Any) -> bytes:
     return packed
 
 
+def describe_packed(packed: bytes) -> str:
+    """``describe_words`` of words as ``packed_call`` packs them."""
+    return describe_words(_WORDS.unpack(packed))
+
+
 def describe_words(words: tuple[int, ...]) -> str:
     op = OPS[words[0]] if 0 <= words[0] < len(OPS) else f"op#{words[0]}"
     parts, ndim = [], words[2]
@@ -130,10 +151,16 @@ class CallSlots:
         self._owns_maps = owns_maps
         self._fence = threading.Lock()
         self.last: tuple[int, bytes] | None = None  # (seq, packed words) last announced
+        #: (op, seq, what differed, how it was seen) of the first mismatch this rank found or
+        #: learned of ([Note: after a mismatch]), else None.
+        self.mismatch: tuple[str, int, str, str] | None = None
 
     def announce(self, op: str, seq: int, shape: Any, dtype: Any, args: Any) -> None:
         """Writes call ``seq`` into this rank's slot; raises CollectiveMismatchError, before the
-        caller issues anything, if a same-node peer has written a different call ``seq``."""
+        caller issues anything, if a same-node peer has written a different call ``seq`` or has
+        found a mismatch before it, or if this rank has ([Note: after a mismatch])."""
+        if self.mismatch is not None:
+            raise self._refused(op, seq)
         packed = packed_call(op, shape, dtype, args)
         own, at = self._own, self._offset + (seq % SLOTS) * SLOT_BYTES
         _SEQ.pack_into(own, at, -1)  # the slot is being rewritten: readers skip it
@@ -149,7 +176,8 @@ class CallSlots:
                     raise error
 
     def error(self, op: str, seq: int) -> CollectiveMismatchError | None:
-        """The mismatch seen so far at call ``seq`` (this rank's last announced), or None."""
+        """The mismatch seen so far at call ``seq`` (this rank's last announced), or one a peer
+        found at an earlier call, or None. A mismatch found is recorded ([Note: after a mismatch])."""
         if self.last is None or self.last[0] != seq or not self._peers:
             return None
         packed = self.last[1]
@@ -158,12 +186,48 @@ class CallSlots:
         for rank, view in self._peers.items():
             theirs = _read(view, at, seq)
             if theirs is not None and theirs != packed:
-                texts[rank] = describe_words(_WORDS.unpack(theirs))
+                words = _WORDS.unpack(theirs)
+                if words[0] == _MARK:
+                    return self._learned(rank, words[1], words[2], op, seq)
+                texts[rank] = describe_words(words)
         if not texts:
             return None
         texts[self._rank] = describe_words(_WORDS.unpack(packed))
-        return CollectiveMismatchError(op, seq, describe_mismatch(texts) + " (seen through this node's "
-                                       "shared memory; the group is unusable now, shut it down)")
+        return self._record(op, seq, describe_mismatch(texts), "seen through this node's shared memory")
+
+    def _learned(self, finder: int, op_code: int, seq: int, now_op: str,
+                 now_seq: int) -> CollectiveMismatchError:
+        """The mismatch at call ``seq`` that peer ``finder`` marked, found at call ``now_seq``."""
+        op = OPS[op_code] if 0 <= op_code < len(OPS) else f"op#{op_code}"
+        at = self._offset + (seq % SLOTS) * SLOT_BYTES
+        texts = {}
+        for rank, view in [(self._rank, self._own), *self._peers.items()]:
+            theirs = _read(view, at, seq)
+            if theirs is not None and _WORDS.unpack(theirs)[0] != _MARK:
+                texts[rank] = describe_words(_WORDS.unpack(theirs))
+        text = (describe_mismatch(texts) if len(set(texts.values())) > 1
+                else f"rank {finder} saw a call that differs from its own")
+        return self._record(op, seq, text, f"rank {finder} found it through this node's shared memory, "
+                                           f"this rank at {now_op}, sequence number {now_seq}")
+
+    def _record(self, op: str, seq: int, text: str, how: str) -> CollectiveMismatchError:
+        """Records the mismatch at call ``seq`` and marks this rank's slots for the calls after
+        it ([Note: after a mismatch]); the first one recorded stands."""
+        if self.mismatch is None:
+            self.mismatch = (op, seq, text, how)
+            mark = _WORDS.pack(_MARK, _OP_CODES.get(op, -1), seq, *(0,) * (_WORDS_COUNT - 3))
+            for later in range(seq + 1, seq + SLOTS):
+                at = self._offset + (later % SLOTS) * SLOT_BYTES
+                _SEQ.pack_into(self._own, at, -1)
+                self._own[at + 8:at + _FIELDS_END] = mark
+                _SEQ.pack_into(self._own, at, later)
+        return CollectiveMismatchError(op, seq, f"{text} ({how}; {_UNUSABLE})")
+
+    def _refused(self, op: str, seq: int) -> CollectiveMismatchError:
+        """What every call after a recorded mismatch raises instead of running."""
+        first_op, first_seq, text, how = self.mismatch
+        return CollectiveMismatchError(
+            first_op, first_seq, f"{text} ({how}; {op}, sequence number {seq}, was not issued: {_UNUSABLE})")
 
     def close(self) -> None:
         peers, self._peers, self.last = self._peers, {}, None

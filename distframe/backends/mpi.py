@@ -7,9 +7,12 @@ backend's timeout passes (see ``mpi_progress``); a timeout raises ``CollectiveTi
 naming the ranks that never entered the call, and a peer on this node that has departed without
 issuing the call (its function returned or raised, or it shut the backend down) stops the wait at
 once (``distframe.backends.departures``). Point-to-point uses Isend/Irecv of the tensor's
-bytes, and a receive whose message has another size raises ``CollectiveMismatchError``; a wait
-for a receive whose sender, or a send whose receiver, left without sending or receiving the
-message stops at once (``departures``, [Note: sends to a rank that left]).
+bytes (``mpi_p2p``): a receive whose message has another size raises ``CollectiveMismatchError``,
+and so does one of the same size in another shape or dtype from a rank on this node (through
+shared memory, ``mpi_messages``) or, with ``debug=True``, from any rank ([Note: what a receive
+checks]); a wait for a receive whose sender,
+or a send whose receiver, left without sending or receiving the message stops at once
+(``departures``, [Note: sends to a rank that left]).
 
 With ``debug=True`` the base class all-gathers a 16-integer signature before each collective, so
 ranks that disagree on op, shape, dtype or arguments all raise ``CollectiveMismatchError``, for
@@ -24,21 +27,20 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import (Departure, departure_error, receive_departure_error,
-                                           send_departure_error)
+from distframe.backends.departures import Departure, departure_error
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacements, import_mpi, mpi_ops,
                                             needs_staging, stage_back, stage_in,
                                             upcast_for_mpi, wire, write_back)
+from distframe.backends.mpi_p2p import P2PWork, irecv_with_header, isend_with_header
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
 from distframe.backends.types import ReduceOp, Work
-from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
+from distframe.errors import CollectiveTimeoutError
 
 _MAX_SCATTER_DIMS = 32
 # What the post-first path reduces as it is: not float16/bfloat16 (reduced in float32) or bool
@@ -277,19 +279,23 @@ class MPICommunicationBackend(CommunicationBackendBase):
     # ---- point to point ------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work:
         seq = self._next_p2p_seq("send", dst, tag)
+        if self.debug:  # a header first ([Note: what a receive checks] in mpi_p2p)
+            return isend_with_header(self, tensor, dst, tag, seq)
         host = stage_in(tensor, needs_staging(tensor, self._device_aware))
-        buf = [wire(host), self._MPI.BYTE]
-        return _P2PWork(self, self._comm.Isend(buf, dst, tag), "send", seq, dst, tag, host)
+        self._board.sent.record(dst, tag, seq, tensor)  # before it is sent (mpi_messages)
+        return P2PWork(self, self._comm.Isend([wire(host), self._MPI.BYTE], dst, tag), "send", seq, dst, tag,
+                       host)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
         seq = self._next_p2p_seq("recv", src, tag)
+        if self.debug:
+            return irecv_with_header(self, tensor, src, tag, seq)
         stage = needs_staging(tensor, self._device_aware)
         host = tensor
         if stage or not tensor.is_contiguous():  # receive into a buffer, copied over on completion
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu" if stage else tensor.device)
-        buf = [wire(host), self._MPI.BYTE]
-        return _P2PWork(self, self._comm.Irecv(buf, src, tag), "recv", seq, src, tag, host,
-                        target=tensor)
+        return P2PWork(self, self._comm.Irecv([wire(host), self._MPI.BYTE], src, tag), "recv", seq, src, tag,
+                       host, target=tensor)
 
     def depart(self, *, failed: bool = False) -> None:
         """Tells the peers on this node that this rank makes no further call on this group or on
@@ -317,84 +323,4 @@ class MPICommunicationBackend(CommunicationBackendBase):
             return request.Test()
         except self._MPI.Exception:  # it completed, with an error (a truncated receive)
             return True
-
-
-class _P2PWork(Work):
-    """A pending Isend/Irecv; ``wait`` polls it within the timeout and checks a receive's size."""
-
-    def __init__(self, backend: MPICommunicationBackend, request: Any, op: str, seq: int,
-                 peer: int, tag: int, buffer: torch.Tensor, target: torch.Tensor | None = None) -> None:
-        self._backend, self._request, self._op, self._seq = backend, request, op, seq
-        self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
-        self._status, self._done = backend._MPI.Status(), False
-        self._error: CollectiveMismatchError | None = None  # a receive of another size: every wait raises it
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        if not self._done:
-            limit = self._backend.timeout if timeout is None else timeout
-            self._settle(lambda: self._wait_request(limit))
-        if self._error is not None:
-            raise self._error
-        return self._target
-
-    def _wait_request(self, limit: float) -> bool:
-        wait_request(self._request, time.monotonic() + limit, lambda waited, timed_out: (
-            self._timed_out(limit) if timed_out else self._departed(waited)), self._status)
-        return True
-
-    def is_completed(self) -> bool:
-        """True once the message has moved (a receive of another size too: ``wait`` raises that)."""
-        if not self._done:
-            self._settle(lambda: self._request.Test(self._status))
-        return self._done
-
-    def _settle(self, test: Callable[[], bool]) -> None:
-        """Finishes the operation if ``test()`` (a wait or a Test) says it completed. A receive of a
-        larger message ends in an MPI error, and the request is gone: recorded as the mismatch."""
-        try:
-            completed = test()
-        except self._backend._MPI.Exception as exc:
-            if exc.Get_error_class() != self._backend._MPI.ERR_TRUNCATE:
-                raise
-            self._done, self._error = True, self._mismatch(f"more than {self._buffer.nbytes}")
-            return
-        if completed:
-            self._finish()
-
-    def _finish(self) -> None:
-        self._done = True
-        if self._op == "recv":
-            received = self._status.Get_count(self._backend._MPI.BYTE)
-            if received != self._buffer.nbytes:
-                self._error = self._mismatch(str(received))
-            elif self._target is not None:
-                write_back(self._target, self._buffer)
-
-    def __del__(self) -> None:
-        # Dropped before it completed: MPI still reads or writes its buffer, which must outlive the
-        # request; both stay with the backend, whose shutdown tests them (a later call may too).
-        if not self._done:
-            self._backend._abandoned.append((self._request, self._buffer))
-
-    def _mismatch(self, received: str) -> CollectiveMismatchError:
-        t = self._buffer
-        return CollectiveMismatchError(
-            "recv", self._seq, f"rank {self._peer} sent {received} bytes with tag {self._tag}, rank "
-            f"{self._backend.rank} expects shape {tuple(t.shape)} {t.dtype} ({t.nbytes} bytes)")
-
-    def _departed(self, waited: float) -> Exception | None:
-        """The error for a receive whose sender, or a send whose receiver (a rendezvous send, not
-        yet matched), on this node, left without sending or receiving the message."""
-        departed = self._backend._board.departures().get(self._peer)
-        left = receive_departure_error if self._op == "recv" else send_departure_error
-        error = left(departed, self._peer, self._backend.rank, self._tag, self._seq, waited)
-        if error is not None:
-            self._backend._abandoned.append((self._request, self._buffer))
-        return error
-
-    def _timed_out(self, limit: float) -> CollectiveTimeoutError:
-        self._backend._abandoned.append((self._request, self._buffer))
-        what = "send a matching message" if self._op == "recv" else "receive the message"
-        return CollectiveTimeoutError(self._op, self._seq, [self._peer], limit,
-                                      f"rank {self._peer} did not {what} with tag {self._tag}")
 

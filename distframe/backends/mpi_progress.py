@@ -25,7 +25,8 @@ never reads half of it). Departures of ranks on other nodes are not seen. Before
 departing rank writes the messages it had sent and the receives it had posted: word 2 holds how
 many channels follow (-1 when they do not fit in the page: unknown), then (direction, peer, tag,
 count) for each, direction 0 for messages sent to peer, 1 for receives posted from it. The map's
-second part holds the rank's call slots (``distframe.backends.call_slots``). x86 keeps stores
+second part holds the rank's call slots (``distframe.backends.call_slots``), the third the
+point-to-point messages it has sent (``distframe.backends.mpi_messages``). x86 keeps stores
 in order and so does a reader's loads, so a peer that sees the departure word sees the table.
 """
 from __future__ import annotations
@@ -38,13 +39,15 @@ from typing import Any
 
 import numpy as np
 
+from distframe.backends import mpi_messages
 from distframe.backends.call_slots import AREA_BYTES, CallSlots, close_map, create_shared, open_shared
 from distframe.backends.departures import Departure
 
 SPIN_SECONDS = 0.05
 MAX_SLEEP_SECONDS = 1e-3
 CHECK_SECONDS = 0.05
-_MAP_BYTES = mmap.PAGESIZE + AREA_BYTES  # the board's page, then the call slots
+_SENT_AT = mmap.PAGESIZE + AREA_BYTES
+_MAP_BYTES = _SENT_AT + mpi_messages.AREA_BYTES  # the board's page, the call slots, the messages sent
 _yield_cpu = getattr(os, "sched_yield", lambda: None)
 
 
@@ -97,6 +100,8 @@ class ProgressBoard:
         self._own_rank = comm.Get_rank()
         # The second part of each map holds the call slots (distframe.backends.call_slots).
         self.slots = CallSlots(self._own_map, self._peer_maps, self._own_rank, offset=mmap.PAGESIZE)
+        # The third part: the point-to-point messages sent (distframe.backends.mpi_messages).
+        self.sent = mpi_messages.SentMessages(self._own_map, self._peer_maps, self._own_rank, _SENT_AT)
         self._peers = {rank: np.frombuffer(m, dtype=np.int64, count=mmap.PAGESIZE // 8)
                        for rank, m in self._peer_maps.items()}
 
@@ -147,6 +152,7 @@ class ProgressBoard:
 
     def close(self) -> None:
         self.slots.close()
+        self.sent.close()
         self._own = None
         self._peers = {}
         for m in [self._own_map, *self._peer_maps.values()]:

@@ -117,9 +117,10 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
 
     @property
     def has_failed(self) -> bool:
-        """True once a call on this group or a sibling timed out or lost a peer: the process
-        groups are then in an unknown state and should be rebuilt."""
-        return self._shared.failed
+        """True once a call on this group or a sibling timed out or lost a peer, or ranks of this
+        group called different things: the process groups are then in an unknown state and
+        should be rebuilt."""
+        return self._shared.failed or self._slots.mismatch is not None
 
     # ---- what subclasses provide -------------------------------------------------------------
     @abc.abstractmethod

@@ -87,7 +87,7 @@ class TorchDistWaits:
     def _departure_error(self, op: str, seq: int, waited: float, settle: float = 0.0,
                          peer_keys: dict[int, str] | None = None) -> Exception | None:
         keys = self._peer_progress_keys if peer_keys is None else peer_keys  # of the ranks waited for
-        error = self._slots.error(op, seq) if peer_keys is None else None  # a call of this group
+        error = self._slots.error(op, seq)  # ranks that called something else (in new_group too)
         error = error or self._shared.board.departure_error(keys, op, seq, waited, settle)
         if error is not None:
             self._shared.failed = True

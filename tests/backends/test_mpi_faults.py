@@ -312,3 +312,33 @@ def test_host_staging_copies_in_and_back():
 def pool3():
     with MPIPool(3, timeout=60) as p:
         yield p
+
+
+def run_same_bytes_other_message(b, debug):
+    """Messages of the receive's byte count in another dtype, then another shape, then one that
+    matches. What each receive raised, and what the receiving tensor held after it."""
+    with MPICommunicationBackend(b.comm, timeout=20, debug=debug) as group:
+        if group.rank == 0:
+            group.send(torch.tensor([1.0, 2.0, 3.0, 4.0]), 1)
+            group.send(torch.arange(6.0).view(2, 3), 1)
+            group.send(torch.tensor([5, 6, 7, 8], dtype=torch.int32), 1)
+        outcomes = []
+        if group.rank == 1:
+            for target in (torch.zeros(4, dtype=torch.int32), torch.zeros(3, 2),
+                           torch.zeros(4, dtype=torch.int32)):
+                outcomes.append((_outcome(lambda: group.recv(target, 0)), target.tolist()))
+        group.barrier()
+        return outcomes
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_a_message_of_the_same_size_in_another_dtype_or_shape_is_named(pool3, debug):
+    # Before: the float bits came back as int32 and the (2, 3) message as (3, 2), without a word.
+    # Outside debug mode ranks on one node see what was sent through shared memory (mpi_messages).
+    (dtype, zeros), (shape, zeros_2d), (fine, received) = pool3.run(run_same_bytes_other_message, debug)[1]
+    assert dtype[0] == "CollectiveMismatchError" and dtype[2] == 1, dtype
+    assert "dtype=float32" in dtype[3] and "dtype=int32" in dtype[3], dtype
+    assert shape[0] == "CollectiveMismatchError" and "shape=(2, 3)" in shape[3] and "(3, 2)" in shape[3]
+    if debug:  # the payload went to a buffer of its own
+        assert zeros == [0] * 4 and zeros_2d == [[0.0, 0.0]] * 3  # the receive's tensor left as it was
+    assert fine is None and received == [5, 6, 7, 8]  # the channel stays in step
