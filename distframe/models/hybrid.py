@@ -50,7 +50,6 @@ from distframe.models.hybrid_checks import check_arguments, check_find_unused
 from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
                                             stage_ranges)
 from distframe.models.hybrid_zero import ZeroShards
-from distframe.models.flat import Segment
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
                                            zero_counted_segments)
@@ -330,15 +329,13 @@ class HybridShardedModel(ShardedModelBase):
         trainable = [i for i, lp in enumerate(self.local_parameters) if lp.param.requires_grad]
         segments = [layout.segments[i] for i in trainable]
         if self.zero is not None:
-            return self.zero.layout(segments)
+            chunk = self.zero.layout(segments)
+            written = zero_counted_segments(chunk, self.local_parameters, self.catalog, self.groups)
+            return WrittenOnceLayout(chunk.shards, chunk.segments, written=written)
         lps = [self.local_parameters[i] for i in trainable]
         writes = [owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups) for lp in lps]
-        return WrittenOnceLayout([lp.param for lp in lps], segments, writes=writes)
-
-    def _counted_segments(self, layout: ShardLayout) -> list[list[Segment]]:
-        if self.zero is None:  # WrittenOnceLayout: one writer per range in the world
-            return layout.owned(self.backend.rank, self.backend.world_size)
-        return zero_counted_segments(layout, self.local_parameters, self.catalog, self.groups)
+        return WrittenOnceLayout([lp.param for lp in lps], segments,
+                                 written=[segs if write else [] for segs, write in zip(segments, writes)])
 
     def _gather_parameters(self) -> dict[str, torch.Tensor]:
         full = self.gather_full_parameters()

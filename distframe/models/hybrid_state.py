@@ -88,13 +88,15 @@ def shard_layout(local: list[LocalParameter], catalog: ParameterCatalog, tp_inde
 @dataclasses.dataclass
 class WrittenOnceLayout(ShardLayout):
     """A hybrid rank's layout for optimizer state: ``segments`` are all it holds (what loading
-    fills), ``owned()`` only those it writes (``writes[i]``, see ``owns_piece``), so data-parallel
-    replicas and the stages sharing a tied weight do not write the same range twice."""
+    fills), ``owned()`` only ``written``, the ranges it writes (and counts in a global norm), so
+    data-parallel replicas, the tensor ranks of a replicated parameter and the stages sharing a
+    tied weight do not write the same range twice (``owns_piece``; under ZeRO, whose chunks are
+    disjoint over data parallelism, ``zero_counted_segments``)."""
 
-    writes: list[bool] = dataclasses.field(default_factory=list)
+    written: list[list[Segment]] = dataclasses.field(default_factory=list)
 
     def owned(self, rank: int, world_size: int) -> list[list[Segment]]:  # noqa: ARG002
-        return [segs if write else [] for segs, write in zip(self.segments, self.writes)]
+        return self.written
 
 
 def _segments(name: str, full: tuple[int, ...], dim: int | None, tp_index: int, tp_size: int) -> list[Segment]:
