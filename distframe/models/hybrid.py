@@ -103,7 +103,7 @@ class HybridShardedModel(ShardedModelBase):
         chunks = build_chunks(model, ranges, dims.pp, self.groups.pp_index, virtual_stages)
         # See [Note: a split output that no row takes] in tensor_parallel_flow.py: the model's
         # output, the last stage's (a split activation may cross to the stage of its row).
-        last = [c for c in chunks if getattr(c, "index", 0) == getattr(c, "num_stages", 1) - 1]
+        last = chunks if ranges is None else [c for c in chunks if c.index == c.num_stages - 1]
         self._split_output_check = SplitOutputCheck(last) if dims.tp_enabled else None
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         if dims.cp_enabled:
