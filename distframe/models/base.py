@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -17,12 +17,14 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.flat import Segment
+from distframe.models.full_parameters import Summonable, refuse_while_summoned, summoned
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.inputs import call_with
+from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
-from distframe.models.plain_optimizer_guard import guard, plain_optimizers
+from distframe.models.plain_optimizer_guard import guard
 from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_same_structure,
-                                      check_unwrapped)
+                                      check_trainable_unchanged, check_unwrapped)
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
 
@@ -151,24 +153,13 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 broadcast_tensors(buffers, self.backend)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        refuse_while_summoned(self, "forward ran")
         if torch.is_grad_enabled():
-            self._check_trainable_unchanged()
+            check_trainable_unchanged(self, self._trainable_at_wrap)
         if self._synchronize and torch.is_grad_enabled():
             self._sync_buffers()
         self._pre_forward()
         return self._post_forward(self.wrapped_model(*args, **kwargs))
-
-    def _check_trainable_unchanged(self) -> None:
-        """ConfigError when a parameter's requires_grad changed since wrapping (the same on every
-        rank that changed it alike, before any collective): the strategy would train it as it was."""
-        for (name, was), param in zip(self._trainable_at_wrap, self.wrapped_model.parameters()):
-            if param.requires_grad != was:
-                raise ConfigError(
-                    f"parameter {name!r} was {'trainable' if was else 'frozen'} when "
-                    f"{type(self).__name__} wrapped the model and now has requires_grad="
-                    f"{param.requires_grad}; the strategy decided at wrapping which parameters it "
-                    "trains (its gradient buckets and shards), so set requires_grad before wrapping "
-                    "(to freeze or unfreeze during training, wrap the model again)")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -181,6 +172,32 @@ class ShardedModelBase(nn.Module, abc.ABC):
             yield
         finally:
             self._synchronize = previous
+
+    @contextlib.contextmanager
+    def summon_full_parameters(self, *, writeback: bool = True) -> Iterator[None]:
+        """Inside, every parameter of the wrapped model is whole, at master precision (float32
+        under a MixedPrecisionPolicy), equal to ``gather_full_parameters()``; on leaving, with
+        ``writeback``, what this rank holds of them takes what was written (make the same edits
+        on every rank); without it, or when the block raises, the edits are dropped. Entering is
+        collective (one all_gather per flat space; none for DDP); leaving is not. No forward
+        inside. See full_parameters.py."""
+        refuse_while_summoned(self, "summon_full_parameters() was entered again")
+        spaces = self._summonable()
+        sharded = {id(p) for s in spaces for p in s.space.params}
+        whole = [p for p in self.wrapped_model.parameters() if id(p) not in sharded]
+        self._summoned = True
+        try:
+            with summoned(spaces, whole, self.backend, writeback=writeback, after_writeback=self._masters_written):
+                yield
+        finally:
+            self._summoned = False
+
+    def _summonable(self) -> list[Summonable]:
+        """The flat spaces whose master chunks this rank holds; none where parameters are whole."""
+        return []
+
+    def _masters_written(self) -> None:
+        """Runs after summon_full_parameters wrote the masters (and compute copies); local."""
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor],
                    optimizer: Any, *, max_grad_norm: float | None = None) -> float:
@@ -374,26 +391,4 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Bytes of distinct tensor storage this rank holds: parameters, gradients, optimizer
         state (its ShardedOptimizer's, or that of plain torch.optim ones that stepped it) and
         the strategy's buffers (each storage counted once, in that order)."""
-        seen: set[int] = set()
-        params = list(self.wrapped_model.parameters()) + list(self.local_parameter_shard())
-        grads = [p.grad for p in params if p.grad is not None]
-        optimizers = plain_optimizers(self)
-        if getattr(self._optimizer, "wrapped_optimizer", None) is not None:
-            optimizers.append(self._optimizer.wrapped_optimizer)
-        state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
-        out = {"parameters": _storage_bytes(params, seen), "gradients": _storage_bytes(grads, seen),
-               "optimizer_state": _storage_bytes(state, seen),
-               "buffers": _storage_bytes(self._strategy_buffers(), seen)}
-        out["total"] = sum(out.values())
-        return out
-
-
-def _storage_bytes(tensors: Iterable[Any], seen: set[int]) -> int:
-    total = 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else 0
-        if key == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
-    return total
+        return storage_footprint(self)

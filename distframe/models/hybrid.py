@@ -348,6 +348,12 @@ class HybridShardedModel(ShardedModelBase):
         self._sync_buffers()
         return gather_full(self.local_parameters, self.local_buffers, self.catalog, self.groups)
 
+    def _summonable(self) -> list:
+        raise ConfigError(
+            f"{type(self).__name__} holds a part of the model on each rank (its stage, its tensor "
+            "split), which summon_full_parameters() cannot make whole in place; read the dense "
+            "model's values from gather_full_parameters()")
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """``param/<name>@<offset>`` pieces of the dense parameters (each range written by one rank
         of the world: data-parallel index 0, tensor index 0 for replicated parameters, the first

@@ -99,3 +99,17 @@ def broadcast_tensors(tensors: list[torch.Tensor], backend: ICommunicationBacken
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def check_trainable_unchanged(model: nn.Module, trainable_at_wrap: list[tuple[str, bool]]) -> None:
+    """ConfigError when a parameter's requires_grad changed since ``model`` (a sharded model) wrapped
+    its module (the same on every rank that changed it alike, before any collective): the strategy
+    would train it as it was."""
+    for (name, was), param in zip(trainable_at_wrap, model.wrapped_model.parameters()):
+        if param.requires_grad != was:
+            raise ConfigError(
+                f"parameter {name!r} was {'trainable' if was else 'frozen'} when "
+                f"{type(model).__name__} wrapped the model and now has requires_grad="
+                f"{param.requires_grad}; the strategy decided at wrapping which parameters it "
+                "trains (its gradient buckets and shards), so set requires_grad before wrapping "
+                "(to freeze or unfreeze during training, wrap the model again)")

@@ -22,7 +22,8 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError, DistFrameError
 from distframe.models.base import ShardedModelBase
-from distframe.models.config import ShardingConfig
+from distframe.models.config import ShardingConfig, TrainingState
+from distframe.models.full_parameters import Summonable
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
@@ -150,6 +151,20 @@ class UnitShardedModelBase(ShardedModelBase):
         self.lifecycle.mark_stale()
 
     def _after_load(self) -> None:
+        self.lifecycle.mark_stale()
+
+    def _summonable(self) -> list[Summonable]:
+        busy = [u for u in self.units if u.state is not TrainingState.IDLE]
+        if busy:
+            raise ConfigError(
+                f"{type(self).__name__}: summon_full_parameters() was entered while unit "
+                f"'{self._module_name(busy[0].module)}' was in its forward or backward; enter it "
+                "between training steps (after backward, or outside forward and backward)")
+        for unit in self.units:
+            unit.drop_prefetch()
+        return [Summonable(u.space, u.master) for u in self.units]
+
+    def _masters_written(self) -> None:
         self.lifecycle.mark_stale()
 
     def _zero_grad(self) -> None:

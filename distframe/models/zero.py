@@ -13,6 +13,7 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.flat import FlatSpace, partition_into_buckets
+from distframe.models.full_parameters import Summonable
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
@@ -145,6 +146,10 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
 
     def _after_load(self) -> None:
         self.synchronize_parameters()
+
+    def _summonable(self) -> list[Summonable]:
+        return [Summonable(space, master, flat)
+                for space, master, flat in zip(self.spaces, self.masters, self.flat_parameters)]
 
     def _zero_grad(self) -> None:
         self.gradient_buckets.zero_grad()

@@ -1,0 +1,85 @@
+"""summon_full_parameters: every parameter of a data-parallel model whole, at master precision,
+inside a ``with`` block, for the code that reads or edits weights outside a training step
+(an EMA, a weight norm logged, an evaluation of edited weights, a re-initialisation), as FSDP1's
+``summon_full_params`` and DeepSpeed's ``GatheredParameters`` give it.
+
+[Note: summoning] A strategy names its flat spaces (``Summonable``): each one's layout, this
+rank's master chunk and, where the model computes from a flat copy of them (ZeRO-1/2's compute
+buffer), that copy. Entering all-gathers each master chunk (one all_gather per space, the only
+communication) and points every parameter of the space at its view of the gathered tensor
+(``p.data``, so the Parameter, its ``.grad`` and its hooks stay as they are). Leaving puts the
+parameters back as they were (ZeRO-3/FSDP's stand-ins between uses) and, with ``writeback``,
+copies this rank's chunk of what it holds into its master and the whole into the compute copy,
+with no communication. An exception inside the block writes nothing back (the model is as it
+was on entering) and leaves every rank able to go on. Each rank
+keeps its own chunk of what it wrote, so edits must be made alike on every rank (as with FSDP1).
+The parameters the strategy does not shard (DDP's, frozen ones) are the model's own: they are
+already whole, and are restored from a copy taken on entering unless the block completes with
+``writeback``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from distframe.backends.protocol import ICommunicationBackend
+from distframe.errors import ConfigError
+from distframe.models.flat import FlatSpace
+
+
+@dataclasses.dataclass(frozen=True)
+class Summonable:
+    """One flat space whose chunk ``master`` this rank holds; ``compute`` is the full flat copy the
+    model computes from (its parameters' storage between steps), when there is one."""
+    space: FlatSpace
+    master: torch.Tensor
+    compute: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def summoned(spaces: list[Summonable], whole: list[nn.Parameter], backend: ICommunicationBackend, *,
+             writeback: bool, after_writeback: Callable[[], None]) -> Iterator[None]:
+    """See [Note: summoning]. ``whole``: parameters that are already whole (copied on entering and
+    restored unless the block completes with ``writeback``); ``after_writeback`` tells the
+    strategy its masters changed."""
+    gathered = [backend.all_gather(s.master.detach()) for s in spaces]
+    held = [[p.data for p in s.space.params] for s in spaces]
+    kept = [p.detach().clone() for p in whole]
+    _attach(spaces, [s.space.views(full) for s, full in zip(spaces, gathered)])
+    completed = False
+    try:
+        yield
+        completed = True
+    finally:
+        _attach(spaces, held)
+        if not (completed and writeback):
+            with torch.no_grad():
+                for param, value in zip(whole, kept):
+                    param.copy_(value)
+    if writeback and spaces:
+        with torch.no_grad():
+            for s, full in zip(spaces, gathered):
+                s.master.copy_(s.space.shard_of(full, backend.rank))
+                if s.compute is not None:
+                    s.compute.copy_(full)
+        after_writeback()
+
+
+def _attach(spaces: list[Summonable], data: list[list[torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for s, tensors in zip(spaces, data):
+            for param, tensor in zip(s.space.params, tensors):
+                param.data = tensor
+
+
+def refuse_while_summoned(model: nn.Module, what: str) -> None:
+    """ConfigError when ``model`` is inside its ``summon_full_parameters`` block."""
+    if getattr(model, "_summoned", False):
+        raise ConfigError(
+            f"{type(model).__name__}: {what} inside summon_full_parameters(), whose parameters are "
+            "the gathered master copies (no hooks gather, free or reduce them there); leave the "
+            "with block first")
