@@ -175,11 +175,14 @@ class DilatedAttention(nn.Module):
         # Global index of the first head passed in; a head-split (tensor-parallel) subclass sets
         # it so that its pairs draw the dropout decisions the full module's heads draw.
         self.head_start = 0
-        self._sources = KeySourceCache()  # (seq, heads, device, causal) -> key sources
+        self._sources = KeySourceCache()  # (seq, heads, device, causal, branches) -> key sources
 
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
                      is_causal: bool) -> list[LocalKeySource]:
-        cache_key = (seq_len, num_heads, str(device), is_causal)
+        # The branches too: a module whose segment_lengths or dilation_rates are changed after a
+        # forward must not keep computing the old ones.
+        cache_key = (seq_len, num_heads, str(device), is_causal, tuple(self.segment_lengths),
+                     tuple(self.dilation_rates))
         if cache_key not in self._sources:
             self._sources[cache_key] = [
                 LocalKeySource(plan, is_causal)

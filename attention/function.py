@@ -15,13 +15,21 @@ instead of the branch's own, so each unit calls the kernel backward with them an
 are summed. No merge weight is detached: the result equals autograd through the dense formula.
 Rows a unit must not touch (padding rows, rows outside this rank's slice, rows that see no key at
 all) get ``LSE = +inf`` so that their probabilities are zero.
+
+[Note: double backward]
+The kernels' backward is not itself differentiable. A backward with ``create_graph=True`` (a
+gradient penalty, a Hessian-vector product) therefore computes the gradients again as autograd
+ops over the same units (``attention/autograd_path.py``, O(seq * w / r) memory per branch), from
+the saved inputs, which keep their history, so the gradient of the gradient is exact. Before,
+``once_differentiable`` was meant to refuse it, but it refuses only when the incoming gradient
+requires grad: with a constant one (``out.sum()``) the penalty's dependence on q, k and v was
+dropped without a word. The ring's key exchange has no such form: it raises.
 """
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from attention.kernel import accumulate_dtype, segment_attention_backward, segment_attention_forward
 from attention.plan import SlotPlan
@@ -102,9 +110,10 @@ class DilatedAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable  # the kernels' backward is not differentiable: refuse double backward
     def backward(ctx, grad_out, _grad_lse):
         query, key, value, out, lse, key_padding_mask = ctx.saved_tensors
+        if torch.is_grad_enabled():  # backward(create_graph=True): see [Note: double backward]
+            return _differentiable_backward(ctx, query, key, value, key_padding_mask, grad_out)
         grads = [torch.zeros(t.shape, dtype=lse.dtype, device=t.device)
                  for t in (query, key, value)]
         # Rows no unit covers, or that see no key, must contribute nothing: +inf.
@@ -134,8 +143,28 @@ def _unit_backward(q, k, v, out, lse, grad_out, key_padding_mask, source, is_cau
     source.return_key_grads(dkc, dvc, grads[1], grads[2])
 
 
+def _differentiable_backward(ctx, query, key, value, key_padding_mask, grad_out):
+    """The gradients as differentiable torch ops: autograd through the same units and merge
+    (``attention/autograd_path.py``, without dropout), so a gradient of them is exact."""
+    if any(getattr(source, "exchanges", False) for source in ctx.sources):
+        raise RuntimeError(
+            "RingDilatedAttention's backward cannot be differentiated (backward with "
+            "create_graph=True, as for a gradient penalty): its key exchange between ranks has no "
+            "gradient of its own; compute the penalty with DilatedAttention on one device")
+    from attention.autograd_path import dilated_attention_autograd  # (it imports this module)
+    inputs = (query, key, value)
+    wanted = [t for t, needed in zip(inputs, ctx.needs_input_grad) if needed]
+    out = dilated_attention_autograd(query, key, value, ctx.sources, is_causal=ctx.is_causal,
+                                     key_padding_mask=key_padding_mask, scale=ctx.scale, dropout=0.0)
+    found = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True, allow_unused=True))
+    grads = [next(found) if needed else None for needed in ctx.needs_input_grad[:3]]
+    return (*grads, None, None, None, None)
+
+
 class LocalKeySource:
     """Single device: keys and values are read from the same slice as the queries."""
+
+    exchanges = False  # no communication: its gather is differentiable ([Note: double backward])
 
     def __init__(self, plan: SlotPlan, is_causal: bool) -> None:
         self.plan = plan

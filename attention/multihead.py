@@ -90,10 +90,10 @@ class MultiheadDilatedAttention(nn.Module):
                 need_weights: bool = False, attn_mask: torch.Tensor | None = None,
                 average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
         """``(B, T, E)`` inputs -> ``((B, T, E), None)`` (no attention weights are formed)."""
-        if torch_mha_keywords(need_weights, attn_mask, query.shape[1] if query.dim() == 3 else None):
-            is_causal = True
         if query.dim() != 3:
             raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
+        if torch_mha_keywords(need_weights, attn_mask, query.shape[1]):
+            is_causal = True
         if key.shape != query.shape or value.shape != query.shape:
             raise ValueError(f"dilated attention segments one sequence: key and value must have "
                              f"the query's shape {tuple(query.shape)}, got key "
@@ -115,7 +115,7 @@ class MultiheadDilatedAttention(nn.Module):
         return self.out_proj(attended), None
 
 
-def torch_mha_keywords(need_weights: bool, attn_mask: torch.Tensor | None, seq_len: int | None) -> bool:
+def torch_mha_keywords(need_weights: bool, attn_mask: torch.Tensor | None, seq_len: int) -> bool:
     """nn.MultiheadAttention's ``need_weights`` and ``attn_mask``: ValueError unless they ask for
     what dilated attention does (no weights; no mask, or the causal one); ``average_attn_weights``
     only shapes weights, so it is ignored. True when ``attn_mask`` is the causal mask (as

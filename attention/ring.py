@@ -32,6 +32,8 @@ from attention.ring_exchange import Routes, exchange_keys, make_routes, return_k
 class RingKeySource:
     """Keys of one unit on one rank: local rows plus rows received from their owners."""
 
+    exchanges = True  # its gather communicates: no double backward ([Note: double backward])
+
     def __init__(self, plan: SlotPlan, routes: Routes, backend, is_causal: bool) -> None:
         self.plan, self.routes, self.backend = plan, routes, backend
         self._missing = plan.missing_keys(is_causal)
@@ -188,7 +190,12 @@ class RingDilatedAttention(DilatedAttention):
         """``DilatedAttention.forward`` runs unchanged on this rank's slices: the sources it
         asks for here read keys and values from the whole ring."""
         world, rank = self.backend.world_size, self.backend.rank
-        cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank)
+        # Everything the sources are built from, the backend they exchange over included (a
+        # context-parallel model assigns ``backend`` after construction): a module changed after
+        # a forward builds new ones instead of reusing the old layout, or the old group.
+        # (The id cannot be reused while cached: the sources hold the backend.)
+        cache_key = ("ring", local_len, num_heads, str(device), is_causal, world, rank, id(self.backend),
+                     self._branches(), self.head_start, self.total_heads)
         if cache_key in self._sources:
             return self._sources[cache_key]
         total, heads = num_heads, None

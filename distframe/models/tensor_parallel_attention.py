@@ -90,7 +90,9 @@ class TensorParallelDilatedAttention(nn.Module):
                 is_causal: bool = False, key_padding_mask: torch.Tensor | None = None, *,
                 need_weights: bool = False, attn_mask: torch.Tensor | None = None,
                 average_attn_weights: bool = True) -> tuple[torch.Tensor, None]:
-        if torch_mha_keywords(need_weights, attn_mask, query.shape[1] if query.dim() == 3 else None):
+        if query.dim() != 3:
+            raise ValueError(f"query must be (batch, seq, embed_dim), got {tuple(query.shape)}")
+        if torch_mha_keywords(need_weights, attn_mask, query.shape[1]):
             is_causal = True  # the causal mask, as the dense module takes it
         batch, seq_len, _ = query.shape
         # One f for self-attention (q, k, v read the same tensor): one backward all-reduce.

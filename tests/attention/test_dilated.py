@@ -95,17 +95,22 @@ def test_gradcheck():
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_double_backward_is_refused(fused, monkeypatch):
-    """The exact backward is not itself differentiable: the math kernel (float64 on a GPU, odd
+def test_double_backward_is_exact(fused, monkeypatch):
+    """The kernels' backward is not itself differentiable: the math kernel (float64 on a GPU, odd
     head sizes) gave wrong second derivatives silently (errors of 0.5 against the dense
-    reference), the fused one an error about an aten op. Both now refuse, saying so."""
+    reference), the fused one an error about an aten op. A differentiable backward now computes
+    them through autograd ([Note: double backward] in attention/function.py), exact on both."""
     if not fused:
         monkeypatch.setattr("attention.kernel._use_cpu_flash", lambda q: False)
     q, k, v = random_qkv(1, 6, 2, 3)
-    out = DilatedAttention([4], [1])(q, k, v)
-    grad_q, = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        grad_q.sum().backward()
+
+    def second(attention):
+        grad_q, = torch.autograd.grad((attention(q, k, v) ** 2).sum(), q, create_graph=True)
+        return torch.autograd.grad(grad_q.sum(), (q, k, v))
+
+    module = DilatedAttention([4], [1])
+    dense = second(lambda a, b, c: dense_dilated_attention(a, b, c, [4], [1]))
+    assert max_error(second(module), dense) < TOL64
 
 
 def test_autograd_path_matches_function():
