@@ -46,6 +46,7 @@ WHOLE_PARAMETER_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("LBFG
                                    if hasattr(torch.optim, name))
 
 _guarded: weakref.WeakSet[Any] = weakref.WeakSet()
+_adopted: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # optimizer -> its owner
 _installed = False
 _lock = threading.Lock()
 
@@ -111,7 +112,24 @@ def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, params: 
     return False
 
 
+def adopted_by(optimizer: torch.optim.Optimizer, owner: Any) -> None:
+    """``optimizer`` (an instance a user handed to the sharded ``owner``) is ``owner``'s wrapped
+    optimizer from now on: stepping it other than from ``owner.step()`` is refused."""
+    _adopted[optimizer] = weakref.ref(owner)
+
+
+def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer) -> None:
+    owner = _adopted.get(optimizer)
+    owner = owner() if owner is not None else None
+    if owner is not None and not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
+        raise ConfigError(
+            f"this torch.optim.{type(optimizer).__name__} was handed to {type(owner).__name__}, which "
+            "now steps it over the model's shards between the gradient and parameter "
+            f"synchronisation; call that {type(owner).__name__}'s step() instead")
+
+
 def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_step_outside_owner(optimizer)
     params = _params(optimizer)
     with _lock:  # a rank thread may be adding one
         models = list(_guarded)

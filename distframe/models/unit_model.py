@@ -29,7 +29,7 @@ from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_lifecycle import UnitLifecycle
 from distframe.models.unit_order import forward_orders
-from distframe.models.zero import single_dtype
+from distframe.models.zero import cast_frozen, single_dtype
 from distframe.precision import MixedPrecisionPolicy
 
 UnitSpec = tuple[nn.Module, list[tuple[str, nn.Parameter]]]
@@ -45,11 +45,12 @@ class UnitShardedModelBase(ShardedModelBase):
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        single_dtype(named, type(self).__name__)
+        dtype = single_dtype(named, type(self).__name__)
         refuse_sparse_gradients(module, type(self).__name__)
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
         chosen = self._choose_units(module)
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
+        cast_frozen(module, dtype, policy.compute_dtype(dtype))
         self.units = [
             ShardedUnit(i, owner, params, backend, policy,
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
@@ -208,7 +209,7 @@ def refuse_sparse_gradients(module: nn.Module, strategy: str) -> None:
             raise ConfigError(
                 f"{strategy}: '{name}' ({type(sub).__name__}) has sparse=True, but its units reduce "
                 "one flat dense gradient; build it with sparse=False, or use DDPModel or "
-                "ZeRO1Model/ZeRO2Model, which take sparse gradients")
+                "ZeRO1Model/ZeRO2Model, which take sparse gradients (densified in their buckets)")
 
 
 # Containers whose forward never runs: their hooks would never gather a unit rooted there.

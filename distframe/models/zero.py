@@ -33,6 +33,20 @@ def single_dtype(named: list[tuple[str, nn.Parameter]], strategy: str) -> torch.
     return first.dtype
 
 
+def cast_frozen(module: nn.Module, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    """Frozen parameters of the trainable ones' ``dtype`` take ``compute_dtype`` (a
+    MixedPrecisionPolicy's param_dtype), as FSDP2 computes with every parameter in param_dtype and
+    DeepSpeed's bf16 mode casts the whole model: left in float32 beside bfloat16 trainable ones,
+    no input dtype suited both (a frozen base under LoRA failed in its first layer). They keep no
+    float32 copy (they are not trained, and a copy would cost twice their bytes)."""
+    if compute_dtype == dtype:
+        return
+    with torch.no_grad():
+        for param in module.parameters():
+            if not param.requires_grad and param.dtype == dtype:
+                param.data = param.data.to(compute_dtype)
+
+
 class _ReplicatedParametersShardedState(ShardedModelBase):
     """ZeRO-1/2 machinery. Parameters (compute dtype) are views into one flat buffer per
     gradient bucket; rank r's master shard of a bucket is chunk r of that space (a view of the
@@ -53,6 +67,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
         self.compute_dtype = policy.compute_dtype(dtype)
+        cast_frozen(module, dtype, self.compute_dtype)
         self.reduce_dtype = policy.communication_dtype(dtype)
         master_dtype = policy.master(dtype)
         element = torch.empty(0, dtype=self.compute_dtype).element_size()

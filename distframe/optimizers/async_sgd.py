@@ -197,7 +197,11 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
             max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
             deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
             worker_timeout=float(timeout), timeout_hint=hint)
-        report = server.serve()
+        self._stepping = True  # the server steps the wrapped optimizer (adopt_instance in base.py)
+        try:
+            report = server.serve()
+        finally:
+            self._stepping = False
         self.version = server.version
         return report
 

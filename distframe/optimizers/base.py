@@ -13,7 +13,7 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, ShardLayout
-from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS
+from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS, adopted_by
 from distframe.optimizers.param_groups import GroupedShards, build_grouped, group_indices
 from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
 
@@ -41,6 +41,23 @@ def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str
     return rebuilt
 
 
+def adopt_instance(instance: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer,
+                   owner: Any) -> torch.optim.Optimizer:
+    """``instance`` (the optimizer a user passed) made the ``rebuilt`` one, over the shards: its
+    param groups, state and defaults become the rebuilt one's, so what was built on it before the
+    wrapping (an LR scheduler, a reference to set ``lr`` by hand, its ``state_dict()``) acts on
+    the optimizer that trains (DeepSpeed, too, keeps the instance it is given). Stepping it
+    directly would skip ``owner``'s synchronisation: plain_optimizer_guard refuses that."""
+    extras = {k: v for k, v in instance.param_groups[0].items() if k != "params"}
+    if len(instance.param_groups) == 1:  # keys others put there (a scheduler's initial_lr)
+        for group in rebuilt.param_groups:
+            for key, value in extras.items():
+                group.setdefault(key, value)
+    instance.__dict__.update(rebuilt.__dict__)
+    adopted_by(instance, owner)
+    return instance
+
+
 def check_optimizer_argument(optimizer: Any, kwargs: dict[str, Any], owner: str) -> None:
     """ConfigError unless ``optimizer`` is a torch.optim.Optimizer class or a fresh instance
     (with no keyword settings beside it)."""
@@ -62,6 +79,16 @@ def check_optimizer_argument(optimizer: Any, kwargs: dict[str, Any], owner: str)
                           "fresh one (or its class) so its state can be sharded from the start")
 
 
+def check_dense_gradients(optimizer: Any, owner: str) -> None:
+    """ConfigError for torch.optim.SparseAdam: every strategy averages gradients densely (in
+    buckets or flat units; a sparse embedding's gradient is densified), and it takes only sparse ones."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if isinstance(cls, type) and issubclass(cls, torch.optim.SparseAdam):
+        raise ConfigError(f"{owner}: torch.optim.SparseAdam steps sparse gradients only, but the "
+                          "model's gradients are averaged as dense tensors (a sparse embedding's too); "
+                          "use torch.optim.Adam or AdamW (which also step rows a batch did not touch)")
+
+
 def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
     """ConfigError when ``model``'s local shards are flat chunks (not its parameters themselves)
     and ``optimizer`` (class or instance) is one of WHOLE_PARAMETER_OPTIMIZERS."""
@@ -81,10 +108,20 @@ def check_elementwise(optimizer: Any, model: ShardedModelBase, owner: str) -> No
 
 def check_instance_covers(optimizer: Any, model: ShardedModelBase, owner: str) -> None:
     """ConfigError when ``optimizer`` is an instance that leaves out trainable parameters of
-    ``model``: rebuilt over the local shards, which hold every one, it would train them too."""
+    ``model`` (rebuilt over the local shards, which hold every one, it would train them too) or
+    holds tensors that are not the model's (the rebuilt one would drop them)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
     given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    known = {id(p) for p in model.parameters()} | {id(s) for s in model.local_parameter_shard()}
+    outside = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in known)
+    if outside:
+        raise ConfigError(
+            f"{owner}: the optimizer instance holds {outside} tensor(s) that are not parameters of the "
+            f"wrapped model (a learned loss temperature, say); it is rebuilt over {type(model).__name__}'s "
+            "local shards, so they would never be trained; register them in the model (an nn.Parameter "
+            "of a module inside it, whose gradient is then averaged across ranks), or give them an "
+            "optimizer of their own and average their gradients yourself")
     if all(id(shard) in given for shard in model.local_parameter_shard()):
         return  # built over the shards themselves
     missing = [n for n, p in model.wrapped_model.named_parameters() if p.requires_grad and id(p) not in given]
@@ -136,8 +173,8 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     It is a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are the
     wrapped optimizer's, so learning-rate schedulers take it as they take a plain one (torch's
-    ZeroRedundancyOptimizer is one too). It never calls the base class's constructor: step hooks
-    and ``add_param_group`` are not supported. Given an optimizer instance with several param
+    ZeroRedundancyOptimizer is one too). It never calls the base class's constructor: step and
+    state-dict hooks and ``add_param_group`` are not supported (ConfigError). Given an optimizer instance with several param
     groups, it keeps them, each with its own settings, over pieces of the shards (see
     param_groups.py).
 
@@ -168,6 +205,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
             raise ConfigError(f"{name} belongs with {self.model_class.__name__}, got "
                               f"{type(model).__name__}; use {fix}(model, ...) for it")
         check_elementwise(optimizer, model, name)
+        check_dense_gradients(optimizer, name)
         check_optimizer_argument(optimizer, optimizer_kwargs, name)
         check_instance_covers(optimizer, model, name)
         self.model = model
@@ -182,6 +220,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         else:
             self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
                                                      optimizer_kwargs, name)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.wrapped_optimizer = adopt_instance(optimizer, self.wrapped_optimizer, self)
+        self._stepping = False
         self._scaler_flags_agreed = False
         model.attach_optimizer(self)
 
@@ -200,6 +241,34 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ConfigError(f"{type(self).__name__} shards the parameters of the model it was built "
                           "for; it cannot take more (wrap a model that holds them all)")
+
+    # torch.optim.Optimizer's hooks: its constructor, which makes their registries, is not run
+    # (torch's AttributeError said nothing useful), and nothing here would call them.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        raise self._hooks_unsupported("register_step_pre_hook", "before optimizer.step()")
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        raise self._hooks_unsupported("register_step_post_hook", "after optimizer.step()")
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        raise self._hooks_unsupported("register_state_dict_pre_hook", "before optimizer.state_dict()")
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        raise self._hooks_unsupported("register_state_dict_post_hook", "on what state_dict() returns")
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        raise self._hooks_unsupported("register_load_state_dict_pre_hook",
+                                      "on the dict before optimizer.load_state_dict()")
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        raise self._hooks_unsupported("register_load_state_dict_post_hook",
+                                      "after optimizer.load_state_dict()")
+
+    def _hooks_unsupported(self, method: str, instead: str) -> ConfigError:
+        return ConfigError(f"{type(self).__name__}.{method}: a sharded optimizer takes no torch.optim "
+                           f"hooks (its step synchronises gradients and parameters around the local "
+                           f"update, and its state_dict is this rank's pieces); run your code {instead} "
+                           "in the training loop instead")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.wrapped_optimizer!r})"
@@ -274,7 +343,11 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         self.synchronize_gradients()
         if closure is not None and self._grouped is not None:
             closure = self._taking_gradients(closure)
-        loss = self.wrapped_optimizer.step(closure)
+        self._stepping = True  # the wrapped optimizer steps here only (adopt_instance)
+        try:
+            loss = self.wrapped_optimizer.step(closure)
+        finally:
+            self._stepping = False
         self.model.synchronize_parameters()
         return loss
 
