@@ -17,9 +17,16 @@ from typing import Any
 import torch
 
 from distframe.errors import ConfigError
-from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, shard_pieces
+from distframe.models.sharded_state import RangeReader, ShardLayout, fill_shards, piece_key, shard_pieces
 
 _JSON_TYPES = (bool, int, float, str, type(None))
+
+# [Note: whole-parameter state] Where each shard is one whole parameter (DDPModel's), the
+# optimizer may keep state of another shape (Adafactor's row and column variances). It is saved
+# as one piece of kind ``WHOLE + key`` at offset 0, by the rank that writes the parameter's first
+# elements (replicated parameters are written in slices by all ranks), and
+# loads only where the shard is that parameter whole again (DDP, at any world size).
+WHOLE = "optim-whole."
 
 
 def _jsonable(value: Any) -> Any:
@@ -104,6 +111,7 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
     """(tensor pieces, scalars) for the segments this rank owns."""
     per_key: dict[str, list[torch.Tensor | None]] = {}
     scalars: dict[str, dict[str, list]] = {}
+    whole: dict[str, torch.Tensor] = {}
     owned = layout.owned(rank, world_size)
     element_keys = {key for shard in layout.shards if shard.dim() > 0
                     for key, value in optimizer.state.get(shard, {}).items()
@@ -123,12 +131,17 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
                 entry = [float(value), str(value.dtype).removeprefix("torch.") if is_tensor else None]
                 for seg in owned[i]:
                     scalars.setdefault(seg.name, {})[key] = entry
+            elif isinstance(value, torch.Tensor) and _whole_parameter(shard, layout.segments[i]):
+                for seg in owned[i]:  # the writer of its first elements: [Note: whole-parameter state]
+                    if seg.param_offset == 0:
+                        whole[piece_key(WHOLE + key, seg.name, 0)] = value.detach().clone()
             else:
                 raise ConfigError(
                     f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))} is "
-                    "neither per-element nor a scalar, so it cannot be sharded; use an optimizer "
-                    "with element-wise state (SGD, Adam, AdamW, RMSprop, Adagrad)")
-    pieces: dict[str, torch.Tensor] = {}
+                    "neither per-element nor a scalar nor a tensor of one whole parameter, so it "
+                    "cannot be saved; use an optimizer whose state is tensors (SGD, Adam, AdamW, "
+                    "RMSprop, Adagrad; Adafactor under DDPModel)")
+    pieces: dict[str, torch.Tensor] = dict(whole)
     for key, tensors in per_key.items():
         pieces.update(shard_pieces(layout, rank, world_size, f"optim.{key}", tensors))
     return pieces, scalars
@@ -141,9 +154,10 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
     param group takes the settings of the saved one that trained its parameters (those its shards
     hold here, or ``trained[k]``: see ``hyperparameters``)."""
     kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
+    whole_kinds = sorted(k for k in reader.kinds() if k.startswith(WHOLE))
     fallback = next(iter(scalars.values()), {})
     saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
-                                          if any(reader.holds(kind, s.name) for kind in kinds)}
+                                          if any(reader.holds(kind, s.name) for kind in kinds + whole_kinds)}
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     state: dict[int, dict[str, Any]] = {}
     for shard, segs in zip(layout.shards, layout.segments):
@@ -157,6 +171,7 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
             tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
             _fill_state(tensor, segs, reader, kind, scalars)
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
+        entry.update(_whole_state(shard, segs, reader, whole_kinds))
         named = scalars.get(segs[0].name, fallback) if segs else fallback
         for key, (value, dtype) in named.items():
             if f"optim.{key}" in kinds:  # a 0-d parameter's per-element state, read above
@@ -178,6 +193,31 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
                          if key not in settings and key != TRAINED})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _whole_parameter(shard: torch.Tensor, segments: list) -> bool:
+    """Whether ``shard`` is one whole parameter, in its own shape (DDP's shards)."""
+    return (len(segments) == 1 and segments[0].shard_offset == 0 and segments[0].param_offset == 0
+            and segments[0].length == shard.numel() and shard.dim() > 0)
+
+
+def _whole_state(shard: torch.Tensor, segments: list, reader: RangeReader,
+                 whole_kinds: list[str]) -> dict[str, torch.Tensor]:
+    """The whole-parameter state saved for ``shard``'s parameter ([Note: whole-parameter state]);
+    ConfigError when it is saved but ``shard`` is not that parameter whole."""
+    found = {}
+    for kind in whole_kinds:
+        for seg in segments:
+            if not reader.holds(kind, seg.name):
+                continue
+            if not _whole_parameter(shard, segments):
+                raise ConfigError(
+                    f"the checkpoint holds optimizer state {kind.removeprefix(WHOLE)!r} of parameter "
+                    f"{seg.name!r} whole (an optimizer such as Adafactor, saved under DDPModel), but "
+                    "this model's optimizer holds flat chunks of parameters; load it under DDPModel, "
+                    "or load the model without the optimizer")
+            found[kind.removeprefix(WHOLE)] = reader.whole(kind, seg.name).clone().to(shard.device)
+    return found
 
 
 def _kinds_held(kinds: list[str], segments: list, reader: RangeReader,
