@@ -19,14 +19,23 @@ With ``--dropout 0`` nothing draws and the model stays as built.
 ``distframe.checkpoint.save``): torch's CPU generator state, the CUDA one of its device when it
 trains on a GPU, and its dropout generators' ``state_dict()``, keyed
 ``<layout>/rank<r>/<entry>``; the metadata records the layout (strategy, world size, dp, tp, pp,
-cp). A resume with the same layout gives every rank its states back, so the resumed run draws the
-masks the uninterrupted run drew. Under another layout the saved streams have no counterpart (which
-rank's stream would a new rank take?), and a checkpoint written before distframe kept them has
-none: the dropout generators then start new streams seeded from their seeds (a function of
-``--seed`` and the rank's coordinates) and the step, and the run says so in a note.
+cp and, for an interleaved pipeline, the model chunks of a rank: the same generator feeds other
+layers in another order when the chunking changes). A resume with the same layout gives every rank
+its states back, so the resumed run draws the masks the uninterrupted run drew. Under another
+layout the saved streams have no counterpart (which rank's stream would a new rank take?), and a
+checkpoint written before distframe kept them has none: the dropout generators then start new
+streams seeded from their seeds (a function of ``--seed`` and the rank's coordinates) and the
+step, and the run says so in a note.
+
+The elastic run (``train_elastic``) reads a checkpoint's states while its optimizer restores
+(``read_saved``, then ``take``). A membership change, or a rollback after a failure, restores a
+commit, which holds no generator states: the new group starts new streams seeded from the step of
+the commit (``new_streams``), never its ranks' initial streams, whose masks earlier steps used.
+A resume at another layout at that step draws the same streams, so it equals the elastic run.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -46,14 +55,19 @@ def dropout_seed(seed: int) -> int:
 
 
 def layout(config: Any, world_size: int) -> dict[str, Any]:
-    """What decides which stream each rank draws: the strategy, the world and its degrees."""
-    if STRATEGIES[config.strategy].model_parallel:
-        dp, tp, pp = config.parallel_degrees(world_size)
-        cp = config.cp
-    else:
-        dp, tp, pp, cp = world_size, 1, 1, 1
-    return {"strategy": config.strategy, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
-            "cp": cp}
+    """What decides which stream each rank draws: the strategy, the world, its degrees and, for
+    an interleaved pipeline, the model chunks each rank holds (its generators feed those)."""
+    if not STRATEGIES[config.strategy].model_parallel:
+        return {"strategy": config.strategy, "world_size": world_size, "dp": world_size, "tp": 1,
+                "pp": 1, "cp": 1}
+    dp, tp, pp = config.parallel_degrees(world_size)
+    found = {"strategy": config.strategy, "world_size": world_size, "dp": dp, "tp": tp, "pp": pp,
+             "cp": config.cp}
+    # Only above 1: one chunk per rank is the layout that checkpoints written before chunks
+    # counted recorded, and those keep continuing their masks exactly.
+    if config.virtual_stages > 1:
+        found["virtual_stages"] = config.virtual_stages
+    return found
 
 
 class RankDilatedAttention(DilatedAttention):
@@ -94,9 +108,40 @@ def dropout_generators(model: nn.Module) -> TensorParallelRNG | None:
                 None)
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedStates:
+    """What a checkpoint holds for one rank: the layout its generator states were saved in (None:
+    it holds none) and, when that is the layout asked for, this rank's states (else None)."""
+
+    layout: dict[str, Any] | None
+    state: dict[str, torch.Tensor] | None
+
+
+def read_saved(meta: dict[str, Any], reader: Any, where: dict[str, Any], rank: int) -> SavedStates:
+    """Rank ``rank``'s states in a checkpoint (``meta``, ``reader`` as checkpoint.load hands
+    ``read_rank_state``) when it was saved in layout ``where``. Needs no model: the elastic run
+    reads them while its optimizer restores, before the job's RankRandomState exists."""
+    saved = meta.get("rank_state")
+    saved_layout = saved.get("layout") if isinstance(saved, dict) else None
+    if saved_layout != where:
+        return SavedStates(saved_layout, None)
+    state = {name: value.clone() for name, value in reader.wholes("rank_state", _prefix(where, rank)).items()}
+    if "torch.cpu" not in state:
+        raise ValueError(f"the checkpoint lists generator states of layout {where} but "
+                         f"holds none for rank {rank}: it is incomplete; load an earlier one")
+    return SavedStates(saved_layout, state)
+
+
+def _prefix(where: dict[str, Any], rank: int) -> str:
+    """``<strategy>.<degrees>/rank<r>/``: where a rank's states lie in a checkpoint."""
+    degrees = ".".join(f"{k}{v}" for k, v in where.items() if k != "strategy")
+    return f"{where['strategy']}.{degrees}/rank{rank}/"
+
+
 class RankRandomState:
     """This rank's generators in the main job (see the module notes): ``state()`` and ``info()``
-    for a checkpoint's save, ``read(meta, reader)`` for its load, then ``continue_from(step)``."""
+    for a checkpoint's save, ``read(meta, reader)`` (or ``take`` what ``read_saved`` read) for
+    its load, then ``continue_from(step)``; ``new_streams`` where no checkpoint was loaded."""
 
     def __init__(self, config: Any, backend: Any, model: nn.Module, device: torch.device) -> None:
         self.config, self.rank, self.device = config, backend.rank, device
@@ -104,10 +149,6 @@ class RankRandomState:
         self.dropout = dropout_generators(model)
         self.saved_layout: dict[str, Any] | None = None
         self.restored = False
-
-    def _prefix(self) -> str:
-        where = ".".join(f"{k}{v}" for k, v in self.layout.items() if k != "strategy")
-        return f"{self.layout['strategy']}.{where}/rank{self.rank}/"
 
     def info(self) -> dict[str, Any]:
         return {"layout": self.layout}
@@ -119,19 +160,20 @@ class RankRandomState:
             state["torch.cuda"] = torch.cuda.get_rng_state(self.device)
         if self.dropout is not None:
             state.update({_DROPOUT + k: v for k, v in self.dropout.state_dict().items()})
-        return {self._prefix() + k: v for k, v in state.items()}
+        prefix = _prefix(self.layout, self.rank)
+        return {prefix + k: v for k, v in state.items()}
 
     def read(self, meta: dict[str, Any], reader: Any) -> None:
         """Restores the states this rank saved, when the checkpoint was saved in this layout."""
-        saved = meta.get("rank_state")
-        self.saved_layout = saved.get("layout") if isinstance(saved, dict) else None
-        self.restored = self.saved_layout == self.layout
-        if not self.restored:
+        self.take(read_saved(meta, reader, self.layout, self.rank))
+
+    def take(self, saved: SavedStates) -> None:
+        """Restores ``saved`` (``read_saved`` for this layout and rank), where it holds states."""
+        self.saved_layout = saved.layout
+        self.restored = saved.state is not None
+        if saved.state is None:
             return
-        state = {name: value.clone() for name, value in reader.wholes("rank_state", self._prefix()).items()}
-        if "torch.cpu" not in state:
-            raise ValueError(f"the checkpoint lists generator states of layout {self.layout} but "
-                             f"holds none for rank {self.rank}: it is incomplete; load an earlier one")
+        state = saved.state
         torch.set_rng_state(state["torch.cpu"])
         if "torch.cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["torch.cuda"], self.device)
@@ -140,25 +182,33 @@ class RankRandomState:
             self.dropout.load_state_dict(dropout)
 
     def continue_from(self, step: int) -> str | None:
-        """After a load: where ``read`` restored nothing, new dropout streams seeded from the
-        generators' seeds and ``step``; returns a note saying so when ``--dropout`` is above 0,
-        else None."""
-        if self.restored or self.dropout is None:
-            return None
-        seeds = [derive_seed(self.dropout.replicated_seed, "resume", step),
-                 derive_seed(self.dropout.split_seed, "resume", step)]
-        self.dropout.load_state_dict({"seeds": torch.tensor(seeds, dtype=torch.int64)})
-        if not self.config.dropout:  # a tensor-parallel model's generators, but nothing draws
+        """After a load: where ``read`` restored nothing, ``new_streams(step, why)``; returns
+        its note, else None."""
+        if self.restored:
             return None
         if self.saved_layout is None:
             why = "the checkpoint holds no generator states (saved before distframe kept them)"
         else:
             why = (f"the checkpoint was saved by {_describe(self.saved_layout)}, not this layout; "
                    "resume with that one to continue its masks exactly")
+        return self.new_streams(step, why)
+
+    def new_streams(self, step: int, why: str) -> str | None:
+        """New dropout streams seeded from the generators' seeds (``--seed`` and the rank's
+        coordinates) and ``step``, for masks from step ``step + 1`` on; returns a note saying so
+        and ``why`` when ``--dropout`` is above 0, else None."""
+        if self.dropout is None:
+            return None
+        seeds = [derive_seed(self.dropout.replicated_seed, "resume", step),
+                 derive_seed(self.dropout.split_seed, "resume", step)]
+        self.dropout.load_state_dict({"seeds": torch.tensor(seeds, dtype=torch.int64)})
+        if not self.config.dropout:  # a tensor-parallel model's generators, but nothing draws
+            return None
         return (f"distframe train: dropout masks from step {step + 1} on are new, seeded from --seed "
                 f"and the step: {why}")
 
 
 def _describe(layout: dict[str, Any]) -> str:
+    chunks = (f" virtual_stages={layout['virtual_stages']}" if "virtual_stages" in layout else "")
     return (f"--strategy {layout.get('strategy')} --world-size {layout.get('world_size')} ("
-            + " ".join(f"{k}={layout.get(k)}" for k in ("dp", "tp", "pp", "cp")) + ")")
+            + " ".join(f"{k}={layout.get(k)}" for k in ("dp", "tp", "pp", "cp")) + chunks + ")")

@@ -68,7 +68,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
     checkpoint of its step exists, go on from the newest older state (a checkpoint, an older
     commit, or the initial state) with a RuntimeWarning naming the steps lost, instead of
     raising ElasticRollbackError (so too for a load by hand not yet committed, below); every
-    worker of the group must pass True.
+    worker of the group must pass True. ``read_rank_state``: passed on to checkpoint.load when the
+    restore loads a checkpoint, to read what its save's ``rank_state`` stored for this rank (a
+    training job's generator states; a commit holds none).
 
     A state loaded by hand is committed: by ``distframe.checkpoint.load(path, model, optimizer)``
     once its ranks agree that every read worked (``finish_load``); after the model's or this
@@ -111,7 +113,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
                  member: ElasticMember | None = None,
                  lr_scheduler: Callable[[ElasticOptimizer], Any] | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None,
-                 allow_rollback: bool = False, **optimizer_kwargs: Any) -> None:
+                 allow_rollback: bool = False,
+                 read_rank_state: Callable[[dict[str, Any], RangeReader], None] | None = None,
+                 **optimizer_kwargs: Any) -> None:
         if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
             raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
@@ -132,6 +136,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
         self.allow_rollback = allow_rollback
+        self._read_rank_state = read_rank_state
         self.member = member or ElasticMember(model.backend.rank)
         self.step_count = 0
         self.lr_scheduler = None
@@ -257,7 +262,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
             return self._restore_commit(held, newest) + rolled
         if found is not None:
             from distframe.checkpoint import load
-            meta = load(found[0], self.model, self)  # sets step_count (and the scheduler's state)
+            meta = load(found[0], self.model, self,  # sets step_count (and the scheduler's state)
+                        read_rank_state=self._read_rank_state)
             if meta["optimizer"].get("extra", {}).get("step_count") is None:  # older checkpoints
                 self.step_count = int(meta["step"])
             self.commit()
