@@ -153,27 +153,56 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
             raise CheckpointError(f"{file} does not match its sha256 checksum: the file is corrupt")
 
 
-def open_reader(path: Path, meta: dict[str, Any]) -> RangeReader:
-    """A RangeReader over every file's pieces (files are opened lazily, read by slice)."""
-    where: dict[str, str] = {}
+def untied_aliases(meta: dict[str, Any], names: set[str]) -> dict[str, str]:
+    """The checkpoint's aliases (a tied weight's further names, stored once) that a model whose
+    tensors are ``names`` holds as tensors of their own, each mapped to the stored name: that
+    model unties them, and reads each from the tensor it aliases, as torch's
+    ``load_state_dict`` of the consolidated state dict would (exact values)."""
+    stored = set(meta["parameters"]) | set(meta["replicated"])
+    return {alias: name for alias, name in meta.get("aliases", {}).items()
+            if alias in names and alias not in stored and name in stored}
+
+
+def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None = None) -> RangeReader:
+    """A RangeReader over every file's pieces (files are opened lazily, read by slice).
+    ``aliases`` (name -> stored name): further names under which the reader also serves a
+    stored tensor's pieces (a tied weight loaded into a model that unties it)."""
+    by_target: dict[str, list[str]] = {}
+    for alias, target in (aliases or {}).items():
+        by_target.setdefault(target, []).append(alias)
+    where: dict[str, tuple[str, str]] = {}  # key served -> (file, key stored)
     pieces: list[tuple[str, int]] = []
     for entry in meta["files"]:
         for key, numel in entry["tensors"].items():
-            where[key] = entry["file"]
-            pieces.append((key, numel))
+            for served in (key, *_alias_keys(key, by_target)):
+                where[served] = (entry["file"], key)
+                pieces.append((served, numel))
     handles: dict[str, Any] = {}
 
-    def fetch(key: str, lo: int, hi: int | None) -> torch.Tensor:
-        name = where[key]
+    def stored(key: str) -> tuple[Any, str]:
+        name, stored_key = where[key]
         if name not in handles:
             handles[name] = safe_open(str(path / name), framework="pt")
+        return handles[name], stored_key
+
+    def fetch(key: str, lo: int, hi: int | None) -> torch.Tensor:
+        handle, stored_key = stored(key)
         if hi is None:
-            return handles[name].get_tensor(key)
-        return handles[name].get_slice(key)[lo:hi]
+            return handle.get_tensor(stored_key)
+        return handle.get_slice(stored_key)[lo:hi]
 
     def shape_of(key: str) -> list[int]:
-        name = where[key]
-        if name not in handles:
-            handles[name] = safe_open(str(path / name), framework="pt")
-        return handles[name].get_slice(key).get_shape()
+        handle, stored_key = stored(key)
+        return handle.get_slice(stored_key).get_shape()
     return RangeReader(pieces, fetch, shape_of)
+
+
+def _alias_keys(key: str, by_target: dict[str, list[str]]) -> list[str]:
+    """``key`` (``kind/name@offset`` or ``buffer/name``) under each alias of its tensor's name."""
+    if not by_target:
+        return []
+    if key.startswith("buffer/"):
+        return [f"buffer/{alias}" for alias in by_target.get(key.removeprefix("buffer/"), [])]
+    kind, rest = key.split("/", 1)
+    name, offset = rest.rsplit("@", 1)
+    return [f"{kind}/{alias}@{offset}" for alias in by_target.get(name, [])]

@@ -40,7 +40,8 @@ from distframe.checkpoint.agreement import agree, describe_error, failure
 from distframe.checkpoint import dropout_rng, temporary
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, CheckpointError,
                                          fsync_path, open_reader, read_metadata, sha256_of,
-                                         shard_file_name, verify_files, write_metadata)
+                                         shard_file_name, untied_aliases, verify_files,
+                                         write_metadata)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, piece_key
@@ -52,12 +53,14 @@ RANK_STATE = "rank_state"
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
          rank_state: Mapping[str, torch.Tensor] | None = None,
-         rank_state_info: Any = None) -> Path:
+         rank_state_info: Any = None, info: Mapping[str, Any] | None = None) -> Path:
     """Writes ``model`` (and ``optimizer``'s) sharded state to directory ``path``; collective.
     If any rank's part fails, every rank raises (naming it) and ``path``'s previous checkpoint,
     if any, stays. ``rank_state``: tensors of this rank's own (a training job's generator
     states), stored whole as ``rank_state/<name>@0``, so names must differ between ranks;
-    ``rank_state_info`` (rank 0's, JSON) goes into the metadata under ``rank_state``."""
+    ``rank_state_info`` (rank 0's, JSON) goes into the metadata under ``rank_state``, and
+    ``info`` (rank 0's JSON object: what the checkpoint is of, such as the model's configuration)
+    under ``info``, inside the same atomic save and checksum as the tensors."""
     _check_model(model)
     step = _whole_step(step)
     backend, path = model.backend, Path(path)
@@ -84,6 +87,8 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
         if backend.rank == 0:
             meta = _metadata(model, optimizer, opt_state, tables, step)
             meta["rank_state"] = rank_state_info
+            if info is not None:
+                meta["info"] = dict(info)
             write_metadata(tmp, meta)
             _rename_into_place(tmp, path)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
@@ -163,8 +168,10 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
     path = _existing(path)
     meta = read_metadata(path)
     verify_files(path, meta)
-    _check_parameters(meta, model)
-    reader = open_reader(path, meta)
+    ours = set(model.parameter_metadata()) | {name for name, _ in model.replicated_tensors()}
+    untied = untied_aliases(meta, ours)
+    _check_parameters(meta, model, untied)
+    reader = open_reader(path, meta, untied)
     try:
         model.read_shards(reader)
     except ConfigError as exc:
@@ -362,23 +369,26 @@ def _existing(path: Path) -> Path:
     return _complete(path) or path
 
 
-def _check_parameters(meta: dict[str, Any], model: ShardedModelBase) -> None:
+def _check_parameters(meta: dict[str, Any], model: ShardedModelBase, untied: dict[str, str]) -> None:
     """CheckpointError naming the first parameter, frozen parameter or buffer that the model and
-    the checkpoint do not share (a parameter frozen on one side only is shared)."""
+    the checkpoint do not share (a parameter frozen on one side only is shared, and so is an
+    ``untied`` alias, read from the tensor it names)."""
     saved, replicated = meta["parameters"], set(meta["replicated"])
     shapes = {name: info["shape"] for name, info in model.parameter_metadata().items()}
     ours = set(shapes)
     for name, tensor in model.replicated_tensors():
         shapes.setdefault(name, list(tensor.shape))
     for name, shape in shapes.items():
-        if name not in saved and name not in replicated:
+        stored = untied.get(name, name)
+        if stored not in saved and stored not in replicated:
             kind = "parameter" if name in ours else "buffer or frozen parameter"
             held = sorted(saved) if name in ours else sorted(replicated)
             raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds {held[:5]}"
                                   + ("..." if len(held) > 5 else ""))
-        if name in saved and shape != saved[name]["shape"]:
-            raise CheckpointError(f"parameter {name!r} has shape {shape} here but "
-                                  f"{saved[name]['shape']} in the checkpoint")
+        if stored in saved and shape != saved[stored]["shape"]:
+            tied = f" (saved tied to {stored!r}, which it reads)" if stored != name else ""
+            raise CheckpointError(f"parameter {name!r}{tied} has shape {shape} here but "
+                                  f"{saved[stored]['shape']} in the checkpoint")
     unexpected = sorted((set(saved) | replicated) - set(shapes) - model.replicated_names())
     if unexpected:
         raise CheckpointError(f"the checkpoint holds {unexpected[:5]} that this model does not have "
