@@ -1,8 +1,9 @@
 """``distframe generate``: sample text from a checkpoint that ``distframe train`` wrote.
 
 The checkpoint is consolidated into a plain state dict (any strategy, any world size) and loaded
-into a single-process DilatedTransformerLM whose shape comes from the checkpoint's saved run
-configuration. Tokens are bytes; the output is decoded as UTF-8 (invalid bytes replaced).
+into a single-process DilatedTransformerLM whose shape comes from the model configuration saved
+in the checkpoint (older checkpoints: their run's OUT/config.json). Tokens are bytes; the output
+is decoded as UTF-8 (invalid bytes replaced).
 """
 from __future__ import annotations
 
@@ -23,21 +24,24 @@ def load_model(path: str) -> DilatedTransformerLM:
     """The trained model of checkpoint ``path`` (or of the latest checkpoint of a run's OUT)."""
     from distframe import checkpoint
     path = resolve_checkpoint(path)
-    model = DilatedTransformerLM(saved_model_config(path))
+    config, source = saved_model_config(path)
+    model = DilatedTransformerLM(config)
     state = checkpoint.consolidate(path)
     if model.config.tie_embeddings:  # a tied head is one parameter, saved once
         state.setdefault("head.weight", state["tok_embedding.weight"])
-    _check_shapes(model, state, path)
+    _check_shapes(model, state, path, source)
     model.to(state["tok_embedding.weight"].dtype)
     model.load_state_dict(state)
     return model.eval()
 
 
-def saved_model_config(path: str) -> DilatedTransformerConfig:
-    """The model shape that ``OUT/config.json`` of checkpoint ``path``'s run records ("model");
-    ConfigError naming the file and the key where it is not what distframe train writes."""
-    source = train_checkpoint.config_json_path(path)
-    shape = train_checkpoint.run_info(path).get("model")
+def saved_model_config(path: str) -> tuple[DilatedTransformerConfig, str]:
+    """The model shape saved with checkpoint ``path`` ("model" of the run's configuration, read
+    from the checkpoint itself or, for checkpoints saved without it, ``OUT/config.json``) and the
+    file it came from; ConfigError naming the file and the key where it is not what distframe
+    train writes."""
+    info, source = train_checkpoint.saved_run_info(path)
+    shape = info.get("model")
     if not isinstance(shape, dict):
         held = "no" if shape is None else f"a {type(shape).__name__} as its"
         raise ConfigError(f'{source} holds {held} "model" (the model shape); {_RESTORE}')
@@ -51,7 +55,7 @@ def saved_model_config(path: str) -> DilatedTransformerConfig:
             raise ConfigError(f"{source}: model key {key!r} holds {value!r}, not {expected}; "
                               f"{_RESTORE}")
     try:
-        return DilatedTransformerConfig(**shape)
+        return DilatedTransformerConfig(**shape), source
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}; {_RESTORE}") from None
 
@@ -70,15 +74,16 @@ def _unlike(value: object, default: object) -> str | None:
     return None if ok else "a list of integers"
 
 
-def _check_shapes(model: DilatedTransformerLM, state: dict[str, torch.Tensor], path: str) -> None:
-    """ConfigError naming config.json where its model shape is not the one checkpoint ``path``
-    holds (a value edited by hand, or config.json of another run)."""
+def _check_shapes(model: DilatedTransformerLM, state: dict[str, torch.Tensor], path: str,
+                  source: str) -> None:
+    """ConfigError naming ``source`` (where the model shape was read) where its model shape is
+    not the one checkpoint ``path`` holds (a value edited by hand, or config.json of another run)."""
     ours = {name: list(t.shape) for name, t in model.state_dict().items()}
     saved = {name: list(t.shape) for name, t in state.items()}
     for name in sorted(set(ours) | set(saved)):
         if ours.get(name) != saved.get(name):
             raise ConfigError(
-                f"{train_checkpoint.config_json_path(path)}: its \"model\" gives {name!r} the shape "
+                f"{source}: its \"model\" gives {name!r} the shape "
                 f"{ours.get(name, 'none')} but checkpoint {path} holds {saved.get(name, 'none')}; "
                 f"{_RESTORE}")
 

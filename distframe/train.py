@@ -15,6 +15,7 @@ import functools
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from distframe.data import check_windows, load_corpus
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig, timeout_of
-from distframe.train_settings import check_resumed_model, saved_run_named
+from distframe.train_settings import check_resumed_model, restarted_run_checkpoint, saved_run_named
 from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
 
 __all__ = ["TrainConfig", "TrainResult", "run"]
@@ -33,6 +34,7 @@ __all__ = ["TrainConfig", "TrainResult", "run"]
 def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
     """Trains as ``config`` says and returns rank 0's result (under a launcher, this rank's).
     With ``--resume`` and a run already at ``--steps``: a result with ``already_finished``.
+    Workers that torchrun restarted continue as ``--resume`` would (``continue_after_restart``).
     ``start_notes`` (the settings' warnings) are printed by rank 0 once the run has started."""
     launcher = detect_launcher()
     if launcher is not None:
@@ -40,12 +42,16 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
                               f"workers; run it without {launcher}")
         return _run_launched(config, launcher, start_notes)
+    config, restart_notes = continue_after_restart(config)
+    start_notes = (*start_notes, *restart_notes)
     # This one process sees OUT for every rank it starts: checked before any rank starts
     # (--steps below the checkpoint's step: ConfigError).
     if config.resume and train_checkpoint.resume_step(config.out, config.steps) == config.steps:
         return _already_finished(config, rank=0)
+    given_world = config.world_size is not None
     with saved_run_named(config.resume, config.out):
         config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
+    start_notes = (*start_notes, *world_size_note(config, given_world))
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
     corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
@@ -76,8 +82,12 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
             raise ConfigError(f"--world-size {config.world_size}, but {launcher} started "
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
+        config, restart_notes = continue_after_restart(config, backend)
+        start_notes = (*start_notes, *restart_notes)
+        given_world = config.world_size is not None
         with saved_run_named(config.resume, config.out):
             config = dataclasses.replace(config, world_size=backend.world_size)
+        start_notes = (*start_notes, *world_size_note(config, given_world, launcher))
         try:  # every rank writes its checkpoint shards into OUT
             check_out_writable(config.out)
             error = None
@@ -100,6 +110,74 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         return train_on_rank(backend, config, backend_name=name, corpus=corpus, start_notes=start_notes)
     finally:
         backend.shutdown()
+
+
+def world_size_note(config: TrainConfig, given: bool, launcher: str | None = None) -> tuple[str, ...]:
+    """A line for rank 0 when ``--resume`` continues, at ``config.world_size`` ranks that the user
+    did not choose (``given`` False: the default, or what ``launcher`` started), a checkpoint
+    saved at another world size. World size is a launch setting, which --resume does not take
+    from the saved run; the losses of a lossy --compressor or the dropout masks then differ
+    from the uninterrupted run's, which the user should hear of."""
+    if not config.resume or given:
+        return ()
+    saved = train_checkpoint.saved_world_size(config.out)
+    if saved is None or saved == config.world_size:
+        return ()
+    ranks = f"the {config.world_size} ranks {launcher} started" if launcher else \
+        f"{config.world_size} ranks (the default without --world-size)"
+    keep = f"start {saved} ranks with {launcher}" if launcher else f"pass --world-size {saved}"
+    return (f"distframe train: note: the run in {config.out} was saved at world size {saved}; "
+            f"--resume continues it on {ranks}; {keep} to continue at the saved world size",)
+
+
+def launcher_restarts() -> int:
+    """How many times the launcher has restarted this run's workers: torchrun (and torchelastic
+    agents) set TORCHELASTIC_RESTART_COUNT in every worker, 0 in the first attempt's. Read here,
+    where the run is launched, and nowhere deeper."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def continue_after_restart(config: TrainConfig, backend: Any = None) -> tuple[TrainConfig, tuple[str, ...]]:
+    """``config`` with ``resume`` set when the launcher restarted the workers and OUT holds a
+    checkpoint of this run, and the line rank 0 prints about it; ``config`` unchanged otherwise.
+
+    [Note: a restarted run]
+    torchrun --max-restarts reruns the workers' command unchanged after one dies. Without
+    --resume in it, each restart replaced the run it had made, checkpoints and all, and trained
+    from step 1 again; with --resume, the first attempt failed for want of a checkpoint. So a
+    restarted worker continues from the latest checkpoint as --resume would (torchtitan loads
+    its latest checkpoint on every start), or starts afresh if there is none yet. OUT holding a
+    run of other settings (the first attempt died before replacing it) is a ConfigError: a
+    restart never deletes checkpoints. Launched ranks (``backend``) may see different disks: if
+    any rank sees the run's checkpoint, all continue, and --resume's own agreement on the step
+    (``agreed_resume_step``) stops them all if their disks differ."""
+    restarts = launcher_restarts()
+    if config.resume or restarts < 1:
+        return config, ()
+    found, error = None, None
+    try:
+        found = restarted_run_checkpoint(config)
+    except ConfigError as exc:
+        error = exc
+    if backend is None:
+        if error is not None:
+            raise error
+        resume = found is not None
+    else:
+        agree(backend, error, f"--out {config.out}")
+        seen = backend.all_gather(torch.tensor([found is not None], dtype=torch.int64))
+        resume = bool(seen.max())
+    said = f"distframe train: the launcher restarted the workers (TORCHELASTIC_RESTART_COUNT={restarts}): "
+    if found is not None:
+        note = f"{said}continuing from {found[0]}, as --resume would"
+    elif resume:
+        note = f"{said}continuing from the latest checkpoint in {config.out}, as --resume would"
+    else:
+        note = f"{said}no checkpoint of this run in {config.out} yet, so it starts again from step 1"
+    return dataclasses.replace(config, resume=resume), (note,)
 
 
 def _already_finished(config: TrainConfig, rank: int) -> TrainResult:

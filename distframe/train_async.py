@@ -68,7 +68,8 @@ class AsyncJob(Job):
                               + (f", failed workers {report.failed_workers}"
                                  if report.failed_workers else ""))
         step = start_step + records.shape[0]
-        checkpoint = train_checkpoint.save(self.config.out, step, self.model, self.optimizer, self.rng)
+        checkpoint = train_checkpoint.save(self.config.out, step, self.model, self.optimizer,
+                                           self.rng, self.info)
         self._finish()
         tokens = records.shape[0] * self.tokens_per_step
         return self._result(last, val_loss, tokens, serve_seconds, checkpoint)

@@ -97,7 +97,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "checkpoints/step-N; a fresh run replaces an earlier run's there" + _default("out"))
     add("--resume", group=data, action="store_true", help="continue from the latest checkpoint in "
         "--out (at any world size or strategy); its saved settings apply unless given here, but "
-        "its model stays: the model flags and the data's vocabulary must match it")
+        "its model stays: the model flags and the data's vocabulary must match it (workers that "
+        "torchrun restarts continue without it)")
     add("--checkpoint-every", group=data, type=int, metavar="STEPS", help="checkpoint interval; "
         "0: only at the end" + _default("checkpoint_every"))
     add("--eval-every", group=data, type=int, metavar="STEPS", help="validation interval; 0: only "

@@ -77,7 +77,8 @@ def initial_model_state(config: TrainConfig, vocab_size: int) -> dict[str, torch
 
 
 def run_info(config: TrainConfig, corpus: TokenCorpus, world_size: int, backend: str) -> dict:
-    """The resolved configuration written to ``OUT/config.json`` and into every checkpoint."""
+    """The resolved configuration written to ``OUT/config.json`` and into the metadata of every
+    checkpoint ``Job`` saves ("info"), so a checkpoint copied elsewhere keeps its model."""
     model = dataclasses.asdict(config.model_config(vocab_size=corpus.vocab_size))
     return {"train": {**config.to_json(), "world_size": world_size, "backend": backend},
             "model": {k: list(v) if isinstance(v, tuple) else v for k, v in model.items()},
@@ -239,7 +240,7 @@ class Job:
                 bar.update(last)
                 if self._due(step, self.config.checkpoint_every):
                     checkpoint = train_checkpoint.save(self.config.out, step, self.model,
-                                                       self.optimizer, self.rng)
+                                                       self.optimizer, self.rng, self.info)
         finally:
             bar.close()
         self._finish()

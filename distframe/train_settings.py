@@ -92,6 +92,30 @@ def saved_run_named(resume: bool, out: str) -> Iterator[None]:
                           "takes its settings unless given, but not --world-size)") from None
 
 
+def restarted_run_checkpoint(config: TrainConfig) -> tuple[str, int] | None:
+    """For a run whose launcher restarted its workers (with the same command): the latest
+    checkpoint in ``config.out`` if it is this run's, None if OUT holds nothing of a run yet (or
+    only this run's metrics). ConfigError if it holds a run of other settings, which this run's
+    first attempt died before replacing: a restart continues, and must never delete one."""
+    out = config.out
+    found = latest_checkpoint(out)
+    if found is None and not os.path.exists(os.path.join(out, "metrics.jsonl")):
+        return None
+    path = os.path.join(out, "config.json")
+    saved = read_config_json(path).get("train") if os.path.isfile(path) else None
+    if not isinstance(saved, dict):
+        difference = f"{path} is missing" if saved is None else f'{path} holds no "train" settings'
+    else:  # how it is launched may change (torchrun --nnodes MIN:MAX), and where OUT is
+        ours = config.to_json()
+        difference = next((f"{flag(k)} {v} there, {ours[k]} here" for k, v in saved.items()
+                           if k not in (*LAUNCH_SETTINGS, "out") and ours.get(k, v) != v), None)
+    if difference is None:
+        return found
+    raise ConfigError(f"the launcher restarted the workers, but {out} holds another run ({difference}) "
+                      "that this run's first attempt had not replaced yet; relaunch with another --out, "
+                      "or remove that run to start this one there")
+
+
 def check_resumed_model(config: TrainConfig, vocab_size: int | None = None) -> None:
     """ConfigError, naming the flag with its value and the run's, when the model ``config``
     describes is not the one the resumed run in ``config.out`` trained (``OUT/config.json``'s

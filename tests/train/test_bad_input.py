@@ -138,14 +138,26 @@ def test_config_json_with_a_bad_model_is_bad_input(capsys, tmp_path, model, need
     _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json", *needles)
 
 
-def test_config_json_whose_model_is_not_the_checkpoints(capsys, tmp_path, corpus_file):
+def test_a_saved_model_that_is_not_the_checkpoints(capsys, tmp_path, corpus_file):
+    """generate names where it read the model shape (the checkpoint's metadata; for checkpoints
+    saved without one, config.json) when that does not fit the checkpoint's tensors."""
+    from distframe.checkpoint.format import METADATA_CHECKSUM, metadata_checksum
     train(tmp_path, corpus_file, "--steps", "1", "--world-size", "1", "--eval-batches", "1")
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["model"]["num_layers"] += 1
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    capsys.readouterr()
-    _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)], "config.json",
-                "'blocks.2.", "step-1")
+    metadata = tmp_path / "checkpoints" / "step-1" / "metadata.json"
+    meta = json.loads(metadata.read_text())
+    for edit in ("info", "config.json"):
+        if edit == "info":
+            meta["info"]["model"]["num_layers"] += 1
+        else:
+            del meta["info"]
+            config = json.loads((tmp_path / "config.json").read_text())
+            config["model"]["num_layers"] += 1
+            (tmp_path / "config.json").write_text(json.dumps(config))
+        meta[METADATA_CHECKSUM] = metadata_checksum(meta)  # (the key itself left out)
+        metadata.write_text(json.dumps(meta))
+        capsys.readouterr()
+        _fails_with(capsys, ["generate", "--checkpoint", str(tmp_path)],
+                    "metadata.json" if edit == "info" else "config.json", "'blocks.2.", "step-1")
 
 
 def test_config_json_with_bad_train_settings_is_bad_input(capsys, tmp_path):
