@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import ConfigError
+from distframe.train_config_checks import (ModelShape, check_int, check_out, check_unused, csv_of,
+                                           fitting_segments, flag, inferred_degree, int_tuple)
 from distframe.train_parallel import check_divides, check_model_parallel, check_schedule
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
@@ -43,11 +44,6 @@ MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_hea
 def timeout_of(config: TrainConfig) -> dict[str, float]:
     """``--timeout`` as the engines' keyword; nothing when not given (each keeps its default)."""
     return {} if config.timeout is None else {"timeout": float(config.timeout)}
-
-
-def flag(field: str) -> str:
-    """``d_model`` -> ``--d-model``: how users spell a field."""
-    return "--" + field.replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,13 +125,13 @@ class TrainConfig:
         for name in ("segment_lengths", "dilation_rates"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, _int_tuple(name, value))
+                object.__setattr__(self, name, int_tuple(name, value))
         self._check_choices()
         self._check_numbers()
         self._check_model()
         self._check_optimizer()
         self._check_parallel()
-        _check_out(self.out)
+        check_out(self.out)
         if self.data is not None and not isinstance(self.data, str):
             raise ConfigError(f"--data {self.data!r}: use the path of a text file, a directory of "
                               "text files or a .bin token file")
@@ -165,17 +161,17 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "eval_batches"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         if self.world_size is not None:
-            _check_int("world_size", self.world_size, minimum=1)
+            check_int("world_size", self.world_size, minimum=1)
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
                      "max_staleness"):
-            _check_int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         for name in ("micro_batches", "powersgd_rank", "commit_every", "cp", "virtual_stages"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
+                check_int(name, getattr(self, name), minimum=1)
         if self.seed >= 2 ** 63:  # torch.manual_seed takes a signed 64-bit seed
             raise ConfigError(f"--seed {self.seed}: use an integer below 2**63")
         for name in ("lr", "weight_decay"):
@@ -205,19 +201,19 @@ class TrainConfig:
     def _check_model(self) -> None:
         shape = self.model_config(vocab_size=256, checked=False)
         if len(shape.segment_lengths) != len(shape.dilation_rates):
-            rates = _csv(shape.dilation_rates) + ("" if self.dilation_rates else
+            rates = csv_of(shape.dilation_rates) + ("" if self.dilation_rates else
                                                   f" (--preset {self.preset}'s)")
             example = (tuple(shape.dilation_rates) + (1,) * len(shape.segment_lengths))[
                 :len(shape.segment_lengths)]
-            raise ConfigError(f"--segment-lengths {_csv(shape.segment_lengths)} and --dilation-rates "
+            raise ConfigError(f"--segment-lengths {csv_of(shape.segment_lengths)} and --dilation-rates "
                               f"{rates} differ in length: pass one dilation rate per segment length, "
-                              f"for example --dilation-rates {_csv(example)}")
+                              f"for example --dilation-rates {csv_of(example)}")
         too_long = [w for w in shape.segment_lengths if w > shape.seq_len]
         if too_long:
             raise ConfigError(
-                f"--segment-lengths {_csv(shape.segment_lengths)} do not fit --seq-len "
+                f"--segment-lengths {csv_of(shape.segment_lengths)} do not fit --seq-len "
                 f"{shape.seq_len}: every segment must be at most the sequence length (for example "
-                f"--segment-lengths {_csv(_fitting_segments(shape))})")
+                f"--segment-lengths {csv_of(fitting_segments(shape))})")
         try:
             self.model_config(vocab_size=256)
         except ConfigError as exc:
@@ -229,7 +225,7 @@ class TrainConfig:
             raise ConfigError(f"--optimizer {self.optimizer} runs on --strategy "
                               f"{' or '.join(choice.strategies)}, not {self.strategy}; change "
                               "--strategy or use --optimizer none")
-        _check_unused(self, {name: (opt,) for opt, c in OPTIMIZERS.items() for name in c.settings},
+        check_unused(self, {name: (opt,) for opt, c in OPTIMIZERS.items() for name in c.settings},
                       "optimizer")
         if self.optimizer == "elastic" and self.backend not in ("auto", "inmemory"):
             raise ConfigError(f"--optimizer elastic is an in-memory demo (workers are threads that "
@@ -247,7 +243,7 @@ class TrainConfig:
                               f"below {self.steps}, or raise --steps")
 
     def _check_parallel(self) -> None:
-        _check_unused(self, PARALLEL_SETTINGS, "strategy")
+        check_unused(self, PARALLEL_SETTINGS, "strategy")
         if self.dropout and self.cp > 1:
             raise ConfigError(f"--dropout {self.dropout} does not run with --cp {self.cp} (ring "
                               "attention has no attention dropout); use --cp 1 or --dropout 0")
@@ -273,12 +269,12 @@ class TrainConfig:
         tp, pp = self.tp or 1, self.pp or 1
         if self.strategy == "pipeline":
             dp = self.dp or 1
-            pp = self.pp or _inferred(world, dp * tp, "pp")
+            pp = self.pp or inferred_degree(world, dp * tp, "pp")
         elif self.strategy == "tensor":
             dp = self.dp or 1
-            tp = self.tp or _inferred(world, dp * pp, "tp")
+            tp = self.tp or inferred_degree(world, dp * pp, "tp")
         else:
-            dp = self.dp or _inferred(world, tp * pp * self.cp, "dp")
+            dp = self.dp or inferred_degree(world, tp * pp * self.cp, "dp")
         return dp, tp, pp
 
     def elastic_schedule_steps(self) -> dict[int, int]:
@@ -319,82 +315,15 @@ class TrainConfig:
         overrides["vocab_size"], overrides["dropout"] = vocab_size, self.dropout
         if not checked:  # only the fields, for messages that name them before validation
             preset = DilatedTransformerConfig.preset(self.preset)
-            return _Shape(**{f: overrides.get(f, getattr(preset, f))
+            return ModelShape(**{f: overrides.get(f, getattr(preset, f))
                              for f in ("seq_len", "segment_lengths", "dilation_rates")})
         return DilatedTransformerConfig.preset(self.preset, **overrides)
 
     def describe_model(self) -> str:
-        parts = [f"--preset {self.preset}"] + [f"{flag(k)} {_csv(v) if isinstance(v, tuple) else v}"
+        parts = [f"--preset {self.preset}"] + [f"{flag(k)} {csv_of(v) if isinstance(v, tuple) else v}"
                                                for k in MODEL_FLAGS if (v := getattr(self, k)) is not None]
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in dataclasses.fields(self)}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    seq_len: int
-    segment_lengths: tuple[int, ...]
-    dilation_rates: tuple[int, ...]
-
-
-def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
-    if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
-    try:
-        if any(isinstance(v, (bool, float)) for v in value):  # TOML 16.5 or true: int() would take them
-            raise TypeError
-        items = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag(name)} {value!r}: use comma-separated integers such as "
-                          "256,512,1024") from None
-    if not items or any(v <= 0 for v in items):
-        raise ConfigError(f"{flag(name)} {value!r}: use one or more positive integers")
-    return items
-
-
-def _check_unused(config: TrainConfig, applies: Mapping[str, tuple[str, ...]], owner: str) -> None:
-    """ConfigError for a setting changed from its default that ``--<owner>`` does not use."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    for name, owners in applies.items():
-        if getattr(config, name) != defaults[name] and getattr(config, owner) not in owners:
-            raise ConfigError(f"{flag(name)} applies to --{owner} {' or '.join(owners)}, not "
-                              f"{getattr(config, owner)}; drop {flag(name)} or change --{owner}")
-
-
-def _check_out(out: Any) -> None:
-    """``--out`` must be a directory or a path where one can be created (checked before any rank
-    starts, which would otherwise fail inside ``os.makedirs`` with a traceback)."""
-    if not isinstance(out, str) or not out:
-        raise ConfigError(f"--out {out!r}: use the path of a directory (created if missing)")
-    existing = os.path.abspath(out)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
-                          "(created if missing)")
-
-
-def _inferred(world: int, divisor: int, axis: str) -> int:
-    if world % divisor:
-        raise ConfigError(f"cannot infer --{axis}: the world size {world} is not divisible by "
-                          f"{divisor} (the other degrees); pass --{axis} explicitly")
-    return world // divisor
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{flag(name)} {value!r}: use an integer >= {minimum}")
-
-
-def _fitting_segments(shape: _Shape) -> tuple[int, ...]:
-    """Segment lengths scaled so the longest equals the sequence length."""
-    longest = max(shape.segment_lengths)
-    return tuple(max(r, shape.seq_len * w // longest // r * r)
-                 for w, r in zip(shape.segment_lengths, shape.dilation_rates))
-
-
-def _csv(values: tuple[int, ...]) -> str:
-    return ",".join(str(v) for v in values)
