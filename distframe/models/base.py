@@ -15,6 +15,7 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
+from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.flat import Segment
 from distframe.models.full_parameters import Summonable, refuse_while_summoned, summoned
@@ -200,11 +201,14 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Runs after summon_full_parameters wrote the masters (and compute copies); local."""
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor],
-                   optimizer: Any, *, max_grad_norm: float | None = None) -> float:
+                   optimizer: Any, *, max_grad_norm: float | None = None,
+                   accumulation_steps: int = 1) -> float:
         """One optimisation step on this rank's slice; returns the global mean loss.
-        ``max_grad_norm``: clip gradients by the whole model's norm first (``clip_grad_norm_``)."""
+        ``max_grad_norm``: clip gradients by the whole model's norm first (``clip_grad_norm_``).
+        ``accumulation_steps``: run the slice in that many equal pieces, one at a time (see
+        accumulation.py): the same step, with one piece's activations alive at a time."""
         self.check_optimizer(optimizer)
-        loss = self.forward_backward(batch, loss_fn)
+        loss = accumulated_backward(self, batch, loss_fn, accumulation_steps)
         self.synchronize_gradients()
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm)

@@ -243,11 +243,12 @@ class HybridShardedModel(ShardedModelBase):
         return [(n, b) for n, b in self.local_buffers.items() if n not in self.catalog.non_persistent]
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable, optimizer: Any, *,
-                   max_grad_norm: float | None = None) -> float:
+                   max_grad_norm: float | None = None, accumulation_steps: int = 1) -> float:
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
             self._check_not_dense(optimizer)
-        return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm)
+        return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm,
+                                  accumulation_steps=accumulation_steps)
 
     def _check_not_dense(self, optimizer: torch.optim.Optimizer) -> None:
         """ConfigError if ``optimizer`` holds a dense weight the tensor-parallel plan replaced (it

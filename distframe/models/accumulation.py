@@ -1,0 +1,58 @@
+"""Gradient accumulation inside ``train_step(..., accumulation_steps=N)``: this rank's slice is cut
+into N equal pieces along dim 0, run forward and backward one after another, all but the last
+under ``no_sync()``, so the strategy synchronises once per step, as for one backward of the whole
+slice, while only one piece's activations are alive at a time (nanoGPT's and Hugging Face's
+``gradient_accumulation_steps``; the global batch stays what the step is given).
+
+[Note: accumulation is exact] ``loss_fn`` returns the mean over what it is given, and the pieces
+are equal, so the slice's mean loss is the mean of the pieces' means: each piece's loss is scaled
+by 1/N before its backward, the gradients add up to the whole slice's, and the scaled losses add
+up to its loss. No communication of its own: pipelines run their micro-batches within each piece
+(``num_microbatches`` must divide the piece), hybrid and data-parallel models synchronise at the
+last piece's backward as ``no_sync`` documents.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from distframe.errors import ConfigError
+
+
+def accumulated_backward(model: Any, batch: tuple[Any, Any], loss_fn: Callable, steps: int) -> torch.Tensor:
+    """``model.forward_backward`` over ``steps`` pieces of ``batch`` (see the module notes);
+    returns this rank's loss over the whole slice."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"accumulation_steps={steps!r}: use an integer >= 1 (1: no accumulation)")
+    if steps == 1:
+        return model.forward_backward(batch, loss_fn)
+
+    def scaled(output: Any, targets: Any) -> torch.Tensor:
+        return loss_fn(output, targets) / steps
+
+    total = None
+    for k, piece in enumerate(split_batch(batch, steps)):
+        with model.no_sync() if k < steps - 1 else contextlib.nullcontext():
+            loss = model.forward_backward(piece, scaled).detach()
+        total = loss if total is None else total + loss
+    return total
+
+
+def split_batch(batch: tuple[Any, Any], steps: int) -> list[tuple[Any, Any]]:
+    """``batch = (inputs, targets)`` cut into ``steps`` equal pieces along dim 0 of every tensor
+    in it (tuples, lists and dicts are looked into; anything else goes whole to every piece)."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
+    leaves, spec = tree_flatten(tuple(batch))
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % steps):
+            raise ConfigError(
+                f"accumulation_steps={steps} must divide dim 0 of every tensor of the batch, got "
+                f"shape {tuple(leaf.shape)}; pass a slice of a multiple of {steps} samples, or "
+                "fewer accumulation steps")
+    chunks = [leaf.chunk(steps) if isinstance(leaf, torch.Tensor) else [leaf] * steps for leaf in leaves]
+    return [tree_unflatten([chunk[k] for chunk in chunks], spec) for k in range(steps)]
