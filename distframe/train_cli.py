@@ -84,6 +84,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "embeddings); biases and norm weights get none" + _default("weight_decay"))
     add("--decay-all", group=opt, action="store_true", help="weight decay on every parameter, "
         "biases and norm weights too")
+    add("--max-grad-norm", group=opt, type=float, metavar="F", help="clip the gradients by the whole "
+        "model's norm before each step, as torch.nn.utils.clip_grad_norm_ on one process; 0: no "
+        "clipping" + _default("max_grad_norm"))
+    add("--grad-accum-steps", group=opt, type=int, metavar="N", help="run each rank's share of the "
+        "batch in N equal pieces, one forward and backward at a time, synchronised once: the same "
+        "step with 1/N of the activation memory" + _default("grad_accum_steps"))
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
     add("--seed", group=opt, type=int, help="seed of the initial model, the batches and the dropout "

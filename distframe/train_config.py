@@ -17,7 +17,8 @@ from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import ConfigError
 from distframe.train_config_checks import (ModelShape, check_int, check_out, check_unused, csv_of,
                                            fitting_segments, flag, inferred_degree, int_tuple)
-from distframe.train_parallel import check_divides, check_model_parallel, check_schedule
+from distframe.train_parallel import (check_accumulation, check_divides, check_model_parallel,
+                                      check_schedule)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
@@ -92,6 +93,8 @@ class TrainConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.01
     decay_all: bool = False
+    max_grad_norm: float = 0.0
+    grad_accum_steps: int = 1
     base_optimizer: str = "adamw"
     dp: int | None = None
     tp: int | None = None
@@ -167,7 +170,8 @@ class TrainConfig:
         for name in ("warmup_steps", "checkpoint_every", "eval_every", "seed", "powersgd_start",
                      "max_staleness"):
             check_int(name, getattr(self, name), minimum=0)
-        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp", "virtual_stages"):
+        for name in ("micro_batches", "powersgd_rank", "commit_every", "cp", "virtual_stages",
+                     "grad_accum_steps"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("layers", "d_model", "heads", "seq_len", "dp", "tp", "pp", "fail_at"):
             if getattr(self, name) is not None:
@@ -181,6 +185,10 @@ class TrainConfig:
                     not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
                                   + (" or 0" if name == "weight_decay" else ""))
+        norm = self.max_grad_norm
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < math.inf:
+            raise ConfigError(f"--max-grad-norm {norm!r}: use a positive number such as 1.0 (the "
+                              "largest gradient norm a step takes), or 0 for no clipping")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
                 self.timeout, (int, float)) or not 0 < self.timeout < math.inf):  # (NaN fails too)
             raise ConfigError(f"--timeout {self.timeout!r}: use a positive number of seconds that a "
@@ -230,6 +238,10 @@ class TrainConfig:
         if self.optimizer == "elastic" and self.backend not in ("auto", "inmemory"):
             raise ConfigError(f"--optimizer elastic is an in-memory demo (workers are threads that "
                               f"leave and join); use --backend inmemory, not {self.backend}")
+        if self.optimizer == "async" and (self.grad_accum_steps > 1 or self.max_grad_norm):
+            raise ConfigError("--optimizer async: each worker pushes the gradient of every batch to "
+                              "the server as it comes, so --grad-accum-steps and --max-grad-norm do not "
+                              "apply; drop them, or use --optimizer none")
         if self.optimizer == "async" and self.world_size == 1:
             raise ConfigError("--optimizer async needs --world-size >= 2: rank 0 serves the "
                               "parameters and the other ranks train")
@@ -262,6 +274,7 @@ class TrainConfig:
             raise ConfigError(f"--world-size {self.world_size} does not divide --batch-size "
                               f"{self.batch_size} (the global batch); use a world size that divides "
                               f"it, or a batch size that is a multiple of {self.world_size}")
+        check_accumulation(self, self.world_size)
 
     def parallel_degrees(self, world: int) -> tuple[int, int, int]:
         """``(dp, tp, pp)`` with the degrees left None inferred as build_model_parallel does

@@ -281,7 +281,9 @@ class Job:
         inputs, targets = self.train_data.slice(step, self.dp_rank, self.dp_size)
         batch = (inputs.to(self.device), targets.to(self.device))
         started = time.perf_counter()
-        loss = self.model.train_step(batch, next_token_loss, self.optimizer)
+        loss = self.model.train_step(batch, next_token_loss, self.optimizer,
+                                     max_grad_norm=self.config.max_grad_norm or None,
+                                     accumulation_steps=self.config.grad_accum_steps)
         seconds = time.perf_counter() - started
         if not math.isfinite(loss):
             raise DistFrameError(f"the training loss became {loss} at step {step}; lower --lr "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from distframe.errors import ConfigError
+from distframe.train_strategies import STRATEGIES
 
 INTERLEAVED = "interleaved_1f1b"
 
@@ -72,6 +73,26 @@ def _check_interleaved(config: Any, pp: int, blocks: int) -> None:
         raise ConfigError(f"--pp {pp} x --virtual-stages {v} = {pp * v} pipeline stages for {blocks} blocks "
                           f"(plus embedding and head: {layers} layers, at least one per stage); use "
                           f"--virtual-stages at most {layers // pp} or more --layers")
+
+
+def check_accumulation(config: Any, world: int) -> None:
+    """``--grad-accum-steps`` (times ``--micro-batches`` in a pipeline) divides the sequences each
+    data-parallel rank trains on per step, in every world the run passes through (a world that
+    does not divide the batch has an error of its own)."""
+    steps = config.grad_accum_steps
+    if steps == 1 or config.optimizer == "async":
+        return
+    parallel = STRATEGIES[config.strategy].model_parallel
+    for size in config.elastic_world_sizes() if config.optimizer == "elastic" else [world]:
+        dp = config.parallel_degrees(size)[0] if parallel else size
+        micro = config.micro_batches if parallel else 1
+        per_rank = config.batch_size // dp
+        if config.batch_size % dp == 0 and per_rank % (steps * micro):
+            each = f" x --micro-batches {micro}" if micro > 1 else ""
+            raise ConfigError(f"--grad-accum-steps {steps}{each} does not divide the {per_rank} "
+                              f"sequences each data-parallel rank trains on per step (--batch-size "
+                              f"{config.batch_size} / {dp} ranks); use a --batch-size that is a multiple "
+                              f"of {dp * steps * micro}, or fewer accumulation steps")
 
 
 def check_divides(value: int, divisor: int, what: str, by: str) -> None:
