@@ -47,6 +47,7 @@ scale 1, it refused a resume with the right scaler and let one at another scale 
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -104,6 +105,22 @@ def _claim(compressor: Compressor, backend: ICommunicationBackend) -> None:
     compressor._holder = weakref.ref(backend)
 
 
+def _check_compress_signature(compressor: Compressor) -> None:
+    """ConfigError unless ``compressor.compress`` takes the ``key`` keyword it is called with."""
+    parameters = inspect.signature(compressor.compress).parameters.values()
+    if not any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise ConfigError(
+            f"{type(compressor).__name__}.compress takes no key= argument; define it as "
+            "compress(self, tensor, *, key=None) -> (payload, ctx): key names the parameter, so a "
+            "compressor with state (a warm start) keeps it per parameter (ignore it otherwise)")
+
+
+def _describe(result: Any) -> str:
+    if isinstance(result, tuple):
+        return "(" + ", ".join(type(part).__name__ for part in result) + ")"
+    return type(result).__name__
+
+
 def _split(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
     return list(flat.split(numels)) if numels else []
 
@@ -145,6 +162,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                               f"distframe.optimizers.compression (e.g. FP16Compressor()), got {compressor!r:.60}")
         if not isinstance(error_feedback, bool):
             raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
+        _check_compress_signature(compressor)
         _claim(compressor, model.backend)
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.compressor = compressor
@@ -258,13 +276,23 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             residual = given.to(wide) - sent.to(wide)
             self._staged_residuals[name] = residual if rounding is None else residual.add_(rounding)
 
+    def _compress(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
+        """``compressor.compress``, its result checked: (a tuple of tensors, ctx)."""
+        result = self.compressor.compress(tensor, key=name)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple)
+                and all(isinstance(t, torch.Tensor) for t in result[0])):
+            raise ConfigError(
+                f"{type(self.compressor).__name__}.compress must return (payload, ctx) with payload a "
+                f"tuple of tensors (the wire parts), e.g. ((values,), shape); got {_describe(result)}")
+        return result
+
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
         """Payloads that add up: one all_reduce(SUM) of their concatenation, each rank sending
         its share of the mean (see [Note: shares on the wire])."""
         world = backend.world_size
         share = power_of_two_at_least(world)
-        compressed = [self.compressor.compress(v / share, key=n) for n, v in zip(names, views)]
+        compressed = [self._compress(v / share, n) for n, v in zip(names, views)]
         for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
             # Exact (a power of two); not in place: for fp16 gradients the payload is what decompress returns.
             sent = self.compressor.decompress(payload, ctx) * share
@@ -284,7 +312,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     def _exchange_gathered(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
         """Payloads that do not add up: all_gather each part, decompress every rank's, sum."""
-        compressed = [self.compressor.compress(v, key=n) for n, v in zip(names, views)]
+        compressed = [self._compress(v, n) for n, v in zip(names, views)]
         for (name, view), (payload, ctx) in zip(zip(names, views), compressed):
             self._keep_residual(name, view, self.compressor.decompress(payload, ctx))
         parts = len(compressed[0][0])
@@ -360,9 +388,11 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         [Note: residuals across world sizes]), the compressor state and the step."""
         reader = reader or state_reader(state, type(self).__name__)
         super().load_state_dict(state, reader)
+        # A checkpoint of another optimizer holds no step count: this optimizer's steps start
+        # again, as a new one's would (not at the count of the steps the load abandons).
         iteration = saved_iteration(reader)
-        if iteration is not None:
-            self.iteration = iteration
+        self.iteration = 0 if iteration is None else iteration
+        self.gradients_cleared()  # what was staged for the next step belongs to the abandoned ones
         params = dict(self.model.wrapped_model.named_parameters())
         backend = self.model.backend
         self.residuals = load_residuals(reader, reader.kinds(), params, backend.rank, backend.world_size)

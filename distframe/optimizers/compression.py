@@ -14,10 +14,8 @@ payloads, and each compressor's ``exchange`` says how the ranks' payloads combin
 ``"powersgd"``    two all_reduces with an orthogonalisation between them (PowerSGD's own
                   methods ``project``, ``orthogonalize``, ``back_project``, ``approximate``).
 
-``lossy`` compressors lose information; the optimizer keeps an error-feedback residual for them.
-Stateful compressors (PowerSGD's warm-start matrices) key their state by the ``key`` argument,
-the parameter's name; ``state_dict`` / ``load_state_dict`` save and restore it.
-"""
+``lossy`` compressors lose information (the optimizer keeps an error-feedback residual); stateful
+ones key their state by ``key``, the parameter's name (``state_dict`` / ``load_state_dict``)."""
 from __future__ import annotations
 
 import abc
@@ -54,6 +52,9 @@ class Compressor(abc.ABC):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) serves no rank yet: _claim
+        return {key: value for key, value in self.__dict__.items() if key != "_holder"}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
         """Restores what ``state_dict`` returned (stateless compressors ignore it)."""

@@ -52,14 +52,16 @@ def saved_iteration(reader: RangeReader) -> int | None:
 
 def load_compressor_state(compressor: Compressor, reader: RangeReader,
                           params: Mapping[str, torch.Tensor], rank: int) -> None:
-    """PowerSGD's saved warm starts, or rank ``rank``'s saved compressor state; what was not
-    saved stays as built."""
+    """PowerSGD's saved warm starts, or rank ``rank``'s saved compressor state. PowerSGD's are
+    replaced whole: a parameter without a saved one (a checkpoint from before ``start_iter``, or
+    from another optimizer) starts from none, as a new compressor would, not from the factors of
+    the steps the load abandons."""
     if isinstance(compressor, PowerSGDCompressor):
-        if WARM_Q in reader.kinds():
-            warm = {f"powersgd_q/{name}": _saved_warm_start(compressor, reader, name, param)
-                    for name, param in params.items()
-                    if reader.holds(WARM_Q, name) and compressor.compressible(param.shape)}
-            compressor.load_state_dict(warm)
+        held = WARM_Q in reader.kinds()
+        compressor.load_state_dict({f"powersgd_q/{name}": _saved_warm_start(compressor, reader, name, param)
+                                    for name, param in params.items()
+                                    if held and reader.holds(WARM_Q, name)
+                                    and compressor.compressible(param.shape)})
         return
     loaded = {}
     for key, value in compressor.state_dict().items():
