@@ -354,7 +354,9 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     def state_dict(self) -> dict[str, Any]:
         """The server's: all of the optimizer state (it alone steps; the replicated layout would
         give it a 1/world_size slice); a worker's: only the hyperparameters."""
-        groups = hyperparameters(self.wrapped_optimizer)
+        # With the names of the parameters each group trains, so a load gives each group its own
+        # settings whatever order the loading optimizer builds them in (see ShardedOptimizerBase).
+        groups = hyperparameters(self.wrapped_optimizer, self._optimizer_layout(), self._group_names)
         if self.is_server:
             tensors, scalars = optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, 0, 1)
             return {"tensors": tensors, "scalars": scalars, "param_groups": groups}
