@@ -8,6 +8,7 @@ Layout (names are a contract for the pipeline splitter and tensor-parallel plans
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import operator
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from attention.multihead import MultiheadDilatedAttention
 from attention.positions import shard_positions
+from attention.recompute import same_dropout_masks
 
 try:  # the project's error type when it is there; a ValueError either way
     from distframe.errors import ConfigError
@@ -54,6 +57,7 @@ class DilatedTransformerConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         # Integers are checked as integers: a float seq_len failed inside nn.Embedding, and
@@ -78,8 +82,9 @@ class DilatedTransformerConfig:
         dropout = self.dropout
         if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
             raise ConfigError(f"dropout must be a number in [0, 1), got {dropout!r}")
-        if not isinstance(self.tie_embeddings, bool):  # a string such as "false" was truthy: tied
-            raise ConfigError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        for name in ("tie_embeddings", "activation_checkpointing"):  # "false" would be truthy
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._validate_branches()
 
     def _validate_branches(self) -> None:
@@ -124,7 +129,10 @@ class MLP(nn.Module):
 
 
 class DilatedTransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln_attn(x))``, then ``x + mlp(ln_mlp(x))``; causal."""
+    """Pre-norm block: ``x + attn(ln_attn(x))``, then ``x + mlp(ln_mlp(x))``; causal. With
+    ``activation_checkpointing`` (training, with grad) it keeps only its input and recomputes the
+    rest in backward, with the same dropout masks ([Note: activation checkpointing] in
+    ``attention/recompute.py``)."""
 
     def __init__(self, config: DilatedTransformerConfig) -> None:
         super().__init__()
@@ -136,8 +144,15 @@ class DilatedTransformerBlock(nn.Module):
         self.ln_mlp = nn.LayerNorm(config.embed_dim, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation_checkpointing = config.activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, E)
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False,
+                              context_fn=functools.partial(same_dropout_masks, self, x.device))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln_attn(x)
         attended, _ = self.attn(h, h, h, is_causal=True)
         x = x + self.dropout(attended)

@@ -129,10 +129,15 @@ class ReplicatedDropout(nn.Dropout):
         replaced.train(dense.training)
         return replaced
 
+    def dropout_generator(self, device: torch.device) -> torch.Generator:
+        """Where its masks come from (as DilatedAttention names its own; activation
+        checkpointing restores it for a recomputation: attention/recompute.py)."""
+        return self.rng.replicated_generator(device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return generator_dropout(x, self.p, self.rng.replicated_generator(x.device), inplace=self.inplace)
+        return generator_dropout(x, self.p, self.dropout_generator(x.device), inplace=self.inplace)
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
