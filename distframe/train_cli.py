@@ -71,6 +71,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "generator, seeded from --seed and saved with each checkpoint, so --resume continues them "
         "exactly (at another world size or strategy: new masks, seeded from --seed and the step)"
         + _default("dropout"))
+    add("--activation-checkpointing", group=model, action="store_true", help="each block keeps "
+        "only its input and recomputes its activations in backward (with the same dropout masks): "
+        "less memory for longer sequences, about a third more compute; the same run otherwise")
     add("--dtype", group=model, metavar="{" + ",".join(DTYPES) + "}", help="parameter dtype" + _default("dtype"))
     opt = parser.add_argument_group("optimisation")
     add("--steps", group=opt, type=int, help="optimizer steps" + _default("steps"))

@@ -87,6 +87,7 @@ class TrainConfig:
     segment_lengths: tuple[int, ...] | None = None
     dilation_rates: tuple[int, ...] | None = None
     dropout: float = 0.0
+    activation_checkpointing: bool = False
     steps: int = 200
     batch_size: int = 4
     lr: float = 3e-3
@@ -199,8 +200,9 @@ class TrainConfig:
                               "example 0.1 (0 turns dropout off)")
         if not isinstance(self.round_robin, bool):
             raise ConfigError(f"--round-robin {self.round_robin!r}: use true or false")
-        if not isinstance(self.decay_all, bool):
-            raise ConfigError(f"--decay-all {self.decay_all!r}: use true or false")
+        for name in ("decay_all", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{flag(name)} {getattr(self, name)!r}: use true or false")
         if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)) or \
                 not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio {self.topk_ratio!r}: use a fraction in (0, 1], for "
@@ -326,6 +328,7 @@ class TrainConfig:
         overrides = {MODEL_FLAGS[k]: getattr(self, k) for k in MODEL_FLAGS
                      if getattr(self, k) is not None}
         overrides["vocab_size"], overrides["dropout"] = vocab_size, self.dropout
+        overrides["activation_checkpointing"] = self.activation_checkpointing
         if not checked:  # only the fields, for messages that name them before validation
             preset = DilatedTransformerConfig.preset(self.preset)
             return ModelShape(**{f: overrides.get(f, getattr(preset, f))

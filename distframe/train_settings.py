@@ -122,7 +122,7 @@ def check_resumed_model(config: TrainConfig, vocab_size: int | None = None) -> N
     "model"): --resume continues that model's checkpoint, which fits no other shape (and other
     segment lengths or dilation rates would load, and silently train another function).
     ``vocab_size``: the vocabulary of the data this run reads; None (not read yet): not compared.
-    Dropout may change: it is no part of the parameters."""
+    Dropout and activation checkpointing may change: they are no part of the parameters."""
     path = os.path.join(config.out, "config.json")
     if not os.path.isfile(path) or latest_checkpoint(config.out) is None:
         return  # nothing to continue: --resume says so itself
@@ -136,7 +136,7 @@ def check_resumed_model(config: TrainConfig, vocab_size: int | None = None) -> N
     # The fields the command line names first: a --seq-len also changes fitted segment lengths.
     for field in ("vocab_size", *MODEL_FLAGS.values(), *model):
         before = tuple(saved[field]) if isinstance(saved.get(field), list) else saved.get(field)
-        if field != "dropout" and field in saved and before != model[field]:
+        if field not in ("dropout", "activation_checkpointing") and field in saved and before != model[field]:
             saved_train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
             changed, drop = _model_change(config, field, model[field], before, saved_train)
             raise ConfigError(f"{changed} (in {path}): a resumed run keeps its model; drop {drop} or "
