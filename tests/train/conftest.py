@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -34,6 +35,19 @@ def corpus_file(tmp_path_factory) -> str:
 def read_metrics(out: str | Path) -> list[dict]:
     with open(Path(out, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def step_losses(metrics: list[dict]) -> list[tuple]:
+    return [(m["step"], m["train_loss"], m["val_loss"]) for m in metrics]
+
+
+def interrupted_copy(run: Path, copy: Path, keep_step: int) -> Path:
+    """OUT as if the run had stopped right after the checkpoint of ``keep_step``."""
+    shutil.copytree(run, copy)
+    for ckpt in (copy / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > keep_step:
+            shutil.rmtree(ckpt)
+    return copy
 
 
 def train(out: str | Path, corpus: str, *flags: str) -> list[dict]:

@@ -5,7 +5,6 @@ another layout, or from a checkpoint without generator states, draws new masks a
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from distframe.checkpoint import consolidate
 from distframe.train_settings import resolve_config
-from tests.train.conftest import train
+from tests.train.conftest import interrupted_copy, step_losses, train
 
 STEPS = 6
 DROPOUT = ("--dtype", "float64", "--steps", str(STEPS), "--eval-every", "3",
@@ -47,19 +46,6 @@ def runs(tmp_path_factory, corpus_file):
     return get
 
 
-def _losses(metrics: list[dict]) -> list[tuple]:
-    return [(m["step"], m["train_loss"], m["val_loss"]) for m in metrics]
-
-
-def _interrupted_copy(run: Path, copy: Path, keep_step: int) -> Path:
-    """OUT as if the run had stopped right after the checkpoint of ``keep_step``."""
-    shutil.copytree(run, copy)
-    for ckpt in (copy / "checkpoints").iterdir():
-        if int(ckpt.name.split("-")[1]) > keep_step:
-            shutil.rmtree(ckpt)
-    return copy
-
-
 def _same_parameters(a: Path, b: Path) -> None:
     first = consolidate(a / "checkpoints" / f"step-{STEPS}")
     second = consolidate(b / "checkpoints" / f"step-{STEPS}")
@@ -71,10 +57,10 @@ def _same_parameters(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_resume_equals_uninterrupted(runs, tmp_path, corpus_file, name):
     run, full = runs(name)
-    copy = _interrupted_copy(run, tmp_path / "resumed", keep_step=3)
+    copy = interrupted_copy(run, tmp_path / "resumed", keep_step=3)
     world = LAYOUTS[name][LAYOUTS[name].index("--world-size") + 1]  # how it was launched
     resumed = train(copy, corpus_file, "--resume", "--world-size", world)
-    assert _losses(resumed) == _losses(full)  # bit for bit
+    assert step_losses(resumed) == step_losses(full)  # bit for bit
     _same_parameters(run, copy)
 
 
@@ -82,16 +68,16 @@ def test_resume_equals_uninterrupted(runs, tmp_path, corpus_file, name):
 def test_same_seed_same_run_other_seed_other_run(runs, tmp_path, corpus_file, name):
     _, first = runs(name)
     again = train(tmp_path / "again", corpus_file, *LAYOUTS[name], *DROPOUT)
-    assert _losses(again) == _losses(first)
+    assert step_losses(again) == step_losses(first)
     _, other_seed = runs(name, "--seed", "1")
-    assert all(a[1] != b[1] for a, b in zip(_losses(first), _losses(other_seed)))
+    assert all(a[1] != b[1] for a, b in zip(step_losses(first), step_losses(other_seed)))
 
 
 def test_dropout_changes_training(runs):
     _, with_dropout = runs("ddp")
     _, without = runs("ddp", "--dropout", "0")
     # Step 1's loss is the initial model's forward, dropout on: it already differs.
-    assert all(a[1] != b[1] for a, b in zip(_losses(with_dropout), _losses(without)))
+    assert all(a[1] != b[1] for a, b in zip(step_losses(with_dropout), step_losses(without)))
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp"])
@@ -100,7 +86,7 @@ def test_data_parallel_strategies_draw_the_same_masks(runs, name):
     trains DDP's curve with dropout too."""
     _, ddp = runs("ddp")
     _, other = runs(name)
-    for a, b in zip(_losses(ddp), _losses(other)):
+    for a, b in zip(step_losses(ddp), step_losses(other)):
         assert b[1] == pytest.approx(a[1], abs=1e-8)
 
 
@@ -122,9 +108,9 @@ def test_resume_at_another_layout_draws_new_seeded_masks(runs, tmp_path, corpus_
     run, _ = runs(saved)
     results = []
     for attempt in ("a", "b"):
-        copy = _interrupted_copy(run, tmp_path / attempt, keep_step=3)
+        copy = interrupted_copy(run, tmp_path / attempt, keep_step=3)
         capsys.readouterr()
-        results.append(_losses(train(copy, corpus_file, "--resume", *flags)))
+        results.append(step_losses(train(copy, corpus_file, "--resume", *flags)))
         assert "dropout masks from step 4 on are new" in capsys.readouterr().err
     assert [r[0] for r in results[0]] == list(range(1, STEPS + 1))
     assert results[0] == results[1]  # new masks, but seeded: the same on every try
@@ -132,7 +118,7 @@ def test_resume_at_another_layout_draws_new_seeded_masks(runs, tmp_path, corpus_
 
 def test_resume_from_a_checkpoint_without_generator_states(runs, tmp_path, corpus_file, capsys):
     run, full = runs("ddp")
-    copy = _interrupted_copy(run, tmp_path / "old", keep_step=3)
+    copy = interrupted_copy(run, tmp_path / "old", keep_step=3)
     meta_path = copy / "checkpoints" / "step-3" / "metadata.json"
     meta = json.loads(meta_path.read_text())
     del meta["rank_state"]  # as distframe wrote it before it kept generator states,
@@ -142,14 +128,14 @@ def test_resume_from_a_checkpoint_without_generator_states(runs, tmp_path, corpu
     capsys.readouterr()
     resumed = train(copy, corpus_file, "--resume")
     assert "holds no generator states" in capsys.readouterr().err
-    assert _losses(resumed)[:3] == _losses(full)[:3] and len(resumed) == STEPS
+    assert step_losses(resumed)[:3] == step_losses(full)[:3] and len(resumed) == STEPS
 
 
 @pytest.mark.gloo
 def test_gloo_resume_equals_uninterrupted(tmp_path, corpus_file):
     flags = ("--backend", "gloo", "--world-size", "2", *DROPOUT)
     full = train(tmp_path / "full", corpus_file, *flags)
-    copy = _interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
+    copy = interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
     resumed = train(copy, corpus_file, "--resume", "--backend", "gloo", "--world-size", "2")
-    assert _losses(resumed) == _losses(full)
+    assert step_losses(resumed) == step_losses(full)
     _same_parameters(tmp_path / "full", copy)

@@ -5,7 +5,6 @@ says so; a pipeline resumed with another number of model chunks per rank draws n
 says so."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ import torch
 from distframe.checkpoint.format import open_reader, read_metadata
 from distframe.train_config import TrainConfig
 from distframe.train_rng import layout
-from tests.train.conftest import train
+from tests.train.conftest import interrupted_copy, step_losses, train
 
 STEPS = 6
 DROPOUT = ("--dtype", "float64", "--steps", str(STEPS), "--eval-every", "3",
@@ -22,19 +21,6 @@ ELASTIC = ("--optimizer", "elastic", "--world-size", "2")
 NEW_MASKS = "dropout masks from step 4 on are new"
 INTERLEAVED = ("--strategy", "pipeline", "--world-size", "2", "--micro-batches", "2",
                "--schedule", "interleaved_1f1b", "--virtual-stages", "2")
-
-
-def _losses(metrics: list[dict]) -> list[tuple]:
-    return [(m["step"], m["train_loss"], m["val_loss"]) for m in metrics]
-
-
-def _interrupted_copy(run: Path, copy: Path, keep_step: int) -> Path:
-    """OUT as if the run had stopped right after the checkpoint of ``keep_step``."""
-    shutil.copytree(run, copy)
-    for ckpt in (copy / "checkpoints").iterdir():
-        if int(ckpt.name.split("-")[1]) > keep_step:
-            shutil.rmtree(ckpt)
-    return copy
 
 
 def _dropout_states(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -48,11 +34,11 @@ def _dropout_states(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 def test_elastic_resume_at_the_same_world_continues_the_masks(tmp_path, corpus_file, capsys):
     full = train(tmp_path / "full", corpus_file, *ELASTIC, *DROPOUT)
-    copy = _interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
+    copy = interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
     capsys.readouterr()
     resumed = train(copy, corpus_file, "--resume", "--world-size", "2")
     assert "dropout masks" not in capsys.readouterr().err
-    assert _losses(resumed) == _losses(full)  # bit for bit
+    assert step_losses(resumed) == step_losses(full)  # bit for bit
 
 
 def test_elastic_membership_change_draws_new_masks_and_says_so(tmp_path, corpus_file, capsys):
@@ -66,8 +52,8 @@ def test_elastic_membership_change_draws_new_masks_and_says_so(tmp_path, corpus_
     assert sorted(first) == sorted(second) and first
     assert all(not torch.equal(first[k], second[k]) for k in first if not k.endswith("seeds"))
     unchanged = train(tmp_path / "unchanged", corpus_file, *ELASTIC, *DROPOUT)
-    assert _losses(changed)[:3] == _losses(unchanged)[:3]
-    assert all(a[1] != b[1] for a, b in zip(_losses(changed)[3:], _losses(unchanged)[3:]))
+    assert step_losses(changed)[:3] == step_losses(unchanged)[:3]
+    assert all(a[1] != b[1] for a, b in zip(step_losses(changed)[3:], step_losses(unchanged)[3:]))
 
 
 def test_elastic_resume_at_a_scheduled_change_equals_the_uninterrupted_run(tmp_path, corpus_file):
@@ -75,8 +61,8 @@ def test_elastic_resume_at_a_scheduled_change_equals_the_uninterrupted_run(tmp_p
     the schedule reached (1): new streams seeded from the step, as the uninterrupted run's."""
     flags = (*ELASTIC, *DROPOUT, "--elastic-schedule", "3:1")
     full = train(tmp_path / "full", corpus_file, *flags)
-    copy = _interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
-    assert _losses(train(copy, corpus_file, "--resume")) == _losses(full)
+    copy = interrupted_copy(tmp_path / "full", tmp_path / "resumed", keep_step=3)
+    assert step_losses(train(copy, corpus_file, "--resume")) == step_losses(full)
 
 
 def test_layout_counts_the_model_chunks_of_a_rank():
@@ -91,11 +77,11 @@ def test_layout_counts_the_model_chunks_of_a_rank():
 
 def test_pipeline_resumed_with_other_chunks_draws_new_masks(tmp_path, corpus_file, capsys):
     full = train(tmp_path / "full", corpus_file, *INTERLEAVED, *DROPOUT)
-    same = _interrupted_copy(tmp_path / "full", tmp_path / "same", keep_step=3)
+    same = interrupted_copy(tmp_path / "full", tmp_path / "same", keep_step=3)
     capsys.readouterr()
-    assert _losses(train(same, corpus_file, "--resume", "--world-size", "2")) == _losses(full)
+    assert step_losses(train(same, corpus_file, "--resume", "--world-size", "2")) == step_losses(full)
     assert "dropout masks" not in capsys.readouterr().err
-    other = _interrupted_copy(tmp_path / "full", tmp_path / "other", keep_step=3)
+    other = interrupted_copy(tmp_path / "full", tmp_path / "other", keep_step=3)
     resumed = train(other, corpus_file, "--resume", "--world-size", "2", "--schedule", "1f1b")
     err = capsys.readouterr().err
     assert NEW_MASKS in err and "virtual_stages=2" in err
