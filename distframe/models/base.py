@@ -188,7 +188,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         whole = [p for p in self.wrapped_model.parameters() if id(p) not in sharded]
         self._summoned = True
         try:
-            with summoned(spaces, whole, self.backend, writeback=writeback, after_writeback=self._masters_written):
+            with summoned(spaces, whole, self.backend, writeback=writeback, writing=self._masters_written):
                 yield
         finally:
             self._summoned = False
@@ -198,7 +198,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         return []
 
     def _masters_written(self) -> None:
-        """Runs after summon_full_parameters wrote the masters (and compute copies); local."""
+        """Runs as summon_full_parameters writes the masters back: may refuse it (ConfigError); local."""
 
     def train_step(self, batch: tuple[Any, Any], loss_fn: Callable[[Any, Any], torch.Tensor],
                    optimizer: Any, *, max_grad_norm: float | None = None,

@@ -42,31 +42,56 @@ class Summonable:
 
 @contextlib.contextmanager
 def summoned(spaces: list[Summonable], whole: list[nn.Parameter], backend: ICommunicationBackend, *,
-             writeback: bool, after_writeback: Callable[[], None]) -> Iterator[None]:
+             writeback: bool, writing: Callable[[], None]) -> Iterator[None]:
     """See [Note: summoning]. ``whole``: parameters that are already whole (copied on entering and
-    restored unless the block completes with ``writeback``); ``after_writeback`` tells the
-    strategy its masters changed."""
+    restored unless the block completes with ``writeback``). Only spaces written in the block
+    are written back (a parameter's ``_version`` counts in-place writes to it; a replaced
+    ``.data`` is taken too); ``writing`` tells the strategy first, and may refuse it."""
     gathered = [backend.all_gather(s.master.detach()) for s in spaces]
     held = [[p.data for p in s.space.params] for s in spaces]
     kept = [p.detach().clone() for p in whole]
-    _attach(spaces, [s.space.views(full) for s, full in zip(spaces, gathered)])
-    completed = False
+    views = [s.space.views(full) for s, full in zip(spaces, gathered)]
+    _attach(spaces, views)
+    versions = [[p._version for p in s.space.params] for s in spaces]
+    completed, written = False, []
     try:
         yield
         completed = True
     finally:
+        if completed and writeback:
+            written = [k for k, s in enumerate(spaces)
+                       if _take_replaced(s, views[k]) or [p._version for p in s.space.params] != versions[k]]
         _attach(spaces, held)
         if not (completed and writeback):
             with torch.no_grad():
                 for param, value in zip(whole, kept):
                     param.copy_(value)
-    if writeback and spaces:
+    if written:
+        writing()
         with torch.no_grad():
-            for s, full in zip(spaces, gathered):
-                s.master.copy_(s.space.shard_of(full, backend.rank))
-                if s.compute is not None:
-                    s.compute.copy_(full)
-        after_writeback()
+            for k in written:
+                spaces[k].master.copy_(spaces[k].space.shard_of(gathered[k], backend.rank))
+                if spaces[k].compute is not None:
+                    spaces[k].compute.copy_(gathered[k])
+
+
+def _take_replaced(space: Summonable, views: list[torch.Tensor]) -> bool:
+    """A parameter whose ``.data`` the block replaced (``p.data = p.data * 0.5``) rather than
+    wrote in place: its new values go into its view of the gathered tensor. Whether there was one."""
+    replaced = False
+    with torch.no_grad():
+        for entry, view in zip(space.space.entries, views):
+            data = entry.param.data
+            if data.data_ptr() == view.data_ptr() and data.shape == view.shape:
+                continue
+            if data.shape != view.shape:
+                raise ConfigError(
+                    f"summon_full_parameters(): {entry.name!r} was given data of shape "
+                    f"{tuple(data.shape)} in the block, but it has shape {tuple(view.shape)}; "
+                    "write values of its own shape (p.copy_(...), or p.data = a tensor of it)")
+            view.copy_(data)
+            replaced = True
+    return replaced
 
 
 def _attach(spaces: list[Summonable], data: list[list[torch.Tensor]]) -> None:

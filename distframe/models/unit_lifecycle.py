@@ -328,6 +328,11 @@ class UnitLifecycle:
         self._armed = True
         self._backward_end.queue()
 
+    def awaiting_backward(self) -> bool:
+        """Whether a forward with grad of this step ran units whose backward has not ended."""
+        return not self._step_done and any(record.awaits(index, self._backward_number)
+                                           for record in self._step_records for index in record.order)
+
     def mark_stale(self) -> None:
         """Masters changed (optimizer step, load): gathered copies must be refreshed."""
         for unit in self.units:

@@ -28,7 +28,7 @@ from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_lifecycle import UnitLifecycle
-from distframe.models.unit_order import forward_orders
+from distframe.models.unit_order import forward_orders, in_backward
 from distframe.models.zero import cast_frozen, single_dtype
 from distframe.precision import MixedPrecisionPolicy
 
@@ -155,17 +155,29 @@ class UnitShardedModelBase(ShardedModelBase):
         self.lifecycle.mark_stale()
 
     def _summonable(self) -> list[Summonable]:
-        busy = [u for u in self.units if u.state is not TrainingState.IDLE]
-        if busy:
+        """Each unit's space; a unit gathered now (``persistent``, or not resharded after its
+        forward) also takes what is written back into its gathered copy."""
+        # (PRE_BACKWARD outside a backward: left so by a no_sync backward that ended before it)
+        busy = [u for u in self.units if u.state is TrainingState.FORWARD]
+        if busy or in_backward():
+            where = f"unit '{self._module_name(busy[0].module)}' ran its forward" if busy else "a backward ran"
             raise ConfigError(
-                f"{type(self).__name__}: summon_full_parameters() was entered while unit "
-                f"'{self._module_name(busy[0].module)}' was in its forward or backward; enter it "
-                "between training steps (after backward, or outside forward and backward)")
+                f"{type(self).__name__}: summon_full_parameters() was entered while {where}; enter "
+                "it outside forward and backward (between steps, or after backward)")
         for unit in self.units:
             unit.drop_prefetch()
-        return [Summonable(u.space, u.master) for u in self.units]
+        return [Summonable(u.space, u.master, u.full if u.is_unsharded else None) for u in self.units]
 
     def _masters_written(self) -> None:
+        """Refuses edits while a forward with grad awaits the end of its step's backward (a
+        no_sync backward leaves it open): that backward would gather the edited weights for a
+        forward computed with the old ones."""
+        if self.lifecycle.awaiting_backward():
+            raise ConfigError(
+                f"{type(self).__name__}: the weights were edited in summon_full_parameters() after a "
+                "forward with grad whose step's backward has not ended (no_sync leaves it open until "
+                "the synchronising backward), which would gather the edited ones; edit them between "
+                "steps (reading alone is fine: nothing is written back)")
         self.lifecycle.mark_stale()
 
     def _zero_grad(self) -> None:

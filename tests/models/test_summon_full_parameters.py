@@ -176,3 +176,63 @@ def test_model_parallel_models_refuse_it():
         return True
 
     assert all(spawn(run, 2))
+
+
+def replace_halved(module):
+    for p in module.parameters():
+        p.data = p.data * 0.5   # a new tensor, not an in-place write
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replaced_data_is_written_back(case):
+    batches = global_batches(2, 6)
+
+    def run(backend):
+        model, opt = wrap(case, backend)
+        model.train_step(rank_slice(batches[0], backend.rank, 2), loss_fn, opt)
+        with model.summon_full_parameters():
+            replace_halved(model.wrapped_model)
+        model.train_step(rank_slice(batches[1], backend.rank, 2), loss_fn, opt)
+        return model.gather_full_parameters()
+
+    expected = reference_halved_between_steps(batches)
+    for params in spawn(run, 2):
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_units_kept_gathered_read_the_edit_right_after_the_block(strategy):
+    def run(backend):
+        model, _ = wrap(strategy, backend, replicate_below_numel=10 ** 9)   # every unit stays gathered
+        with model.summon_full_parameters(), torch.no_grad():
+            inside = [p.mul_(0.5).clone() for p in model.wrapped_model.parameters()]
+        return inside, [p.detach().clone() for p in model.wrapped_model.parameters()]
+
+    for inside, after in spawn(run, 2):
+        for a, b in zip(inside, after):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_between_forward_and_backward_reading_works_and_editing_is_refused(strategy):
+    def run(backend):
+        model, opt = wrap(strategy, backend)
+        x, y = rank_slice(global_batches(1, 4)[0], backend.rank, 2)
+        loss = loss_fn(model(x), y)
+        with model.summon_full_parameters():   # reads only: nothing is written back
+            norm = sum(float(p.detach().norm()) for p in model.wrapped_model.parameters())
+        loss.backward()
+        opt.step()
+        with model.no_sync():   # a no_sync backward that ended: reading is fine after it
+            loss_fn(model(x), y).backward()
+        with model.summon_full_parameters():
+            after_no_sync = sum(float(p.detach().norm()) for p in model.wrapped_model.parameters())
+        loss_fn(model(x), y)
+        with pytest.raises(ConfigError, match="whose step's backward has not ended"), \
+                model.summon_full_parameters():   # an edit there would reach that backward
+            halve(model.wrapped_model)
+        return norm, after_no_sync
+
+    for norm, after_no_sync in spawn(run, 2):
+        assert norm == norm and after_no_sync == after_no_sync   # finite, not the NaN stand-ins
