@@ -113,19 +113,33 @@ def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, params: 
 
 
 def adopted_by(optimizer: torch.optim.Optimizer, owner: Any) -> None:
-    """``optimizer`` (an instance a user handed to the sharded ``owner``) is ``owner``'s wrapped
-    optimizer from now on: stepping it other than from ``owner.step()`` is refused."""
-    _adopted[optimizer] = weakref.ref(owner)
+    """``optimizer`` (an instance a user handed to the sharded ``owner``, now rebuilt over its
+    shards) is ``owner``'s wrapped optimizer from now on: stepping it other than from
+    ``owner.step()``, or after a param group was added to it, is refused."""
+    _adopted[optimizer] = (weakref.ref(owner), frozenset(map(id, _params(optimizer))))
+
+
+def adopter(optimizer: torch.optim.Optimizer) -> Any:
+    """The live sharded optimizer ``optimizer`` was handed to, or None."""
+    entry = _adopted.get(optimizer)
+    return entry[0]() if entry is not None else None
 
 
 def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer) -> None:
-    owner = _adopted.get(optimizer)
-    owner = owner() if owner is not None else None
-    if owner is not None and not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
+    owner = adopter(optimizer)
+    if owner is None:
+        return
+    name = type(owner).__name__
+    if not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
         raise ConfigError(
-            f"this torch.optim.{type(optimizer).__name__} was handed to {type(owner).__name__}, which "
-            "now steps it over the model's shards between the gradient and parameter "
-            f"synchronisation; call that {type(owner).__name__}'s step() instead")
+            f"this torch.optim.{type(optimizer).__name__} was handed to {name}, which now steps it "
+            f"over the model's shards between the gradient and parameter synchronisation; call "
+            f"that {name}'s step() instead (and pass that {name} to a GradScaler)")
+    if not _adopted[optimizer][1].issuperset(map(id, _params(optimizer))):
+        raise ConfigError(
+            f"a param group was added to the torch.optim.{type(optimizer).__name__} handed to {name} "
+            "(add_param_group), whose tensors no strategy synchronises, so the ranks would drift "
+            "apart; register them in the model before wrapping it")
 
 
 def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -118,3 +118,30 @@ def test_sparse_adam_and_hooks_get_config_errors():
 
     for messages in spawn(run, 2):
         assert "before optimizer.step()" in messages[0]
+
+
+def test_misuses_of_the_handed_over_instance_are_refused():
+    from distframe import ShardedGradScaler
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES["zero2"]
+        model = model_cls(build_model(), backend, **SETTINGS["zero2"])
+        hooked = torch.optim.SGD(model.parameters(), lr=0.1)
+        hooked.register_step_post_hook(lambda *args: None)
+        with pytest.raises(ConfigError, match="has hooks"):
+            opt_cls(model, hooked)   # its hooks would have been dropped without a word
+        instance = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = opt_cls(model, instance)
+        with pytest.raises(ConfigError, match="already handed to a ZeRO2Optimizer"):
+            opt_cls(model, instance)
+        model(rank_slice(global_batches(1, 4)[0], backend.rank, 2)[0]).sum().backward()
+        scaler = ShardedGradScaler("cpu", backend=backend)
+        with pytest.raises(ConfigError, match="call that ZeRO2Optimizer's step"):
+            scaler.step(instance)
+        temperature = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+        instance.add_param_group({"params": [temperature]})
+        with pytest.raises(ConfigError, match="add_param_group"):
+            opt.step()
+        return True
+
+    assert all(spawn(run, 2))
