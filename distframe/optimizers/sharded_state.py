@@ -126,15 +126,17 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
             if isinstance(value, torch.Tensor) and value.shape == shard.shape and (
                     value.dim() > 0 or key in element_keys):
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and _whole_parameter(
+                    shard, layout.segments[i]):
+                # (before the scalars: Adafactor's row variance of a one-row matrix is (1, 1))
+                for seg in owned[i]:  # the writer of its first elements: [Note: whole-parameter state]
+                    if seg.param_offset == 0:
+                        whole[piece_key(WHOLE + key, seg.name, 0)] = value.detach().clone()
             elif isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, numbers.Number):
                 is_tensor = isinstance(value, torch.Tensor)
                 entry = [float(value), str(value.dtype).removeprefix("torch.") if is_tensor else None]
                 for seg in owned[i]:
                     scalars.setdefault(seg.name, {})[key] = entry
-            elif isinstance(value, torch.Tensor) and _whole_parameter(shard, layout.segments[i]):
-                for seg in owned[i]:  # the writer of its first elements: [Note: whole-parameter state]
-                    if seg.param_offset == 0:
-                        whole[piece_key(WHOLE + key, seg.name, 0)] = value.detach().clone()
             else:
                 raise ConfigError(
                     f"optimizer state {key!r} of shape {tuple(getattr(value, 'shape', ()))} is "

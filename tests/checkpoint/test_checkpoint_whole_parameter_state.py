@@ -57,3 +57,34 @@ def test_loading_it_under_another_optimizer_is_refused(tmp_path):
         return True
 
     assert all(spawn(load_under_zero2, 2))
+
+
+def test_a_matrix_of_one_row_keeps_its_shaped_state(tmp_path):
+    """Adafactor's row variance of a (1, n) weight is (1, 1): one element, but not a scalar."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 1), torch.nn.Linear(1, 3)).double()
+
+    def run(backend, load):
+        model_cls, opt_cls = STRATEGIES["ddp"]
+        model = model_cls(build(), backend)
+        opt = opt_cls(model, torch.optim.Adafactor, lr=0.01)
+        if load:
+            checkpoint.load(tmp_path / "ckpt", model, opt)
+        for batch in BATCHES[2:] if load else BATCHES[:2]:
+            x, y = rank_slice(batch, backend.rank, backend.world_size)
+            model.train_step((x[:, :5], y), loss_fn, opt)
+        if not load:
+            checkpoint.save(tmp_path / "ckpt", model, opt, step=2)
+        return model.gather_full_parameters()
+
+    spawn(lambda b: run(b, False), 2)
+    resumed = spawn(lambda b: run(b, True), 3)[0]
+    single = build()
+    opt = torch.optim.Adafactor(single.parameters(), lr=0.01)
+    for x, y in BATCHES:
+        loss_fn(single(x[:, :5]), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-10, atol=1e-10, msg=name)
