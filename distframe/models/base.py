@@ -177,8 +177,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
     @contextlib.contextmanager
     def summon_full_parameters(self, *, writeback: bool = True) -> Iterator[None]:
         """Inside, every parameter of the wrapped model is whole, at master precision (float32
-        under a MixedPrecisionPolicy), equal to ``gather_full_parameters()``; on leaving, with
-        ``writeback``, what this rank holds of them takes what was written (make the same edits
+        under a MixedPrecisionPolicy; frozen ones as held), as ``gather_full_parameters()``; with
+        ``writeback``, on leaving, what this rank holds takes what was written (make the same edits
         on every rank); without it, or when the block raises, the edits are dropped. Entering is
         collective (one all_gather per flat space; none for DDP); leaving is not. No forward
         inside. See full_parameters.py."""
