@@ -16,6 +16,7 @@ own ring over the cp ranks that hold its heads.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
     ``sequence_shard`` at this rank's slice. ConfigError if there is no attention
     to convert or it uses attention dropout (the ring does not support it)."""
     seen: set[int] = set()
-    converted = 0
+    converted = sharded = 0
     for root in modules:
         for module in root.modules():
             if id(module) in seen:
@@ -42,6 +43,7 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
             seen.add(id(module))
             if hasattr(module, "sequence_shard"):
                 module.sequence_shard = (group.rank, group.world_size)
+                sharded += 1
             for name, child in module.named_children():
                 if isinstance(child, RingDilatedAttention):
                     # A ring built over another group would span ranks that hold other
@@ -61,6 +63,12 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
     if converted == 0:
         raise ConfigError("cp > 1 splits each sequence across ranks, which needs the model's attention to "
                           "be DilatedAttention (it becomes RingDilatedAttention); this model has none: use cp=1")
+    if sharded == 0:
+        warnings.warn("cp > 1: no module of the model has a sequence_shard attribute, through which it "
+                      "learns where its slice of each sequence starts; positions it makes from 0 "
+                      "(torch.arange(T)) start again on every rank's slice. Give the module that makes "
+                      "positions sequence_shard = (0, 1) (see attention.positions.shard_positions), or "
+                      "ignore this if the model uses no positions", RuntimeWarning, stacklevel=3)
 
 
 def sequence_slice(tensor: Any, group: ICommunicationBackend, what: str) -> Any:

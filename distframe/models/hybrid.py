@@ -55,7 +55,7 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
                                            zero_counted_segments)
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_runtime import PipelineRunner
-from distframe.models.replicas import broadcast_tensors, mark_wrapped
+from distframe.models.replicas import broadcast_tensors, check_trainable_unchanged, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.tensor_parallel_flow import SplitOutputCheck
 from distframe.models.tensor_parallel_plan import split_dims
@@ -127,6 +127,8 @@ class HybridShardedModel(ShardedModelBase):
         self.zero = None if data_parallel == "ddp" else ZeroShards(
             self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device)
         self._gradients_synchronized = False
+        # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.
+        self._trainable_at_wrap = [(lp.name, lp.param.requires_grad) for lp in self.local_parameters]
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
@@ -169,6 +171,7 @@ class HybridShardedModel(ShardedModelBase):
         return loss.reshape(())
 
     def _before_backward(self) -> None:
+        check_trainable_unchanged(self, self._trainable_at_wrap)
         if self._synchronize:
             self._sync_buffers()
         self._reopen_gradients()

@@ -54,21 +54,50 @@ def _is_lm(model: object) -> bool:
 
 def pipeline_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
     """``[(qualified name prefix, layer)]`` in execution order (see the module docstring)."""
+    if hasattr(model, "pipeline_layers"):  # the model says (before its Sequential or LM base would)
+        return _without_repeats(list(model.pipeline_layers()))
+    _refuse_own_forward(model)
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
-        return [(name, child) for name, child in model.named_children()]
+        # _modules, not named_children(), which skips a module listed twice: Sequential runs both
+        return _without_repeats([(name, child) for name, child in model._modules.items()])
     if isinstance(model, (list, tuple)):
         if not all(isinstance(m, nn.Module) for m in model):
             raise ConfigError("a list to split into stages must hold nn.Module blocks only")
-        return [(str(i), m) for i, m in enumerate(model)]
+        return _without_repeats([(str(i), m) for i, m in enumerate(model)])
     if _is_lm(model):
         layers = [("", LMEmbedding(model.tok_embedding, model.pos_embedding))]
         layers += [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
         return layers + [("", LMHead(model.final_norm, model.head))]
-    if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
     raise ConfigError(f"cannot split {type(model).__name__} into pipeline stages: pass an "
                       "nn.Sequential, a list of blocks, a DilatedTransformerLM, or a module with a "
                       "pipeline_layers() method returning [(name, module), ...]")
+
+
+def _refuse_own_forward(model: object) -> None:
+    """ConfigError for an nn.Sequential or DilatedTransformerLM subclass with a forward of its own:
+    its stages run the layers in order (or the LM's embedding, blocks and head), never that
+    forward, so the pipeline would compute another function without a word."""
+    from attention.model import DilatedTransformerLM
+    for base in (nn.Sequential, DilatedTransformerLM):
+        if isinstance(model, base) and any(getattr(type(model), name) is not getattr(base, name)
+                                           for name in ("forward", "embed") if hasattr(base, name)):
+            raise ConfigError(
+                f"{type(model).__name__} overrides {base.__name__}'s forward, which a pipeline would "
+                "not run (its stages run the layers in order); give it a pipeline_layers() method "
+                "returning [(name, module), ...] whose modules, run in order, compute that forward")
+
+
+def _without_repeats(layers: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """ConfigError when one module is two of the layers: a pipeline gives each layer to one stage."""
+    seen: dict[int, str] = {}
+    for name, layer in layers:
+        if id(layer) in seen:
+            raise ConfigError(
+                f"layer {name!r} is the same module as layer {seen[id(layer)]!r}; a pipeline gives each "
+                "layer to one stage, so the module cannot run in both places: make the module that "
+                "uses it twice one layer (a small nn.Module calling it twice)")
+        seen[id(layer)] = name
+    return layers
 
 
 def layer_parameter_counts(layers: Sequence[tuple[str, nn.Module]]) -> list[int]:

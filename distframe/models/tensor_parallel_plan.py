@@ -151,6 +151,16 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         if id(param) in planned and owner not in plan:
             raise ConfigError(f"{alias} is tied to {planned[id(param)]}, which the plan splits; plan "
                               f"{owner!r} too (a tied embedding 'vocab' with its head 'column') or neither")
+    # ... and split along one dim: checked here, on the whole model, because pipeline stages
+    # apply the plan one stage at a time and each sees only its own side of a tie.
+    split_dim: dict[int, tuple[int, str]] = {}
+    for name, style in plan.items():
+        dim, weight = (1 if style == "row" else 0), names[name].weight
+        other = split_dim.setdefault(id(weight), (dim, name))
+        if other[0] != dim:
+            raise ConfigError(f"{name!r} ({style}) and {other[1]!r} ({plan[other[1]]}) share a weight that "
+                              "they would split along different dims; plan a tied embedding 'vocab' with "
+                              "its head 'column'")
     return dict(plan)
 
 
@@ -158,8 +168,13 @@ def _paired(parent: nn.Module, children: dict[str, str]) -> dict[str, bool]:
     """Planned child -> whether it pairs with a partner (see the module docstring): a column's
     output then stays split, a row's input arrives split."""
     if isinstance(parent, nn.Sequential):
-        order = [name for name, _ in parent.named_children() if name in children]
-        pairs = [(a, b) for a, b in zip(order, order[1:]) if (children[a], children[b]) == ("column", "row")]
+        # A column pairs with the next planned layer if that is a row and nothing between them
+        # holds parameters (an activation, a dropout): a layer with weights would get the split.
+        every = list(parent.named_children())
+        order = [(i, name) for i, (name, _) in enumerate(every) if name in children]
+        pairs = [(a, b) for (i, a), (j, b) in zip(order, order[1:])
+                 if (children[a], children[b]) == ("column", "row")
+                 and not any(any(True for _ in m.parameters()) for _, m in every[i + 1:j])]
         in_pair = {name for pair in pairs for name in pair}
         return {child: child in in_pair for child in children}
     styles = set(children.values())
