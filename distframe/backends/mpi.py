@@ -265,7 +265,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
 
     def _new_group(self, ranks: list[int], call: Call) -> MPICommunicationBackend | None:
         # Comm.Split has no non-blocking form: an Ibarrier first bounds the wait for late ranks,
-        # after which Split only meets ranks that are already there.
+        # after which Split only meets ranks that are already there. Twice: a rank whose first one
+        # timed out has left, but its abandoned request still completes a late rank's first one,
+        # which then entered Split alone and hung; its second one times out instead.
+        self._complete(call, self._comm.Ibarrier, None)
         self._complete(call, self._comm.Ibarrier, None)
         member = self._rank in ranks
         sub = self._comm.Split(0 if member else self._MPI.UNDEFINED,

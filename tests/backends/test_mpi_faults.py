@@ -47,6 +47,22 @@ def run_timeout(b, absent):
         return outcome, time.monotonic() - start
 
 
+def run_late_new_group(b):
+    """The last rank reaches new_group after the others timed out in it (they stay, not departed)."""
+    with MPICommunicationBackend(b.comm.Split(0 if b.rank < 2 else 1, b.rank), timeout=1.0) as pair:
+        if pair.world_size == 1:
+            return None
+        pair.all_reduce(torch.ones(1))
+        if pair.rank == 1:
+            time.sleep(2.0)
+        start = time.monotonic()
+        outcome = _outcome(lambda: pair.new_group([0, 1]))
+        elapsed = time.monotonic() - start
+        if pair.rank == 0:
+            time.sleep(3.0)  # still in the group while the late rank is in new_group
+        return outcome and outcome[0], elapsed
+
+
 def run_recv_timeout(b):
     with MPICommunicationBackend(b.comm, timeout=0.5) as fast:
         if fast.rank == 0:
@@ -188,6 +204,13 @@ def test_timeout_names_the_missing_rank_and_sequence_number(pool3):
         assert "all_reduce (sequence number 2)" in message and "[2]" in message
         assert 0.9 < elapsed < 10
     assert pool3.run(ranks_times_two) == [0, 2, 4]  # the job itself is still usable
+
+
+def test_a_rank_late_for_new_group_times_out_too(pool3):
+    # It used to hang in Comm.Split: the others' abandoned Ibarrier completed its own.
+    for name, elapsed in pool3.run(run_late_new_group)[:2]:
+        assert name == "CollectiveTimeoutError" and elapsed < 10
+    assert pool3.run(ranks_times_two) == [0, 2, 4]
 
 
 def test_recv_timeout_names_the_sender(pool3):
