@@ -25,8 +25,11 @@ def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
       largest (65504) overflow in their sum but not in their mean;
     - engines that move the tensor's own dtype (``keep_dtype``: Gloo, NCCL) keep it, so half
       precision costs half the bytes of float32 on the wire, as torch DDP's and FSDP's do.
-      float16 is first divided by ``p``, the power of two >= ``world_size`` (exact), so the sum
-      cannot overflow; ``average_`` scales it by ``p / world_size`` in float32.
+      float16 is first divided by ``p``, the power of two >= ``world_size``, so the sum cannot
+      overflow; ``average_`` scales it by ``p / world_size`` in float32. The division is exact
+      for magnitudes of at least 2**-14 * p; below that the quotient is subnormal and loses bits
+      (a value under 2**-24 * p becomes 0), as torch DDP's division of float16 buckets does:
+      train float16 with loss scaling, which keeps gradients far above that range.
 
     torch cannot divide complex32, so every engine averages a complex64 copy of it.
     """
