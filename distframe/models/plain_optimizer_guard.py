@@ -125,7 +125,7 @@ def adopter(optimizer: torch.optim.Optimizer) -> Any:
     return entry[0]() if entry is not None else None
 
 
-def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     owner = adopter(optimizer)
     if owner is None:
         return
@@ -135,7 +135,7 @@ def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer) -> None:
             f"this torch.optim.{type(optimizer).__name__} was handed to {name}, which now steps it "
             f"over the model's shards between the gradient and parameter synchronisation; call "
             f"that {name}'s step() instead (and pass that {name} to a GradScaler)")
-    if not _adopted[optimizer][1].issuperset(map(id, _params(optimizer))):
+    if not _adopted[optimizer][1].issuperset(map(id, params)):
         raise ConfigError(
             f"a param group was added to the torch.optim.{type(optimizer).__name__} handed to {name} "
             "(add_param_group), whose tensors no strategy synchronises, so the ranks would drift "
@@ -143,8 +143,8 @@ def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    _refuse_step_outside_owner(optimizer)
     params = _params(optimizer)
+    _refuse_step_outside_owner(optimizer, params)
     with _lock:  # a rank thread may be adding one
         models = list(_guarded)
     whole = isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS)
