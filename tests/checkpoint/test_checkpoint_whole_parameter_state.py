@@ -8,7 +8,7 @@ import torch
 from distframe import checkpoint
 from distframe.errors import ConfigError
 from distframe.launch import spawn
-from tests.models.common import STRATEGIES, build_model, global_batches, loss_fn, rank_slice
+from tests.models.common import SEED_LOCK, STRATEGIES, build_model, global_batches, loss_fn, rank_slice
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
 BATCHES = global_batches(4, 12)
@@ -62,8 +62,9 @@ def test_loading_it_under_another_optimizer_is_refused(tmp_path):
 def test_a_matrix_of_one_row_keeps_its_shaped_state(tmp_path):
     """Adafactor's row variance of a (1, n) weight is (1, 1): one element, but not a scalar."""
     def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(5, 1), torch.nn.Linear(1, 3)).double()
+        with SEED_LOCK:  # in-memory ranks are threads sharing torch's generator
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(5, 1), torch.nn.Linear(1, 3)).double()
 
     def run(backend, load):
         model_cls, opt_cls = STRATEGIES["ddp"]

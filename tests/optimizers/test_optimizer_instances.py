@@ -12,7 +12,7 @@ from torch import nn
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models import MixedPrecisionPolicy
-from tests.models.common import (SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
+from tests.models.common import (SEED_LOCK, SETTINGS, STRATEGIES, build_model, global_batches, loss_fn,
                                  rank_slice)
 
 GAMMA = 0.5
@@ -74,8 +74,9 @@ def test_a_tensor_outside_the_model_is_refused(strategy):
 
 
 def frozen_base(seed=0):
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with SEED_LOCK:  # in-memory ranks are threads sharing torch's generator
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     net[0].requires_grad_(False)   # a frozen base layer, as under LoRA or fine-tuning
     return net
 
