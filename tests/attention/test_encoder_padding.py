@@ -63,12 +63,17 @@ def test_with_src_key_padding_mask_equals_nn_multihead_attention(causal, train):
     assert max_error(grads[0], grads[1]) < 1e-10
 
 
+def _additive(padding, dtype):
+    """The float form of a bool padding mask that nn.TransformerEncoder passes on: 0 and -inf."""
+    return torch.zeros(padding.shape, dtype=dtype).masked_fill(padding, float("-inf"))
+
+
 def test_a_float_key_padding_mask_of_0_and_minus_inf_is_the_bool_mask():
     ours, _ = _layers()
     mha = ours.self_attn
     x = torch.randn(2, SEQ, EMBED, dtype=torch.float64)
     padding = _padding()
-    additive = torch.zeros(2, SEQ, dtype=torch.float32).masked_fill(padding, float("-inf"))
+    additive = _additive(padding, torch.float32)
     expected, _ = mha(x, x, x, key_padding_mask=padding)
     assert torch.equal(mha(x, x, x, key_padding_mask=additive)[0], expected)
 
@@ -95,7 +100,7 @@ def test_tensor_parallel_takes_the_float_mask_torch_passes():
     dense = ours.self_attn
     x = torch.randn(2, SEQ, EMBED, dtype=torch.float64)
     padding = _padding()
-    additive = torch.zeros(2, SEQ, dtype=torch.float64).masked_fill(padding, float("-inf"))
+    additive = _additive(padding, torch.float64)
     expected, _ = dense(x, x, x, is_causal=True, key_padding_mask=padding)
 
     def run(backend):
