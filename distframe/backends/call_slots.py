@@ -35,6 +35,17 @@ wait), raises ``CollectiveMismatchError`` naming call ``seq`` and records it too
 ``announce`` raises it again before anything is written or issued: the marks stay in place, and a
 peer is never left waiting for a call this rank will not make. It costs the hot path one
 attribute test per call; the comparison that finds a mark is the one every call makes anyway.
+
+[Note: after a timeout] A call a rank gave up on at its timeout can never complete: under MPI
+its abandoned request even completed a late peer's call, which returned as if nothing were
+wrong while the rank that gave up raised; under Gloo the late peer got the transport's
+"Connection closed by peer". So the rank that gives up (``give_up``) marks its slots for that call
+and the ``SLOTS - 1`` after it with ``_GAVE_UP``, the call's op and number, its timeout and the
+ranks it found missing. A peer still waiting reads the mark where it asks ``error`` while it
+waits, a late peer where ``announce`` compares its call, before it issues anything; each raises
+``CollectiveTimeoutError`` naming the same call, number and missing ranks as the rank that gave
+up, and records it: from then on ``announce`` refuses every call of the group, on the rank that
+gave up too. (The in-memory engine keeps the same record in its rendezvous.)
 """
 from __future__ import annotations
 
@@ -49,9 +60,10 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from distframe.backends.departures import gave_up_error
 from distframe.backends.signature import DTYPES, OPS, describe_mismatch
 from distframe.backends.types import ReduceOp
-from distframe.errors import CollectiveMismatchError
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 SLOTS = 64
 SLOT_BYTES = 128
@@ -72,6 +84,8 @@ _FIELDS_END = 8 + _WORDS.size
 PACKED_BYTES = _WORDS.size  # of what packed_call returns
 _MAX_CACHED = 4096
 _MARK = -2  # the op word of a slot marked after a mismatch: [Note: after a mismatch]
+_GAVE_UP = -3  # the op word of a slot marked after a timeout: [Note: after a timeout]
+_MASK_WORDS, _MASK_BITS = _WORDS_COUNT - 4, 63  # the missing ranks, as bits of the last words
 _UNUSABLE = "the group is unusable now, shut it down"
 
 
@@ -154,6 +168,9 @@ class CallSlots:
         #: (op, seq, what differed, how it was seen) of the first mismatch this rank found or
         #: learned of ([Note: after a mismatch]), else None.
         self.mismatch: tuple[str, int, str, str] | None = None
+        #: (op, seq, missing ranks, timeout, the rank that gave up or None for this one) of the
+        #: first call given up on at a timeout that this rank made or learned of, else None.
+        self.gave_up: tuple[str, int, list[int] | None, float, int | None] | None = None
 
     def announce(self, op: str, seq: int, shape: Any, dtype: Any, args: Any) -> None:
         """Writes call ``seq`` into this rank's slot; raises CollectiveMismatchError, before the
@@ -161,6 +178,8 @@ class CallSlots:
         found a mismatch before it, or if this rank has ([Note: after a mismatch])."""
         if self.mismatch is not None:
             raise self._refused(op, seq)
+        if self.gave_up is not None:
+            raise gave_up_error(*self.gave_up, op, seq)
         packed = packed_call(op, shape, dtype, args)
         own, at = self._own, self._offset + (seq % SLOTS) * SLOT_BYTES
         _SEQ.pack_into(own, at, -1)  # the slot is being rewritten: readers skip it
@@ -175,9 +194,10 @@ class CallSlots:
                 if error is not None:
                     raise error
 
-    def error(self, op: str, seq: int) -> CollectiveMismatchError | None:
+    def error(self, op: str, seq: int) -> CollectiveMismatchError | CollectiveTimeoutError | None:
         """The mismatch seen so far at call ``seq`` (this rank's last announced), or one a peer
-        found at an earlier call, or None. A mismatch found is recorded ([Note: after a mismatch])."""
+        found at an earlier call, or a call a peer gave up on ([Note: after a timeout]), or None.
+        What is found is recorded ([Note: after a mismatch])."""
         if self.last is None or self.last[0] != seq or not self._peers:
             return None
         packed = self.last[1]
@@ -189,6 +209,8 @@ class CallSlots:
                 words = _WORDS.unpack(theirs)
                 if words[0] == _MARK:
                     return self._learned(rank, words[1], words[2], op, seq)
+                if words[0] == _GAVE_UP:
+                    return self._peer_gave_up(rank, words, op, seq)
                 texts[rank] = describe_words(words)
         if not texts:
             return None
@@ -203,7 +225,7 @@ class CallSlots:
         texts = {}
         for rank, view in [(self._rank, self._own), *self._peers.items()]:
             theirs = _read(view, at, seq)
-            if theirs is not None and _WORDS.unpack(theirs)[0] != _MARK:
+            if theirs is not None and _WORDS.unpack(theirs)[0] >= 0:  # not a mark
                 texts[rank] = describe_words(_WORDS.unpack(theirs))
         text = (describe_mismatch(texts) if len(set(texts.values())) > 1
                 else f"rank {finder} saw a call that differs from its own")
@@ -222,6 +244,38 @@ class CallSlots:
                 self._own[at + 8:at + _FIELDS_END] = mark
                 _SEQ.pack_into(self._own, at, later)
         return CollectiveMismatchError(op, seq, f"{text} ({how}; {_UNUSABLE})")
+
+    def give_up(self, op: str, seq: int, missing: list[int] | None, timeout: float) -> None:
+        """Records that this rank gave up on call ``seq`` at its timeout, ``missing`` ranks not
+        having arrived (None: unknown), and marks its slots from that call on ([Note: after a
+        timeout]); the first record stands."""
+        if self.gave_up is not None or self.mismatch is not None:
+            return
+        self.gave_up = (op, seq, missing, timeout, None)
+        masks = [0] * _MASK_WORDS
+        if missing is None or any(r >= _MASK_WORDS * _MASK_BITS for r in missing):
+            masks = [-1] * _MASK_WORDS
+        else:
+            for r in missing:
+                masks[r // _MASK_BITS] |= 1 << (r % _MASK_BITS)
+        mark = _WORDS.pack(_GAVE_UP, _OP_CODES.get(op, -1), seq, round(timeout * 1000), *masks)
+        for call in range(seq, seq + SLOTS):
+            at = self._offset + (call % SLOTS) * SLOT_BYTES
+            _SEQ.pack_into(self._own, at, -1)
+            self._own[at + 8:at + _FIELDS_END] = mark
+            _SEQ.pack_into(self._own, at, call)
+
+    def _peer_gave_up(self, who: int, words: tuple[int, ...], now_op: str,
+                      now_seq: int) -> CollectiveTimeoutError:
+        """The error for call ``now_seq`` once peer ``who`` has marked its slot for it after giving
+        up on a call (``words``: the mark); recorded, so later calls are refused too."""
+        op = OPS[words[1]] if 0 <= words[1] < len(OPS) else f"op#{words[1]}"
+        masks = words[4:]
+        missing = (None if masks[0] < 0 else
+                   [i * _MASK_BITS + b for i, m in enumerate(masks) for b in range(_MASK_BITS) if m >> b & 1])
+        if self.gave_up is None and self.mismatch is None:
+            self.gave_up = (op, words[2], missing, words[3] / 1000, who)
+        return gave_up_error(op, words[2], missing, words[3] / 1000, who, now_op, now_seq)
 
     def _refused(self, op: str, seq: int) -> CollectiveMismatchError:
         """What every call after a recorded mismatch raises instead of running."""

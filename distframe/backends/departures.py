@@ -136,3 +136,20 @@ def _p2p_departure_error(op: str, counts: Mapping[tuple[int, int], int] | None,
         f"rank {peer} left the group after {verb} {done} messages with tag {tag} "
         f"{'to' if op == 'recv' else 'from'} rank {me}, so this {op} stopped at once instead of "
         "waiting for the timeout; the group is unusable now, shut it down")
+
+
+def gave_up_error(op: str, seq: int, missing, timeout: float, who: int | None, now_op: str,
+                  now_seq: int) -> CollectiveTimeoutError:
+    """What a rank raises once call ``seq`` (``op``) of its group has been given up on at a
+    timeout, by peer ``who`` or (None) by this rank itself, when it is at call ``now_seq``
+    (``now_op``): every rank names the same call, its sequence number and the ranks that had not
+    arrived by then (``missing``: None where the rank that gave up could not tell), so peers
+    still waiting, or late, stop at once ([Note: after a timeout] in ``call_slots``)."""
+    if who is None:
+        detail = "this rank gave up on this call when its timeout ran out"
+    else:
+        detail = f"rank {who} gave up on this call when its timeout ran out, so it can never complete"
+    detail += (": this rank stopped at once" if who is not None and now_seq == seq
+               else f": {now_op} (sequence number {now_seq}) was not issued")
+    return CollectiveTimeoutError(op, seq, missing, timeout,
+                                  f"{detail}; the group is unusable now, shut it down")

@@ -138,6 +138,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         if unknown:
             detail += f"; the progress of ranks {unknown} (other nodes) cannot be read"
         detail += "; this group is unusable now, shut it down"
+        self._slots.give_up(call.op, call.seq, missing, call.timeout)  # peers stop at once too
         return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout, detail)
 
     # ---- post first (see distframe.backends.posted): dtypes MPI reduces as they are -----------

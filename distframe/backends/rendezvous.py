@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distframe.backends.departures import Departure
+from distframe.backends.departures import Departure, gave_up_error
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 
@@ -148,6 +148,9 @@ class Rendezvous:
         self._mailboxes: dict[tuple[int, int, int], dict[int, Any]] = {}
         self._freed_through = 0  # the highest sequence number whose slot is done and freed
         self.departures: dict[int, Departure] = {}  # ranks whose backend here has shut down
+        # rank -> (op, seq, missing ranks, timeout) of the collective it gave up on at its timeout:
+        # the group's calls from there on can never complete ([Note: after a timeout] in call_slots)
+        self.gave_up: dict[int, tuple[str, int, list[int] | None, float]] = {}
         world.register(self)
 
     # ---- collectives -------------------------------------------------------------------------
@@ -157,6 +160,9 @@ class Rendezvous:
         self.world.check()  # a new call after a known failure stops at once
         self.world.note_gpus(self.global_ranks[rank], payload)
         with self.cond:
+            given_up = self._given_up_error(rank, signature.op, seq)
+            if given_up is not None:  # before posting: no peer may complete this call with it
+                raise given_up
             slot = self._slots.setdefault(seq, Slot())
             if slot.error is None:
                 mismatch = next((r for r, s in slot.signatures.items() if s != signature), None)
@@ -168,7 +174,8 @@ class Rendezvous:
             slot.inputs[rank] = payload
             self.cond.notify_all()
             self._wait(lambda: len(slot.inputs) == self.size or slot.error is not None, deadline,
-                       timeout, signature.op, seq, lambda: set(range(self.size)) - set(slot.inputs))
+                       timeout, signature.op, seq, lambda: set(range(self.size)) - set(slot.inputs),
+                       rank=rank)
             if slot.error is not None:
                 raise slot.error
             return slot
@@ -184,7 +191,7 @@ class Rendezvous:
                 self.cond.notify_all()
                 return
             self._wait(lambda: len(slot.departed) == self.size, deadline, timeout, op, seq,
-                       lambda: set(range(self.size)) - slot.departed)
+                       lambda: set(range(self.size)) - slot.departed, rank=rank)
 
     def compute_once(self, slot: Slot, key: str, make: Any) -> Any:
         """The first rank to ask computes ``make()``; every rank gets the same object."""
@@ -224,19 +231,26 @@ class Rendezvous:
                 cond.notify_all()
 
     def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing,
-              cond: threading.Condition | None = None) -> None:
+              cond: threading.Condition | None = None, rank: int | None = None) -> None:
         """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure,
-        or at once when the missing ranks cannot arrive (``[Note: ranks sharing a GPU, ...]``)."""
+        or at once when the missing ranks cannot arrive (``[Note: ranks sharing a GPU, ...]``) or,
+        in a collective (``rank`` given: the waiting rank), once a rank has given up on it."""
         start = time.monotonic()
         while not ready():
             self.world.check()
+            if rank is not None and self.gave_up:
+                given_up = self._given_up_error(rank, op, seq)
+                if given_up is not None:
+                    raise given_up
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:
                 absent = missing()
-                raise CollectiveTimeoutError(
-                    op, seq, None if absent is None else sorted(absent), timeout,
-                    self._global_note(absent))
+                absent = None if absent is None else sorted(absent)
+                if rank is not None:  # the peers still waiting, and any that come later, stop now
+                    self.gave_up.setdefault(rank, (op, seq, absent, timeout))
+                    self.wake_all()
+                raise CollectiveTimeoutError(op, seq, absent, timeout, self._global_note(absent))
             if self.world.finished:
                 gone = self._finished_error(op, seq, missing(), now - start)
                 if gone is not None:  # a rank that finished is missing: it can never arrive
@@ -249,6 +263,16 @@ class Rendezvous:
             (cond or self.cond).wait(min(remaining, 1.0))
         # No failure check once ready: a call that completed is not undone by a peer failing
         # afterwards; this rank learns of the failure at its next wait.
+
+    def _given_up_error(self, rank: int, op: str, seq: int) -> CollectiveTimeoutError | None:
+        """What ``rank`` raises at collective ``seq`` once a rank of the group (itself included)
+        has given up on a call at or before it; None if none has."""
+        given = [(s, r != rank, r, g_op, missing, t)
+                 for r, (g_op, s, missing, t) in self.gave_up.items() if s <= seq]
+        if not given:
+            return None
+        g_seq, _, who, g_op, missing, timeout = min(given)
+        return gave_up_error(g_op, g_seq, missing, timeout, None if who == rank else who, op, seq)
 
     def stall_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
         """The error for a wait whose ``absent`` (local) ranks can never arrive, or None when

@@ -118,6 +118,8 @@ class TorchDistWaits:
         if missing == []:
             detail += "; every rank had reached this call"
         if timed_out:
+            if peers is None:  # a collective: peers waiting in it, or late for it, stop at once
+                self._slots.give_up(op, seq, missing or None, timeout or self.timeout)
             return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail + hint)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distframe.backends.call_slots import AREA_BYTES, SLOTS, CallSlots, call_words, describe_words
-from distframe.errors import CollectiveMismatchError
+from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 
 # ---- the slots, in one process --------------------------------------------------------------------
@@ -46,6 +46,36 @@ def test_each_part_of_a_call_is_compared_and_named(theirs, shown):
     with pytest.raises(CollectiveMismatchError) as info:
         b.announce(theirs[0], 1, *theirs[1:])
     assert f"rank 1 called {theirs[0]}" in str(info.value) and shown in str(info.value)
+
+
+@pytest.mark.parametrize("missing", [[1], [0, 62, 63, 200], [], None, [400]])
+def test_a_call_given_up_on_names_the_same_call_and_missing_ranks_on_the_peers(missing):
+    a, b, _ = _pair()
+    a.announce("all_reduce", 5, (4,), torch.float32, ())
+    a.give_up("all_reduce", 5, missing, 1.5)
+    b.announce("barrier", 4, None, None, ())  # earlier calls are not affected
+    with pytest.raises(CollectiveTimeoutError) as late:
+        b.announce("all_reduce", 5, (4,), torch.float32, ())  # refused before it is issued
+    expected = None if missing == [400] else missing  # past the mark's bits: unknown
+    error = late.value
+    assert (error.op, error.seq, error.missing_ranks, error.timeout) == ("all_reduce", 5, expected, 1.5)
+    assert "rank 0 gave up on this call" in str(error) and "stopped at once" in str(error)
+    for slots, who, named in ((a, "this rank", missing), (b, "rank 0", expected)):  # every later
+        with pytest.raises(CollectiveTimeoutError) as refused:            # call is refused
+            slots.announce("all_gather", 7, (2,), torch.float32, ())
+        assert refused.value.seq == 5 and refused.value.missing_ranks == named
+        assert f"{who} gave up on this call" in str(refused.value)
+        assert "all_gather (sequence number 7) was not issued" in str(refused.value)
+
+
+def test_a_peer_waiting_in_the_call_finds_that_it_was_given_up_on():
+    a, b, _ = _pair()
+    a.announce("broadcast", 3, (2,), torch.float32, (("src", 0),))
+    b.announce("broadcast", 3, (2,), torch.float32, (("src", 0),))
+    assert b.error("broadcast", 3) is None
+    a.give_up("broadcast", 3, [2], 0.5)
+    error = b.error("broadcast", 3)
+    assert isinstance(error, CollectiveTimeoutError) and error.missing_ranks == [2], error
 
 
 def test_shapes_that_differ_only_past_the_stored_dims_differ():

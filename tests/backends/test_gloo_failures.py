@@ -22,6 +22,7 @@ from distframe.backends import GlooCommunicationBackend
 from distframe.backends.torch_dist import visible_gpus
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 from distframe.launch import init_backend, spawn
+from tests.backends.late_rank import check_late_for_a_call, late_for_a_call
 
 pytestmark = pytest.mark.gloo
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -150,6 +151,12 @@ def test_timeout_names_missing_rank_on_every_waiting_rank_and_pool_recovers():
         after = pool.run(rank_pid_and_sum)
         assert [total for _, total in after] == [3.0] * 3
         assert not set(pids_before) & {pid for pid, _ in after}
+
+
+def test_a_rank_late_for_a_call_its_peers_gave_up_on_stops_at_once_naming_the_same_call():
+    # It used to get RankFailedError with Gloo's "Connection closed by peer".
+    with ProcessPool(3, "gloo", timeout=1.0) as pool:
+        check_late_for_a_call(pool.run(late_for_a_call))
 
 
 def test_errors_keep_their_type_and_attributes_across_processes():

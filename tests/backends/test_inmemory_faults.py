@@ -8,6 +8,7 @@ import torch
 from distframe import spawn
 from distframe.backends import InMemoryCommunicationBackend
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
+from tests.backends.late_rank import check_late_for_a_call, late_for_a_call
 
 
 def _outcomes(fn, world_size, **kw):
@@ -379,3 +380,9 @@ def test_min_and_max_of_complex_tensors_are_refused_before_communicating(call, o
     for result in spawn(fn, 3, timeout=10):
         torch.testing.assert_close(result, torch.full((2,), -1.0 + 3j, dtype=torch.complex128),
                                    rtol=0, atol=1e-15)
+
+
+def test_a_rank_late_for_a_call_its_peers_gave_up_on_stops_at_once_naming_the_same_call():
+    # It used to wait out its own timeout and then name the peers that had given up as missing
+    # (or, once they had returned, say they "never made this call").
+    check_late_for_a_call(spawn(late_for_a_call, 3, timeout=1.0))

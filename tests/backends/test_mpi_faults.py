@@ -20,6 +20,7 @@ from distframe.backends.mpi_buffers import stage_back, stage_in, write_back  # n
 from distframe.errors import (BackendUnavailableError, CollectiveMismatchError,  # noqa: E402
                               CollectiveTimeoutError, ConfigError, RankFailedError)
 from distframe.launch import init_backend, spawn  # noqa: E402
+from tests.backends.late_rank import check_late_for_a_call, late_for_a_call  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -61,6 +62,11 @@ def run_late_new_group(b):
         if pair.rank == 0:
             time.sleep(3.0)  # still in the group while the late rank is in new_group
         return outcome and outcome[0], elapsed
+
+
+def run_late_for_a_call(b):
+    with MPICommunicationBackend(b.comm, timeout=1.0) as fast:
+        return late_for_a_call(fast)
 
 
 def run_recv_timeout(b):
@@ -210,6 +216,13 @@ def test_a_rank_late_for_new_group_times_out_too(pool3):
     # It used to hang in Comm.Split: the others' abandoned Ibarrier completed its own.
     for name, elapsed in pool3.run(run_late_new_group)[:2]:
         assert name == "CollectiveTimeoutError" and elapsed < 10
+    assert pool3.run(ranks_times_two) == [0, 2, 4]
+
+
+def test_a_rank_late_for_a_call_its_peers_gave_up_on_stops_at_once_naming_the_same_call(pool3):
+    # The late rank's all_reduce used to complete against the abandoned request of a rank
+    # that had raised, as if nothing were wrong.
+    check_late_for_a_call(pool3.run(run_late_for_a_call))
     assert pool3.run(ranks_times_two) == [0, 2, 4]
 
 
