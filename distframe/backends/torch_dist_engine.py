@@ -44,13 +44,13 @@ import torch.distributed as dist
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.call_slots import exchanged_slots
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure
+from distframe.backends.departures import Departure, send_departure_error
 from distframe.backends.nan_flags import (ORDER_OPS, needs_nan_flags, pack_with_nan_flags,
                                           unpack_with_nan_flags)
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
 from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
-                                                 wait_for_members)
+                                                 peer_lost, wait_for_members)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends, message_tag
@@ -58,7 +58,7 @@ from distframe.backends.torch_dist_waits import TorchDistWaits
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
 from distframe.backends.types import CompletedWork, ReduceOp, Work
-from distframe.errors import CollectiveTimeoutError
+from distframe.errors import CollectiveTimeoutError, RankFailedError
 
 _SCATTER_MAX_DIMS = 16
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
@@ -264,8 +264,24 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
             wire_tag = tag
         else:  # [Note: the message's shape in its tag] (torch_dist_p2p)
             wire_tag = message_tag(tag, tensor, seq)
-        self._sends.add((self._pg.send([movable(payload)], dst, wire_tag), payload, dst, tag, seq))
+        try:
+            work = self._pg.send([movable(payload)], dst, wire_tag)
+        except RuntimeError as exc:
+            raise self._send_failed(exc, dst, tag, seq) from None
+        self._sends.add((work, payload, dst, tag, seq))
         return CompletedWork(None)
+
+    def _send_failed(self, exc: RuntimeError, dst: int, tag: int, seq: int) -> Exception:
+        """What a send whose post raised ``exc`` raises: the departure of ``dst`` if it left, else,
+        for a closed connection, RankFailedError naming it (Gloo's message blames a crash)."""
+        if not peer_lost(exc):
+            return exc
+        self._shared.failed = True
+        left = send_departure_error(self.departures().get(dst), dst, self._rank, tag, seq, 0.0)
+        return left or RankFailedError(
+            dst, f"send (message {seq} with tag {tag} to rank {dst}): {self.engine} found the connection "
+                 f"to rank {dst} closed: that rank gave up on a call at its timeout (which closes its "
+                 "group's connections) or it died; the group is unusable now, shut it down")
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:
         return RecvWork(self, tensor, src, tag, self._count_p2p("recv", src, tag))

@@ -149,3 +149,37 @@ def rank_matching_messages(b):
 
 def test_matching_messages_on_many_tags_and_sizes_arrive(pool):
     assert pool.run(rank_matching_messages) == ["ok"] * 3
+
+
+def rank_send_after_the_receive_gave_up(b):
+    """Rank 1's receive times out (which closes its group's connections); rank 0 sends after that."""
+    sub = fresh_group(b, "late-send", 1.0)
+    try:
+        if sub.rank == 1:
+            with pytest.raises(CollectiveTimeoutError):
+                sub.recv(torch.zeros(2), 0)
+            time.sleep(2.0)  # alive while rank 0 sends: no departure explains it
+            return None
+        if sub.rank == 0:
+            time.sleep(1.8)
+            try:
+                sub.send(torch.ones(2), 1)
+                sub.send(torch.ones(2), 1)  # Gloo may take the first before it sees the closed socket
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                return type(exc).__name__, getattr(exc, "failed_rank", None), str(exc)
+            return "sent"
+        return None
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            sub.shutdown()
+
+
+def test_a_send_to_a_rank_whose_receive_gave_up_raises_a_distframe_error(pool):
+    # It used to raise Gloo's RuntimeError "Connection closed by peer ... GLHF!".
+    pids = pool.run(rank_pid)
+    name, failed_rank, text = pool.run(rank_send_after_the_receive_gave_up)[0]
+    assert (name, failed_rank) == ("RankFailedError", 1), text
+    assert "send (message 1 with tag 0 to rank 1)" in text or "send (message 2" in text, text
+    assert "gave up on a call at its timeout" in text and "GLHF" not in text, text
+    assert pool.run(rank_pid) == pids
