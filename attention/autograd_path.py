@@ -47,7 +47,7 @@ def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, s
         rows = scores.shape[-1]
         upper = torch.ones(rows, rows, dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(upper, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B*nseg, H, M, 1)
+    lse = _logsumexp(scores, -1)  # (B*nseg, H, M, 1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse))
     if dropout is not None:
@@ -58,6 +58,14 @@ def _branch(query, key, value, key_padding_mask, source: KeySource, is_causal, s
         attended = attended * (1.0 / (1.0 - p))  # the kept pairs' 1 / (1 - p)
     out_c = torch.cat([attended, lse], dim=-1)  # (B*nseg, hg, M, D + 1)
     return _scatter(out_c, plan, query.shape)
+
+
+def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``logsumexp`` keeping ``dim``, -inf where every entry is -inf (a query row that sees no
+    key) with a zero derivative there: torch's gives exp(-inf - -inf) = NaN, which reached every
+    second-order gradient (a gradient penalty) through the rows that do see keys."""
+    empty = torch.isneginf(x).all(dim, keepdim=True)
+    return torch.logsumexp(x.masked_fill(empty, 0.0), dim, keepdim=True).masked_fill(empty, float("-inf"))
 
 
 def _scatter(src, plan, shape):
@@ -93,7 +101,7 @@ def dilated_attention_autograd(query: torch.Tensor, key: torch.Tensor, value: to
     outs, lses = zip(*(_branch(query, key, value, key_padding_mask, s, is_causal, scale, pairs)
                        for s in sources))
     lse = torch.stack(lses)  # (units, B, T, H)
-    total = torch.logsumexp(lse, dim=0, keepdim=True)
+    total = _logsumexp(lse, 0)
     safe_total = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
     weights = torch.exp(lse - safe_total).unsqueeze(-1)  # (units, B, T, H, 1)
     out = (weights * torch.stack(outs)).sum(0)

@@ -40,6 +40,22 @@ def test_gradient_penalty_equals_the_dense_formula(segments, rates, is_causal, m
     assert max(g.abs().max().item() for g in dense[1:3]) > 1e-3   # k and v do get a gradient
 
 
+@pytest.mark.parametrize("is_causal, padded", [(True, slice(0, 3)), (False, slice(0, 4))])
+def test_gradient_penalty_is_exact_where_a_query_sees_no_key(is_causal, padded):
+    # Left padding under the causal mask, or a whole segment padded, leaves query rows with no
+    # key: their logsumexp over -inf alone put NaN into every second-order gradient.
+    q, k, v = random_qkv(2, 8, 4, 3)
+    w = torch.randn(2, 8, 4, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, padded] = True
+    module = DilatedAttention((4, 8), (1, 2))
+    ours = penalty_gradients(lambda a, b, c: module(a, b, c, is_causal, mask), q, k, v, w)
+    dense = penalty_gradients(lambda a, b, c: dense_dilated_attention(
+        a, b, c, (4, 8), (1, 2), is_causal=is_causal, key_padding_mask=mask), q, k, v, w)
+    assert not any(g.isnan().any() for g in ours)
+    assert max_error(ours, dense) < 1e-10
+
+
 def test_gradgradcheck_in_float64():
     q, k, v = random_qkv(1, 8, 2, 2)
     module = DilatedAttention((4, 8), (1, 2))
