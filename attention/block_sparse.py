@@ -56,7 +56,11 @@ def _block_count(name: str, value, *, minimum: int, optional: bool = False) -> i
 
 
 class BlockSparseDilatedAttention(nn.Module):
-    """Attention over ``(B, T, H, D)`` restricted to an active-block layout, on one device."""
+    """Attention over ``(B, T, H, D)`` restricted to an active-block layout, on one device.
+
+    Its backward is torch's ``scaled_dot_product_attention``'s, which on CPU is not itself
+    differentiable: a backward with ``create_graph=True`` (a gradient penalty) raises torch's
+    "derivative for ..._backward is not implemented". ``DilatedAttention`` supports it."""
 
     def __init__(self, block_size: int, *, local_window: int | None = None,
                  segment_blocks: int | None = None, dilation: int = 1, global_blocks: int = 0,

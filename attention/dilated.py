@@ -91,6 +91,11 @@ def validate_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_padding_mask: torch.Tensor | None) -> None:
     """Shapes ``(B, T, H, D)``, equal for q, k, v, as are dtype (floating point) and device;
     mask ``(B, T)`` bool."""
+    for name, given in (("query", query), ("key", key), ("value", value),
+                        ("key_padding_mask", key_padding_mask)):
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(given).__name__}: convert it "
+                             "with torch.as_tensor(...)")
     if query.dim() != 4:
         raise ValueError(f"query must be (batch, seq, heads, head_dim), got {tuple(query.shape)}")
     if not query.is_floating_point():  # the output would be cast back to it: truncated

@@ -159,6 +159,20 @@ class DilatedTransformerBlock(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Token ids are int64 or int32 in ``[0, vocab_size)``, else nn.Embedding fails in torch's
+    words. The range is checked on CPU only: on a GPU it would cost a synchronisation per forward
+    (there an id out of range is a device-side assertion)."""
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"tokens must hold int64 or int32 token ids, got {tokens.dtype}: convert them "
+                         "with .long()")
+    if tokens.device.type == "cpu" and tokens.numel():
+        low, high = torch.aminmax(tokens)
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the config's vocab_size), got "
+                             f"ids from {int(low)} to {int(high)}")
+
+
 class DilatedTransformerLM(nn.Module):
     """Byte-level decoder-only LM: ``tokens (B, T) int64 -> logits (B, T, vocab)``, causal."""
 
@@ -183,6 +197,7 @@ class DilatedTransformerLM(nn.Module):
         """``(B, T) int64 -> (B, T, E)``: token plus learned position embeddings."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got {tuple(tokens.shape)}")
+        check_token_ids(tokens, self.config.vocab_size)
         positions = shard_positions(tokens, self.sequence_shard, self.config.seq_len)
         return self.tok_embedding(tokens) + self.pos_embedding(positions)
 

@@ -80,3 +80,31 @@ def test_multihead_gamma_init_of_the_wrong_kind_names_it(gamma):
     expects std >= 0.0", a string with "can't multiply sequence by non-int"."""
     with pytest.raises(ValueError, match=r"gamma_init must be a finite number >= 0"):
         MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], gamma_init=gamma)
+
+
+@pytest.mark.parametrize("tokens, words", [
+    (torch.tensor([[1, 100]]), "[0, 100)"),
+    (torch.tensor([[-1, 2]]), "[0, 100)"),
+    (torch.tensor([[1, 2]], dtype=torch.uint8), "int64 or int32"),
+    (torch.tensor([[1.0, 2.0]]), "int64 or int32"),
+])
+def test_lm_token_ids_out_of_range_or_of_another_dtype_are_named(tokens, words):
+    # They failed inside nn.Embedding ("index out of range in self", "Expected tensor for
+    # argument #1 'indices' to have one of the following scalar types").
+    from attention import DilatedTransformerConfig, DilatedTransformerLM
+    lm = DilatedTransformerLM(DilatedTransformerConfig.preset("tiny", vocab_size=100))
+    with pytest.raises(ValueError, match=r"tokens") as info:
+        lm(tokens)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("argument", ["query", "key_padding_mask"])
+@pytest.mark.parametrize("convert", [lambda t: t.numpy(), lambda t: t.tolist()], ids=["numpy", "list"])
+def test_inputs_that_are_not_tensors_are_named(argument, convert):
+    # A numpy bool mask was refused as "must be a bool tensor ..., got bool"; a list, or a numpy
+    # query, failed with AttributeError.
+    x = torch.randn(1, 4, 2, 2)
+    args = {"query": x, "key_padding_mask": torch.zeros(1, 4, dtype=torch.bool)}
+    args[argument] = convert(args[argument])
+    with pytest.raises(ValueError, match=rf"{argument} must be a torch.Tensor.*torch.as_tensor"):
+        DilatedAttention([4], [1])(args["query"], x, x, key_padding_mask=args["key_padding_mask"])
