@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,9 +29,8 @@ from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.departures import Departure
 from distframe.backends.posted import PostedCollectives
 from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor
-from distframe.backends.signature import Signature, describe_mismatch
+from distframe.backends.signature import Signature
 from distframe.backends.types import CommStats, ReduceOp, Work, effective_op
-from distframe.errors import CollectiveMismatchError
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -67,6 +67,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         self._pending: list[Future] = []
         self._async_failure: str | None = None
         self._p2p_seq: dict[tuple[str, int, int], int] = {}
+        self._groups_made: weakref.WeakSet[CommunicationBackendBase] = weakref.WeakSet()
 
     # ---- identity and life cycle -------------------------------------------------------------
     @property
@@ -97,18 +98,25 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         Raises the first failure of an asynchronous call whose ``Work`` was never waited for (or
         whose wait did not see it), after releasing everything: such a call did not happen on
         every rank, and saying nothing let a run whose ranks made different calls end as a
-        success."""
+        success. The groups made from this one (``new_group``, nested too) are shut down first, as
+        torch's ``destroy_process_group`` ends every group."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             executor, self._executor = self._executor, None
+        failures = []
+        for group in list(self._groups_made):
+            try:
+                group.shutdown()
+            except BaseException as exc:  # noqa: BLE001 - this group still shuts down; raised below
+                failures.append(exc)
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=False)
         self._shutdown()
         with self._lock:
             pending, self._pending = self._pending, []
-        failures = [f.exception() for f in pending if not f.cancelled() and f.exception() is not None]
+        failures += [f.exception() for f in pending if not f.cancelled() and f.exception() is not None]
         if failures:
             raise failures[0]
 
@@ -271,7 +279,10 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         0..k-1 in the order given), the others get None."""
         ranks = self._check_group_ranks(ranks)
         sig = lambda: Signature("new_group", (len(ranks),), None, (("ranks", ranks),))
-        return self._run("new_group", sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
+        group = self._run("new_group", sig, 0, lambda call: self._new_group(ranks, call), async_op=False)
+        if group is not None:
+            self._groups_made.add(group)  # it ends with this one (shutdown)
+        return group
 
     # ---- point to point --------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -340,16 +351,6 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def _stall_check(self, call: Call) -> Callable[[], BaseException | None] | None:
         """For engines that can tell when a pending call can never complete (see FutureWork)."""
         return None
-
-    def _check_signature(self, call: Call) -> None:
-        mine = call.signature.encode(call.seq)
-        check = Call("all_gather", call.seq, lambda: Signature("all_gather", tuple(mine.shape), mine.dtype),
-                     call.timeout)
-        everyone = self._all_gather(mine, check).view(self._world_size, -1)
-        if not bool((everyone == mine).all()):
-            texts = {r: Signature.decode(everyone[r]) for r in range(self._world_size)}
-            texts[self._rank] = f"{call.signature.describe()} at sequence number {call.seq}"
-            raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
 
     def _in_place(self, tensor: torch.Tensor, apply: Callable[[torch.Tensor], None],
                   op: ReduceOp | None = None, *, write_back: bool = True) -> torch.Tensor:

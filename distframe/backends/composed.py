@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from distframe.backends.signature import DTYPES, Signature
+from distframe.backends.signature import DTYPES, Signature, describe_mismatch
 from distframe.backends.types import ReduceOp
+from distframe.errors import CollectiveMismatchError
 
 # Tag reserved for the composed all_to_all; user tags must be below it.
 RESERVED_TAG = 2**20
@@ -37,6 +38,17 @@ class ComposedCollectives:
 
     _rank: int
     _world_size: int
+
+    def _check_signature(self, call: Call) -> None:
+        """``debug=True``: every rank's signature of ``call``, all-gathered, must be the same."""
+        mine = call.signature.encode(call.seq)
+        check = Call("all_gather", call.seq, lambda: Signature("all_gather", tuple(mine.shape), mine.dtype),
+                     call.timeout)
+        everyone = self._all_gather(mine, check).view(self._world_size, -1)
+        if not bool((everyone == mine).all()):
+            texts = {r: Signature.decode(everyone[r]) for r in range(self._world_size)}
+            texts[self._rank] = f"{call.signature.describe()} at sequence number {call.seq}"
+            raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
 
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
                         out: torch.Tensor | None = None) -> torch.Tensor:

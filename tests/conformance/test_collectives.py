@@ -78,6 +78,10 @@ def test_subgroups(runner):
     runner.run(checks.check_subgroups)
 
 
+def test_shutdown_ends_the_groups_made_from_it(runner):
+    runner.run(checks.check_shutdown_ends_the_groups_made_from_it)
+
+
 def test_stats(runner):
     runner.run(checks.check_stats)
 
