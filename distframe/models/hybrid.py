@@ -54,6 +54,7 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
                                            zero_counted_segments)
 from distframe.models.pipeline_comm import broadcast_any
+from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors, check_trainable_unchanged, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
@@ -148,8 +149,8 @@ class HybridShardedModel(ShardedModelBase):
         if self.runner is None:
             output = self.wrapped_model(inputs)
         else:
-            output = broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
-                                   self._device)
+            output = refuse_backward(broadcast_any(self.runner.forward_only(inputs), self.groups.pp,
+                                                   self.dims.pp - 1, self._device))
         return output if cp is None else gather_sequence(output, cp)
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:

@@ -90,3 +90,36 @@ def concat_microbatches(outputs: list[Any]) -> Any:
                               "values (reduce them in loss_fn) or use num_microbatches=1")
         joined.append(torch.cat([leaves[index] for _, leaves in flat]))
     return unflatten_output(layout, iter(joined).__next__)
+
+
+_NO_BACKWARD = ("a pipelined model's forward runs every micro-batch without autograd, so a backward "
+                "through its output cannot reach the stages' parameters: train with "
+                "model.train_step(batch, loss_fn, optimizer) (or model.forward_backward(batch, loss_fn) "
+                "for the gradients alone), and run evaluation under torch.no_grad()")
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Passes an output through; its backward raises (``refuse_backward``)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> Any:
+        raise ConfigError(_NO_BACKWARD)
+
+
+def refuse_backward(output: Any) -> Any:
+    """``output`` (a forward without autograd) with each floating leaf in a graph whose backward
+    raises ConfigError saying to use train_step: a hand-written ``loss.backward()`` got torch's
+    "does not require grad", or, with a term that reaches the parameters (a penalty), ran and
+    left that term's gradients alone. Only where grad mode is on: under torch.no_grad() the
+    output is returned as it is."""
+    if not torch.is_grad_enabled() or output is None:
+        return output
+    layout, leaves = flatten_output(output)
+    anchor = torch.zeros((), requires_grad=True)
+    leaves = [_RefuseBackward.apply(t, anchor) if t.is_floating_point() or t.is_complex() else t
+              for t in leaves]
+    return unflatten_output(layout, iter(leaves).__next__)

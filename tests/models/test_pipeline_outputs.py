@@ -91,3 +91,30 @@ def test_structured_output_reaches_every_rank_as_the_unsplit_model_returns_it(ki
 def test_outputs_that_cannot_be_joined_or_rebuilt_are_config_errors(kind, match):
     with pytest.raises(ConfigError, match=match):
         spawn(functools.partial(run, kind=kind, m=2), 2, timeout=30)
+
+
+def backward_by_hand(backend, with_penalty):
+    """``loss_fn(model(x), y).backward()`` on a pipeline, as one would write it for one process."""
+    x, y = data()
+    model = PipelineParallelModel(model_of("tuple"), backend, num_microbatches=2)
+    loss = loss_of(model(x), y)
+    if with_penalty:  # reaches the stage's own parameters: the backward ran, partly
+        loss = loss + sum(p.pow(2).sum() for p in model.parameters())
+    try:
+        loss.backward()
+    except ConfigError as exc:
+        return str(exc)
+    return "backward ran"
+
+
+@pytest.mark.parametrize("with_penalty", [False, True])
+def test_a_backward_by_hand_through_a_pipelines_output_names_train_step(with_penalty):
+    # Without the penalty torch said "element 0 of tensors does not require grad"; with it the
+    # backward ran and left only the penalty's gradients, without a word.
+    for text in spawn(functools.partial(backward_by_hand, with_penalty=with_penalty), 2, timeout=30):
+        assert "train_step" in text and "torch.no_grad()" in text, text
+
+
+def test_outputs_under_no_grad_do_not_require_grad():
+    for output, _ in spawn(functools.partial(run, kind="tuple", m=2), 2, timeout=30):
+        assert not any(t.requires_grad for t in output)
