@@ -33,6 +33,7 @@ from collections.abc import Callable
 from multiprocessing import connection
 from typing import Any
 
+from distframe._launcher_watch import PID_ENV, watch_launcher
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
 
@@ -132,6 +133,7 @@ class _Job:
         if env.get("PYTHONPATH"):
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env[PID_ENV] = str(os.getpid())  # the ranks end if this process dies (_launcher_watch)
         env.setdefault("UCX_LOG_LEVEL", "error")  # UCX warns about MPI windows at exit otherwise
         host, port = server.getsockname()[:2]
         self.process = subprocess.Popen(
@@ -293,6 +295,8 @@ def _serve(host: str, port: int) -> None:
 
     MPI = import_mpi()
 
+    launcher = os.environ.pop(PID_ENV, None)
+    watch_launcher(None if launcher is None else int(launcher))
     rank = MPI.COMM_WORLD.Get_rank()
     conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
     conn.send(rank)

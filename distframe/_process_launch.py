@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from distframe._launcher_watch import watch_launcher
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
@@ -136,7 +137,7 @@ class ProcessPool:
             process = context.Process(
                 target=_worker_main, name=f"distframe-{self.backend}-rank{rank}", daemon=True,
                 args=(rank, self.world_size, self.backend, host, port, prefix, self.timeout,
-                      self._backend_kwargs, child_end, list(sys.path), dict(os.environ)))
+                      self._backend_kwargs, child_end, list(sys.path), dict(os.environ), os.getpid()))
             process.start()
             child_end.close()
             self._workers.append(_Worker(rank, process, parent_end))
@@ -239,7 +240,8 @@ def _start_context(start_method: str) -> Any:
 
 def _worker_main(rank: int, world_size: int, engine: str, host: str, port: int, prefix: str,
                  timeout: float, backend_kwargs: dict, connection: Any, sys_path: list[str],
-                 environ: dict[str, str]) -> None:
+                 environ: dict[str, str], launcher_pid: int | None = None) -> None:
+    watch_launcher(launcher_pid)  # [distframe._launcher_watch]
     # A forkserver child inherits the server's view, taken when it started: use the caller's.
     sys.path[:] = sys_path
     os.environ.clear()
