@@ -160,17 +160,17 @@ class DilatedTransformerBlock(nn.Module):
 
 
 def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
-    """Token ids are int64 or int32 in ``[0, vocab_size)``, else nn.Embedding fails in torch's
-    words. The range is checked on CPU only: on a GPU it would cost a synchronisation per forward
+    """Token ids are int64 or int32 (else ValueError) in ``[0, vocab_size)`` (else IndexError),
+    where nn.Embedding failed in torch's words. The range is checked on CPU only: on a GPU it would cost a synchronisation per forward
     (there an id out of range is a device-side assertion)."""
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must hold int64 or int32 token ids, got {tokens.dtype}: convert them "
                          "with .long()")
     if tokens.device.type == "cpu" and tokens.numel():
         low, high = torch.aminmax(tokens)
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the config's vocab_size), got "
-                             f"ids from {int(low)} to {int(high)}")
+        if low < 0 or high >= vocab_size:  # IndexError, as nn.Embedding's and VocabParallelEmbedding's
+            raise IndexError(f"DilatedTransformerLM got token ids in [{int(low)}, {int(high)}], outside "
+                             f"its vocabulary [0, {vocab_size}) (the config's vocab_size)")
 
 
 class DilatedTransformerLM(nn.Module):
