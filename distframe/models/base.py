@@ -18,16 +18,18 @@ from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.flat import Segment
-from distframe.models.full_parameters import Summonable, refuse_while_summoned, summoned
+from distframe.models.full_parameters import Summonable, full_state_dict, refuse_while_summoned, summoned
 from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.inputs import call_with
 from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard
-from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_same_structure,
-                                      check_trainable_unchanged, check_unwrapped)
+from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_initialised,
+                                      check_same_structure, check_unwrapped)
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
                                             full_state_pieces, non_persistent_buffers, shard_pieces)
+from distframe.models.wrapped_parameters import WrappedParameters
+from distframe.models.zero_grad_route import route_zero_grad
 
 
 class ShardedModelBase(nn.Module, abc.ABC):
@@ -63,6 +65,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
             raise ConfigError(f"backend must implement ICommunicationBackend (for example the one "
                               f"spawn() passes to your function), got {type(backend).__name__}")
         check_unwrapped(module, type(self).__name__)
+        check_initialised(module, type(self).__name__)
         self.wrapped_model = module
         self.backend = backend
         self.config = resolve_config(config, settings)
@@ -75,8 +78,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         if self.config.check_structure:
             check_same_structure(module, backend)
         broadcast_module_state(module, backend)
-        # Which parameters the strategy trains is decided now (buckets, flat shards).
-        self._trainable_at_wrap = [(n, p.requires_grad) for n, p in module.named_parameters()]
+        # Which parameters the strategy trains, and in which dtype, is decided now (buckets, shards).
+        self._wrapped_parameters = WrappedParameters(module, self.config.mixed_precision)
+        route_zero_grad(module, self)  # net.zero_grad() clears the shards: zero_grad_route.py
         self._synchronize = True
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
@@ -156,7 +160,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_while_summoned(self, "forward ran")
         if torch.is_grad_enabled():
-            check_trainable_unchanged(self, self._trainable_at_wrap)
+            self._wrapped_parameters.check(self)
         if self._synchronize and torch.is_grad_enabled():
             self._sync_buffers()
         self._pre_forward()
@@ -181,7 +185,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
         ``writeback``, on leaving, what this rank holds takes what was written (make the same edits
         on every rank); without it, or when the block raises, the edits are dropped. Entering is
         collective (one all_gather per flat space; none for DDP); leaving is not. No forward
-        inside. See full_parameters.py."""
+        inside. A block that only reads writes nothing, so it may run between a forward and its
+        backward too (ZeRO-3/FSDP: once the forward has ended). See full_parameters.py."""
         refuse_while_summoned(self, "summon_full_parameters() was entered again")
         spaces = self._summonable()
         sharded = {id(p) for s in spaces for p in s.space.params}
@@ -289,15 +294,10 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         """The wrapped model's full state dict (parameters gathered, buffers copied), identical
         on every rank (buffers are rank 0's unless ``config.broadcast_buffers`` is False);
-        collective for sharded strategies."""
-        self._sync_buffers()
-        params = self._gather_parameters()
-        first = {id(p): n for n, p in self.wrapped_model.named_parameters()}  # a shared one's first name
-        out = {}
-        for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():
-            gathered = params.get(name, params.get(first.get(id(tensor), name)))  # any name of a shared one
-            out[name] = gathered if gathered is not None else tensor.detach().clone()
-        return out
+        collective for sharded strategies. It reads: a live buffer is written only where it
+        differs from rank 0's, so it may run between a forward and its backward."""
+        self._sync_buffers()  # writes only buffers that differ from rank 0's (broadcast_tensors)
+        return full_state_dict(self.wrapped_model, self._gather_parameters())
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """This rank's share of the parameters (``param/<name>@<offset>`` 1-D pieces) and, on rank

@@ -14,8 +14,12 @@ with no communication. An exception inside the block writes nothing back (the mo
 was on entering) and leaves every rank able to go on. Each rank
 keeps its own chunk of what it wrote, so edits must be made alike on every rank (as with FSDP1).
 The parameters the strategy does not shard (DDP's, frozen ones) are the model's own: they are
-already whole, and are restored from a copy taken on entering unless the block completes with
-``writeback``.
+already whole, and unless the block completes with ``writeback`` what it changed of them is
+restored from a copy taken on entering, without writing the rest (``_restore``). Nothing is
+written where the block only read, so a read between a forward and its backward leaves that
+backward as it was (the parameters a forward saved keep their autograd versions).
+
+``full_state_dict`` assembles what ``gather_full_parameters()`` returns.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def summoned(spaces: list[Summonable], whole: list[nn.Parameter], backend: IComm
     ``.data`` is taken too); ``writing`` tells the strategy first, and may refuse it."""
     gathered = [backend.all_gather(s.master.detach()) for s in spaces]
     held = [[p.data for p in s.space.params] for s in spaces]
+    whole_held = [p.data for p in whole]
     kept = [p.detach().clone() for p in whole]
     views = [s.space.views(full) for s, full in zip(spaces, gathered)]
     _attach(spaces, views)
@@ -63,9 +68,7 @@ def summoned(spaces: list[Summonable], whole: list[nn.Parameter], backend: IComm
                        if _take_replaced(s, views[k]) or [p._version for p in s.space.params] != versions[k]]
         _attach(spaces, held)
         if not (completed and writeback):
-            with torch.no_grad():
-                for param, value in zip(whole, kept):
-                    param.copy_(value)
+            _restore(whole, whole_held, kept)
     if written:
         writing()
         with torch.no_grad():
@@ -73,6 +76,20 @@ def summoned(spaces: list[Summonable], whole: list[nn.Parameter], backend: IComm
                 spaces[k].master.copy_(spaces[k].space.shard_of(gathered[k], backend.rank))
                 if spaces[k].compute is not None:
                     spaces[k].compute.copy_(gathered[k])
+
+
+def _restore(whole: list[nn.Parameter], held: list[torch.Tensor], kept: list[torch.Tensor]) -> None:
+    """Puts back what the block changed of ``whole`` (held: their ``.data`` on entering; kept:
+    copies of their values), and nothing else: a replaced ``.data`` is reattached, and values are
+    written through the ``.data`` alias only where they differ. Writing every parameter with
+    ``param.copy_`` bumped its autograd version, so a read between a forward and its backward
+    broke that backward ("modified by an inplace operation")."""
+    with torch.no_grad():
+        for param, data, value in zip(whole, held, kept):
+            if param.data.data_ptr() != data.data_ptr() or param.data.shape != data.shape:
+                param.data = data
+            if not torch.equal(data, value):
+                data.copy_(value)  # the alias has its own version counter: the parameter's stays
 
 
 def _take_replaced(space: Summonable, views: list[torch.Tensor]) -> bool:
@@ -108,3 +125,14 @@ def refuse_while_summoned(model: nn.Module, what: str) -> None:
             f"{type(model).__name__}: {what} inside summon_full_parameters(), whose parameters are "
             "the gathered master copies (no hooks gather, free or reduce them there); leave the "
             "with block first")
+
+
+def full_state_dict(module: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module``'s state dict with its parameters taken from ``params`` (full copies by first
+    name; a shared parameter's other names take the same) and copies of everything else."""
+    first = {id(p): n for n, p in module.named_parameters()}  # a shared one's first name
+    out = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        gathered = params.get(name, params.get(first.get(id(tensor), name)))  # any name of a shared one
+        out[name] = gathered if gathered is not None else tensor.detach().clone()
+    return out

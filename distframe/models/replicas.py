@@ -3,18 +3,23 @@
 check_same_structure: one all_gather of a fingerprint per parameter and buffer (plus, only when
 they differ, one all_gather of the descriptions) so every rank raises the same ConfigError.
 broadcast_module_state: one broadcast per dtype of all parameters and buffers, flattened.
-broadcast_tensors: the same for any tensors (the buffers DDP-style strategies re-broadcast).
-check_unwrapped, mark_wrapped: a module is wrapped once (no communication).
+broadcast_tensors: the same for any tensors (the buffers DDP-style strategies re-broadcast); a
+tensor that already holds rank 0's values is not written.
+check_unwrapped, mark_wrapped: a module is wrapped once (no communication); check_initialised: no
+lazy parameter is left uninitialised.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.wrapped_parameters import trainable_changed
 
 _DESCRIPTION_BYTES = 200
 _WRAPPED_BY = "_distframe_wrapped_by"
@@ -33,6 +38,18 @@ def check_unwrapped(module: nn.Module, strategy: str) -> None:
                 f"{strategy} cannot wrap this module: {which} was wrapped by {earlier} already, which "
                 "hooked its parameters (ZeRO-3 and FSDP also replace their storage); build a fresh "
                 "module for each wrapper (or copy.deepcopy it before the first wrap)")
+
+
+def check_initialised(module: nn.Module, strategy: str) -> None:
+    """ConfigError for a lazy module's parameter or buffer not yet initialised (``nn.LazyLinear``
+    before its first forward): its shape, which the structure check, the broadcast and every
+    strategy's buckets and shards are laid out from, is not known yet."""
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if is_lazy(tensor):
+            raise ConfigError(
+                f"{strategy} cannot wrap a model whose {name!r} is an uninitialised lazy parameter "
+                "(nn.LazyLinear and the other Lazy modules learn their shapes at the first forward); "
+                "run one forward on a sample batch before wrapping, as torch DDP asks")
 
 
 def mark_wrapped(module: nn.Module, strategy: str) -> None:
@@ -87,7 +104,8 @@ def broadcast_module_state(module: nn.Module, backend: ICommunicationBackend, sr
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], backend: ICommunicationBackend, src: int = 0) -> None:
-    """Copies rank ``src``'s ``tensors`` into every rank's, in place: one broadcast per dtype."""
+    """Copies rank ``src``'s ``tensors`` into every rank's, in place (those that differ): one
+    broadcast per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -95,21 +113,23 @@ def broadcast_tensors(tensors: list[torch.Tensor], backend: ICommunicationBacken
         group = by_dtype[dtype]
         flat = torch.cat([t.reshape(-1) for t in group]) if group else torch.empty(0, dtype=dtype)
         backend.broadcast(flat, src)
-        offset = 0
+        received, offset = [], 0
         for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            received.append(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+        # A tensor equal already (rank src's own; a buffer no step changed) is not written, so a
+        # buffer a forward saved for its backward (x * self.scale) keeps its autograd version.
+        # One device-to-host read per dtype, not one per tensor.
+        differs = torch.stack([(t != r).any() for t, r in zip(group, received)]).tolist() if group else []
+        for t, r, changed in zip(group, received, differs):
+            if changed:
+                t.copy_(r)
 
 
 def check_trainable_unchanged(model: nn.Module, trainable_at_wrap: list[tuple[str, bool]]) -> None:
     """ConfigError when a parameter's requires_grad changed since ``model`` (a sharded model) wrapped
     its module (the same on every rank that changed it alike, before any collective): the strategy
-    would train it as it was."""
+    would train it as it was. (The data-parallel strategies check more: ``WrappedParameters``.)"""
     for (name, was), param in zip(trainable_at_wrap, model.wrapped_model.parameters()):
         if param.requires_grad != was:
-            raise ConfigError(
-                f"parameter {name!r} was {'trainable' if was else 'frozen'} when "
-                f"{type(model).__name__} wrapped the model and now has requires_grad="
-                f"{param.requires_grad}; the strategy decided at wrapping which parameters it "
-                "trains (its gradient buckets and shards), so set requires_grad before wrapping "
-                "(to freeze or unfreeze during training, wrap the model again)")
+            raise trainable_changed(type(model).__name__, name, was, param.requires_grad)

@@ -10,6 +10,7 @@ import torch
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.plain_optimizer_guard import WHOLE_PARAMETER_OPTIMIZERS, adopted_by, adopter
+from distframe.models.zero_grad_route import route_zero_grad
 
 
 def build_optimizer(optimizer: Any, params: list[torch.Tensor], kwargs: dict[str, Any],
@@ -47,7 +48,9 @@ def adopt_instance(instance: torch.optim.Optimizer, rebuilt: torch.optim.Optimiz
     param groups, state and defaults become the rebuilt one's, so what was built on it before the
     wrapping (an LR scheduler, a reference to set ``lr`` by hand, its ``state_dict()``) acts on
     the optimizer that trains (DeepSpeed, too, keeps the instance it is given). Stepping it
-    directly would skip ``owner``'s synchronisation: plain_optimizer_guard refuses that."""
+    directly would skip ``owner``'s synchronisation: plain_optimizer_guard refuses that. Its
+    ``zero_grad`` is ``owner``'s, which clears the shards' gradients too (with several param
+    groups it holds views of pieces of them): see zero_grad_route.py."""
     earlier = adopter(instance)
     if earlier is not None:
         raise ConfigError(f"this torch.optim.{type(instance).__name__} was already handed to a "
@@ -64,6 +67,7 @@ def adopt_instance(instance: torch.optim.Optimizer, rebuilt: torch.optim.Optimiz
             for key, value in extras.items():
                 group.setdefault(key, value)
     instance.__dict__.update(rebuilt.__dict__)
+    route_zero_grad(instance, owner)
     adopted_by(instance, owner)
     return instance
 

@@ -174,10 +174,7 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
             _fill_state(tensor, segs, reader, kind, scalars)
             entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
         entry.update(_whole_state(shard, segs, reader, whole_kinds))
-        named = scalars.get(segs[0].name, fallback) if segs else fallback
-        for key, (value, dtype) in named.items():
-            if f"optim.{key}" in kinds:  # a 0-d parameter's per-element state, read above
-                continue
+        for key, (value, dtype) in _shard_scalars(segs, scalars, fallback, kinds).items():
             entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
         if entry:
             state[index[id(shard)]] = entry
@@ -243,6 +240,32 @@ def _fill_state(tensor: torch.Tensor, segments: list, reader: RangeReader, kind:
             tensor[s.shard_offset:s.shard_offset + s.length] = saved[0]
         else:
             fill_shards(ShardLayout([tensor], [[s]]), reader, kind, [tensor])
+
+
+def _shard_scalars(segments: list, scalars: dict[str, dict[str, list]], fallback: dict[str, list],
+                   kinds: list[str]) -> dict[str, list]:
+    """The scalar state (Adam's step) a shard takes: the one its parameters were saved with
+    (leaving out a 0-d parameter's per-element state: ``kinds`` read it). ConfigError when they
+    were saved with different ones (DDPModel(find_unused_parameters=True) steps a parameter only
+    when it has a gradient): a shard has one, and taking any one would give the others a wrong
+    bias correction, without a word. A shard of padding alone takes ``fallback``."""
+    saved = {s.name: {k: v for k, v in scalars[s.name].items() if f"optim.{k}" not in kinds}
+             for s in segments if s.name in scalars}
+    if not saved:
+        return {k: v for k, v in fallback.items() if f"optim.{k}" not in kinds}
+    first_name, first = next(iter(saved.items()))
+    for name, other in saved.items():
+        if other != first:
+            key = next(k for k in sorted(set(first) | set(other)) if first.get(k) != other.get(k))
+            shown = {first_name: first.get(key, [None])[0], name: other.get(key, [None])[0]}
+            raise ConfigError(
+                f"the checkpoint holds different optimizer state {key!r} for parameters that this "
+                f"rank's optimizer shard holds together ({shown}; a DDPModel with "
+                "find_unused_parameters=True steps a parameter only when it has a gradient), but "
+                "one shard keeps one value for all (one Adam step count): load the checkpoint under "
+                "DDPModel (per-parameter state), or under ZeRO3Model when the parameters of each "
+                "module share it (per-module state), or load the model without the optimizer")
+    return first
 
 
 def _saved_state_covers(segments: list, saved: set[str]) -> bool:
