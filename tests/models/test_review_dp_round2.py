@@ -202,6 +202,15 @@ def step_after(change, strategy, backend, steps=1, **extra):
         model.train_step((x.float(), y.float()), F.mse_loss, opt)
 
 
+def refused_on_every_rank(change, strategy, pattern):
+    """``step_after(change)`` raises ConfigError matching ``pattern`` on both ranks."""
+    def run(backend):
+        with pytest.raises(ConfigError, match=pattern):
+            step_after(change, strategy, backend)
+        return True
+    assert spawn(run, 2, timeout=30) == [True, True]
+
+
 def replace_weight(model, net):
     net[2].weight = nn.Parameter(torch.full((5, 7), 0.1, dtype=torch.float64))
 
@@ -209,20 +218,13 @@ def replace_weight(model, net):
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_a_parameter_replaced_after_wrapping_is_refused(strategy):
     # Before: never trained on every strategy; the only sign, a "got no gradient" warning.
-    def run(backend):
-        with pytest.raises(ConfigError, match=r"'2\.weight' was replaced after .*assign parameters before "
-                                              r"wrapping.*summon_full_parameters"):
-            step_after(replace_weight, strategy, backend)
-        return True
-    assert spawn(run, 2, timeout=30) == [True, True]
+    refused_on_every_rank(replace_weight, strategy, r"'2\.weight' was replaced after .*assign parameters "
+                                                    r"before wrapping.*summon_full_parameters")
 
 
 def test_a_parameter_added_after_wrapping_is_refused():
-    def run(backend):
-        with pytest.raises(ConfigError, match=r"'3\.weight' was added"):
-            step_after(lambda model, net: net.append(nn.Linear(5, 5).double()), "zero2", backend)
-        return True
-    assert spawn(run, 2, timeout=30) == [True, True]
+    refused_on_every_rank(lambda model, net: net.append(nn.Linear(5, 5).double()), "zero2",
+                          r"'3\.weight' was added")
 
 
 @pytest.mark.parametrize("convert", ["float", "half", "to(float32)"])
@@ -233,12 +235,8 @@ def test_the_model_dtype_changed_after_wrapping_is_refused(strategy, convert):
     change = {"float": lambda model, net: model.float(), "half": lambda model, net: net.half(),
               "to(float32)": lambda model, net: model.to(torch.float32)}[convert]
 
-    def run(backend):
-        with pytest.raises(ConfigError, match=r"'0\.weight' is torch\.float.*changed after wrapping.*"
-                                              r"convert the model before wrapping.*MixedPrecisionPolicy"):
-            step_after(change, strategy, backend)
-        return True
-    assert spawn(run, 2, timeout=30) == [True, True]
+    refused_on_every_rank(change, strategy, r"'0\.weight' is torch\.float.*changed after wrapping.*"
+                                            r"convert the model before wrapping.*MixedPrecisionPolicy")
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "fsdp"])
