@@ -56,12 +56,13 @@ from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, Wri
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
-from distframe.models.replicas import broadcast_tensors, check_trainable_unchanged, mark_wrapped
+from distframe.models.replicas import broadcast_tensors, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.tensor_parallel_flow import SplitOutputCheck
 from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
+from distframe.models.wrapped_parameters import WrappedParameters
 
 
 class HybridShardedModel(ShardedModelBase):
@@ -129,7 +130,7 @@ class HybridShardedModel(ShardedModelBase):
             self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device)
         self._gradients_synchronized = False
         # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.
-        self._trainable_at_wrap = [(lp.name, lp.param.requires_grad) for lp in self.local_parameters]
+        self._wrapped_parameters = WrappedParameters(stage, None, [lp.name for lp in self.local_parameters])
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
                                       schedule=schedule) if dims.pp_enabled else None)
@@ -172,7 +173,7 @@ class HybridShardedModel(ShardedModelBase):
         return loss.reshape(())
 
     def _before_backward(self) -> None:
-        check_trainable_unchanged(self, self._trainable_at_wrap)
+        self._wrapped_parameters.check(self)
         if self._synchronize:
             self._sync_buffers()
         self._reopen_gradients()

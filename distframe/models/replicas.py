@@ -19,7 +19,6 @@ from torch.nn.parameter import is_lazy
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
-from distframe.models.wrapped_parameters import trainable_changed
 
 _DESCRIPTION_BYTES = 200
 _WRAPPED_BY = "_distframe_wrapped_by"
@@ -124,12 +123,3 @@ def broadcast_tensors(tensors: list[torch.Tensor], backend: ICommunicationBacken
         for t, r, changed in zip(group, received, differs):
             if changed:
                 t.copy_(r)
-
-
-def check_trainable_unchanged(model: nn.Module, trainable_at_wrap: list[tuple[str, bool]]) -> None:
-    """ConfigError when a parameter's requires_grad changed since ``model`` (a sharded model) wrapped
-    its module (the same on every rank that changed it alike, before any collective): the strategy
-    would train it as it was. (The data-parallel strategies check more: ``WrappedParameters``.)"""
-    for (name, was), param in zip(trainable_at_wrap, model.wrapped_model.parameters()):
-        if param.requires_grad != was:
-            raise trainable_changed(type(model).__name__, name, was, param.requires_grad)

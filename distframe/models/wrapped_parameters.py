@@ -10,7 +10,8 @@ a parameter replaced (``net[2].weight = nn.Parameter(...)``: never trained, on e
 its ``requires_grad`` changed, and the model converted (``model.float()``, ``.to(dtype)``:
 torch's "assign a gradient with dtype" or "mat1 and mat2 must have the same dtype"). Each is a
 ConfigError naming the parameter and the fix, raised alike on every rank that made the change,
-before any collective.
+before any collective. The data-parallel strategies and HybridShardedModel (and so
+TensorParallelModel and PipelineParallelModel, each stage its own parameters) check it.
 """
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ class WrappedParameters:
     (trainable parameters are then held in ``policy.compute_dtype`` of their own: ZeRO-1/2's
     flat views, ZeRO-3/FSDP's gathered copies and stand-ins)."""
 
-    def __init__(self, module: nn.Module, policy: MixedPrecisionPolicy | None) -> None:
+    def __init__(self, module: nn.Module, policy: MixedPrecisionPolicy | None,
+                 names: list[str] | None = None) -> None:
+        """``names``: what to call the parameters, in ``module.parameters()`` order (a model-parallel
+        stage's parameters by their names in the whole model); their own names by default."""
         policy = policy or MixedPrecisionPolicy()
+        named = list(module.named_parameters())
         self._entries = [_Wrapped(n, p, p.requires_grad, policy.compute_dtype(p.dtype) if p.requires_grad
-                                  else p.dtype) for n, p in module.named_parameters()]
+                                  else p.dtype) for n, (_, p) in zip(names or [n for n, _ in named], named)]
 
     def check(self, model: nn.Module) -> None:
         """ConfigError when ``model.wrapped_model``'s parameters are not the ones wrapped, as
@@ -56,7 +61,8 @@ class WrappedParameters:
                 f"the model has {len(now)} parameters but had {len(self._entries)} when {strategy} "
                 f"wrapped it ({which} since): the strategy trains those it wrapped (its gradient "
                 "buckets and shards); build the whole model before wrapping")
-        for entry, (name, param) in zip(self._entries, now):
+        for entry, (_, param) in zip(self._entries, now):
+            name = entry.name
             if param is not entry.param:
                 raise ConfigError(
                     f"parameter {name!r} was replaced after {strategy} wrapped the model (a new "

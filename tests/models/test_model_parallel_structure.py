@@ -110,3 +110,27 @@ def test_context_parallelism_warns_when_no_module_can_learn_its_slice():
     with pytest.warns(RuntimeWarning, match="no module of the model has a sequence_shard") as caught:
         spawn(lambda backend: HybridShardedModel(seeded(OwnPositions), backend, dims=ParallelDims(cp=2)), 2)
     assert sum("sequence_shard" in str(w.message) for w in caught) == 2   # one per rank
+
+
+@pytest.mark.parametrize("change", ["replace", "double"])
+@pytest.mark.parametrize("dims", [ParallelDims(dp=2, pp=2), ParallelDims(tp=2, dp=2)])
+def test_a_parameter_replaced_or_converted_after_wrapping_a_hybrid_model_is_refused(dims, change):
+    # The data-parallel strategies refuse both (WrappedParameters); the hybrid model checked
+    # requires_grad only: a replaced weight was never trained, a converted model failed in torch.
+    def run(backend):
+        model = HybridShardedModel(seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))),
+                                   backend, dims=dims, tp_plan={"0": "column", "1": "row"} if dims.tp > 1 else None)
+        if change == "replace":
+            name = next(n for n, _ in model.wrapped_model.named_parameters() if n.endswith("bias"))
+            owner = model.wrapped_model.get_submodule(name.rpartition(".")[0])
+            owner.bias = nn.Parameter(torch.zeros_like(owner.bias))
+            pattern = r"'\d\.bias' was replaced after HybridShardedModel wrapped"
+        else:
+            model.wrapped_model.float()
+            pattern = r"'\d\.weight' is torch\.float32, but HybridShardedModel holds it in torch\.float64"
+        with pytest.raises(ConfigError, match=pattern):
+            model.forward_backward((torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)),
+                                   F.mse_loss)
+        return True
+
+    assert all(spawn(run, 4))
