@@ -31,6 +31,12 @@ class FSDPModel(UnitShardedModelBase):
         return (f"give an auto_wrap_policy that returns False for '{name}' and wraps the submodules that "
                 f"run instead (such as policy(module, name) -> name.startswith('{name}.'))")
 
+    def _shared_unit_fix(self, unit_name: str) -> str:
+        return ("register it on every module that uses it and call those modules (a head tied to an "
+                "embedding: head.weight = emb.weight, then self.head(h)), and FSDPModel puts it in the unit "
+                f"holding all of them; or give an auto_wrap_policy that returns False for '{unit_name}', so "
+                "an enclosing unit (gathered for all of its forward) holds its parameters")
+
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         names = {id(p): n for n, p in module.named_parameters()}
         homes = parameter_homes(module)

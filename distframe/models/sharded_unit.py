@@ -14,8 +14,11 @@ through the Parameter, which holds its view again by the time backward needs it)
 expanded to the parameter's shape. Shape, dtype and device stay what user code reads them for
 (counting parameters, choosing optimizer groups by ``p.dim()``); a read gives NaN, never freed
 memory or a plausible number, and an in-place write raises (every element is one memory
-location). ``gather_full_parameters()`` gives the values. (FSDP1 empties them instead, shape
-``(0,)``, which breaks that user code.)
+location; a one-element parameter, which torch lets one write, has a NaN of its own, and the
+write is lost at its next gather). ``gather_full_parameters()`` gives the values. A read inside
+the model's forward or train_step's loss function is refused, naming the parameter, in the
+first such call of each kind ([Note: reads of a resharded parameter] in stand_in_reads.py).
+(FSDP1 empties them instead, shape ``(0,)``, which breaks that user code.)
 
 Collectives: ``unshard`` is one all_gather of the chunk (optionally asynchronous, for prefetch);
 ``reduce_gradients`` is one asynchronous reduce_scatter(AVG) of the flattened gradients.
@@ -73,7 +76,13 @@ class ShardedUnit:
         self.master = nn.Parameter(self.space.chunk(originals, backend.rank, policy.master(dtype)))
         self._views = list(self.space.views(self.full))
         nan = stand_in(self.full.dtype, self.full.device)  # what the parameters hold while resharded
-        self._stand_ins = [nan.expand(e.shape) for e in self.space.entries]
+        # To torch a one-element view is no overlap, so an in-place edit between steps (fill_ on a
+        # scalar temperature) would land in the NaN every parameter of the dtype expands, and they
+        # would all read that value: such a parameter gets a NaN of its own.
+        self._stand_ins = [nan.expand(e.shape) if e.numel != 1 else nan.clone().expand(e.shape)
+                           for e in self.space.entries]
+        # How a read of a parameter holding its stand-in is told apart (stand_in_reads.py).
+        self.stand_in_pointers = frozenset(t.data_ptr() for t in self._stand_ins)
         self._attach(self._views)
         self.state = TrainingState.IDLE
         self.is_unsharded = True

@@ -14,6 +14,8 @@ other name the unwrapped model's ``state_dict()`` has for it.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from distframe.models.full_parameters import Summonable
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
+from distframe.models.stand_in_reads import StandInReads
 from distframe.models.unit_lifecycle import UnitLifecycle
 from distframe.models.unit_order import forward_orders, in_backward
 from distframe.models.zero import cast_frozen, single_dtype
@@ -61,6 +64,11 @@ class UnitShardedModelBase(ShardedModelBase):
                                        usage=self._parameter_usage)
         # See [Note: one forward order on every rank] in unit_order.py.
         self._unit_order_unchecked = self.config.check_structure
+        # See [Note: reads of a resharded parameter] in stand_in_reads.py.
+        resharded = [u for u in self.units if not u.persistent]
+        self._stand_in_pointers = frozenset().union(*(u.stand_in_pointers for u in resharded))
+        self._unit_of_param = {id(e.param): (u, e.name) for u in self.units for e in u.space.entries}
+        self._reads_seen: set[tuple[str, bool, bool]] = set()  # kinds of call checked without a read
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""
@@ -80,14 +88,68 @@ class UnitShardedModelBase(ShardedModelBase):
             f"{shown} as a whole (not only its submodules, as self.{name or 'model'}[i](x) would) and use "
             f"its parameters only inside that call, or {self._unit_fix(name)}")
 
+    def _shared_unit_fix(self, unit_name: str) -> str:
+        """How to choose units so that a parameter of unit ``unit_name`` is gathered where it is read."""
+        raise NotImplementedError
+
+    def _stand_in_read_error(self, param: nn.Parameter, where: str) -> ConfigError:
+        """``param`` was read while its unit held stand-ins: see [Note: reads of a resharded
+        parameter] in stand_in_reads.py. ``where``: "model's forward" or "loss function"."""
+        if id(param) not in self._unit_of_param:  # a stand-in of another ZeRO-3/FSDP model (a teacher)
+            return ConfigError(
+                f"{type(self).__name__}: a parameter of shape {tuple(param.shape)} that another ZeRO3Model "
+                f"or FSDPModel holds resharded (a NaN stand-in) was read in the {where}; read it inside that "
+                "model's forward, or in its summon_full_parameters()")
+        unit, name = self._unit_of_param[id(param)]
+        if not unit.forward_ran:  # see [Note: a unit whose forward does not run] in unit_lifecycle.py
+            return self._misused_unit_error(unit, f"its parameter '{name}' was read in the {where} "
+                                                  "before the unit's forward ran")
+        unit_name = self._module_name(unit.module)
+        read = (f"{type(self).__name__}: parameter '{name}' was read in the {where} outside the forward of "
+                f"its unit '{unit_name}' ({type(unit.module).__name__}), which had resharded it: between "
+                "uses it holds a NaN stand-in, so what it computes would be NaN (in training, then every "
+                "parameter). ")
+        kept = ("ShardingConfig(reshard_after_forward=False) keeps each unit gathered from its forward to "
+                f"its backward, so the {where} may read it (more memory); to read or edit weights outside "
+                "forward and backward, use model.summon_full_parameters()")
+        if where == "model's forward":
+            return ConfigError(read + "Read it only inside the forward of a module that registers it: "
+                                      f"{self._shared_unit_fix(unit_name)}; or " + kept)
+        return ConfigError(read + "An L2 penalty is the optimizer's weight_decay (torch's SGD and Adam "
+                                  "add weight_decay * p to the gradient, the gradient of weight_decay/2 * "
+                                  "sum(p**2)); or " + kept)
+
+    @contextlib.contextmanager
+    def _reads_checked(self, where: str) -> Iterator[None]:
+        """While inside, a read of a parameter holding its stand-in raises: the first time for each
+        kind of call (``where``, grad mode, training mode), every time when the backend debugs.
+        See [Note: which calls are checked] in stand_in_reads.py."""
+        kind = (where, torch.is_grad_enabled(), self.wrapped_model.training)
+        every_call = getattr(self.backend, "debug", False)
+        if not self._stand_in_pointers or (kind in self._reads_seen and not every_call):
+            yield
+            return
+        with StandInReads(self._stand_in_pointers, lambda param: self._stand_in_read_error(param, where)):
+            yield
+        self._reads_seen.add(kind)  # only once the call completed: one that raised is checked again
+
+    def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
+        """As ShardedModelBase's, with the loss function's reads checked (stand_in_reads.py)."""
+        def checked_loss(output: Any, targets: Any) -> torch.Tensor:
+            with self._reads_checked("loss function"):
+                return loss_fn(output, targets)
+        return super().forward_backward(batch, checked_loss)
+
     def _module_name(self, module: nn.Module) -> str:
         return next(n for n, m in self.wrapped_model.named_modules(remove_duplicate=False) if m is module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """As ShardedModelBase's; torch's error for a parameter read while its unit was freed
-        ("setStorage: ... out of bounds for storage of size 0") becomes a ConfigError naming it."""
+        ("setStorage: ... out of bounds for storage of size 0") becomes a ConfigError naming it, and
+        so does a read of a parameter holding its stand-in (stand_in_reads.py)."""
         try:
-            return super().forward(*args, **kwargs)
+            with self._reads_checked("model's forward"):
+                return super().forward(*args, **kwargs)
         except RuntimeError as error:  # torch's words for reading freed storage: say which unit
             found = None if isinstance(error, DistFrameError) else self._unit_in_use_while_freed(error)
             if found is None:
@@ -160,7 +222,8 @@ class UnitShardedModelBase(ShardedModelBase):
         # (PRE_BACKWARD outside a backward: left so by a no_sync backward that ended before it)
         busy = [u for u in self.units if u.state is TrainingState.FORWARD]
         if busy or in_backward():
-            where = f"unit '{self._module_name(busy[0].module)}' ran its forward" if busy else "a backward ran"
+            where = (f"unit '{self._module_name(busy[0].module)}' ran its forward" if busy
+                     else "a backward ran")
             raise ConfigError(
                 f"{type(self).__name__}: summon_full_parameters() was entered while {where}; enter "
                 "it outside forward and backward (between steps, or after backward)")

@@ -32,6 +32,11 @@ class ZeRO3Model(UnitShardedModelBase):
                 "unit of every module that registers parameters and of the lowest common ancestor of "
                 "modules that share one; FSDP's units can be the submodules that run)")
 
+    def _shared_unit_fix(self, unit_name: str) -> str:
+        return ("register it on every module that uses it and call those modules (a head tied to an "
+                "embedding: head.weight = emb.weight, then self.head(h)), and ZeRO3Model makes it one unit "
+                "with their common ancestor, gathered around that ancestor's whole forward")
+
     def _check_config(self, config: ShardingConfig) -> None:
         if config.auto_wrap_policy is not None:
             raise ConfigError("ShardingConfig.auto_wrap_policy applies to FSDPModel; ZeRO3Model "
