@@ -2,12 +2,14 @@
 
 Exit status: 0 done; 2 bad input (a ConfigError, an engine that cannot run here, a bad flag),
 reported as one line that says what to change; 1 another distframe error (one line); 130
-interrupted (Ctrl-C: the last complete checkpoint stays loadable). ``--debug`` shows tracebacks.
+interrupted (Ctrl-C, or SIGTERM/SIGHUP to the console script: the last complete checkpoint stays
+loadable). ``--debug`` shows tracebacks.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -27,7 +29,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from distframe.train_cli import add_generate_arguments, add_train_arguments
+    from distframe import __version__
     parser = _Parser(prog="distframe", description="Distributed training with distframe.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
     train = commands.add_parser(
@@ -45,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sample text from a checkpoint that distframe train wrote.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_generate_arguments(generate)
+    parser.commands = {"train": train, "generate": generate}  # (for _parse's errors)
     return parser
 
 
@@ -53,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
     except SystemExit as exc:  # --help (0) or a bad flag (2, already reported in one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     try:
@@ -66,6 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(exc, debug, EXIT_BAD_INPUT, quiet=_launched_rank() > 0)
     except DistFrameError as exc:
         return _report(exc, debug, 1)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with arguments that no parser took reported by the command's
+    own parser: argparse reports them from the top one, whose line said "see distframe --help",
+    where the flags are those of ``distframe train --help``."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = getattr(parser, "commands", {})
+        command = commands.get(getattr(args, "command", None), parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def _report(exc: BaseException, debug: bool, status: int, quiet: bool = False) -> int:
@@ -103,9 +120,22 @@ def entry_point() -> None:
     interrupted run in six here: "terminate called without an active exception", status -6), so
     an interrupted process flushes its streams and leaves with ``os._exit`` instead.
     """
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     status = main()
     if status == EXIT_INTERRUPTED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - a signal handler's signature
+    """SIGTERM (a scheduler's or launcher's stop, ``kill``) and SIGHUP (the terminal closed) take
+    Ctrl-C's path: KeyboardInterrupt, so a launcher tears its rank processes down (which a
+    terminated parent would leave running) and the run reports its last complete checkpoint.
+    A second signal of either kind kills the process at once (the default action), as a stop
+    that the teardown does not finish must still end it."""
+    for other in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(other, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")

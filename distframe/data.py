@@ -5,12 +5,15 @@ Sources (``load_corpus``):
 - ``None``: the Python standard library's own ``.py`` files, read as bytes from the running
   interpreter's installation (no download). A file is in the validation split when the SHA-256
   of its path relative to the library root falls in the first ``VALIDATION_PERCENT`` of hashes.
-- a directory: every regular file below it (hidden entries and files with NUL bytes skipped),
-  split the same way by relative path.
+- a directory: every regular file below it (hidden entries, files with NUL bytes and the run's
+  own ``--out``, passed as ``exclude``, skipped: a run must not train on its own metrics and
+  checkpoints), split the same way by relative path.
 - a ``.bin`` file: flat uint8 or uint16 tokens, memory-mapped.
 - any other file: text, read as bytes.
-A single file (or a directory whose files all fall into one split) keeps its last
-``VALIDATION_PERCENT`` of tokens for validation. Bytes are tokens (vocabulary 256).
+A single file (or a directory whose files all fall into one split, or whose split by path
+leaves a side shorter than one ``window`` of tokens, as when one tiny file hashes into
+validation) keeps its last ``VALIDATION_PERCENT`` of tokens for validation. Bytes are tokens
+(vocabulary 256).
 
 Batches (``BatchSampler``): the global batch of step s is ``batch_size`` windows of
 ``seq_len + 1`` tokens at offsets drawn from a generator seeded by (seed, s); data-parallel rank
@@ -56,15 +59,20 @@ class TokenCorpus:
         return h.hexdigest()
 
 
-def load_corpus(path: str | None, *, token_dtype: str = "uint8") -> TokenCorpus:
-    """The corpus at ``path`` (see the module docstring); ConfigError if it cannot be used."""
+def load_corpus(path: str | None, *, token_dtype: str = "uint8", exclude: str | None = None,
+                window: int = 0) -> TokenCorpus:
+    """The corpus at ``path`` (see the module docstring); ConfigError if it cannot be used.
+    ``exclude``: a directory a directory's walk leaves out (the run's --out); ``window``: the
+    tokens of one training window (seq_len + 1), which each split of a directory must hold."""
     if path is None:
         root = sysconfig.get_paths()["stdlib"]
         files = _python_sources(root)
         corpus = _split_files(root, files, f"Python {sysconfig.get_python_version()} standard "
-                                            f"library sources ({len(files)} files)")
+                                            f"library sources ({len(files)} files)", window)
     elif os.path.isdir(path):
-        corpus = _split_files(path, _text_files(path), f"text files under {path}")
+        excluded = _inside(exclude, path)
+        description = f"text files under {path}" + (f" (without --out {exclude})" if excluded else "")
+        corpus = _split_files(path, _text_files(path, excluded), description, window)
     elif not os.path.exists(path):
         raise ConfigError(f"--data {path}: no such file or directory")
     elif not os.path.isfile(path):  # a device such as /dev/null, a pipe, a socket
@@ -90,10 +98,19 @@ def _python_sources(root: str) -> list[str]:
     return files
 
 
-def _text_files(root: str) -> list[str]:
+def _inside(directory: str | None, root: str) -> str | None:
+    """The real path of ``directory`` if it lies below ``root`` (a walk of root would reach it)."""
+    if directory is None:
+        return None
+    real, real_root = os.path.realpath(directory), os.path.realpath(root)
+    return real if real != real_root and real.startswith(real_root.rstrip(os.sep) + os.sep) else None
+
+
+def _text_files(root: str, excluded: str | None = None) -> list[str]:
     files = []
     for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and
+                            (excluded is None or os.path.realpath(os.path.join(directory, d)) != excluded))
         for name in sorted(names):
             full = os.path.join(directory, name)
             if not name.startswith(".") and os.path.isfile(full) and not _looks_binary(full):
@@ -114,16 +131,18 @@ def in_validation_split(relative_path: str) -> bool:
     return int.from_bytes(digest[:8], "big") % 100 < VALIDATION_PERCENT
 
 
-def _split_files(root: str, files: list[str], description: str) -> TokenCorpus:
+def _split_files(root: str, files: list[str], description: str, window: int = 0) -> TokenCorpus:
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     for full in files:
         with open(full, "rb") as f:
             parts[in_validation_split(os.path.relpath(full, root))].append(f.read())
-    if not parts[False] or not parts[True]:  # too few files for a split by path
-        joined = np.frombuffer(_SEPARATOR.join(parts[False] + parts[True]), dtype=np.uint8)
-        return _tail_split(joined, 256, description)
     train, validation = (np.frombuffer(_SEPARATOR.join(parts[v]), dtype=np.uint8)
                          for v in (False, True))
+    # Too few files for a split by path, or a side too short for one window (a tiny file hashed
+    # into validation): the data may still be plenty, so split its tail off instead.
+    if not parts[False] or not parts[True] or min(len(train), len(validation)) < window:
+        joined = np.frombuffer(_SEPARATOR.join(parts[False] + parts[True]), dtype=np.uint8)
+        return _tail_split(joined, 256, description)
     return TokenCorpus(train, validation, 256, description)
 
 

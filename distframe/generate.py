@@ -26,7 +26,13 @@ def load_model(path: str) -> DilatedTransformerLM:
     path = resolve_checkpoint(path)
     config, source = saved_model_config(path)
     model = DilatedTransformerLM(config)
-    state = checkpoint.consolidate(path)
+    try:
+        state = checkpoint.consolidate(path)
+    except checkpoint.CheckpointError as exc:
+        damage = train_checkpoint.damaged(path)
+        if damage is None:  # intact: the error says what else is wrong
+            raise
+        raise checkpoint.CheckpointError(train_checkpoint.damaged_for_generate(path, damage)) from exc
     if model.config.tie_embeddings:  # a tied head is one parameter, saved once
         state.setdefault("head.weight", state["tok_embedding.weight"])
     _check_shapes(model, state, path, source)

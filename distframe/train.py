@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,12 +20,13 @@ import torch
 
 from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
-from distframe.data import check_windows, load_corpus
+from distframe.data import check_windows
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig, timeout_of
 from distframe.train_settings import check_resumed_model, restarted_run_checkpoint, saved_run_named
-from distframe.train_loop import TrainResult, initial_model_state, train_on_rank
+from distframe.train_loop import TrainResult, initial_model_state, load_run_corpus, train_on_rank
+from distframe.train_out import check_fresh_out, check_out_writable
 
 __all__ = ["TrainConfig", "TrainResult", "run"]
 
@@ -54,11 +54,13 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
     start_notes = (*start_notes, *world_size_note(config, given_world))
     name = "inmemory" if config.backend == "auto" else config.backend
     check_backend_available(name, config.world_size)
-    corpus = load_corpus(config.data, token_dtype=config.token_dtype)  # fails before any rank
+    corpus = load_run_corpus(config)  # fails before any rank
     if config.resume:  # the data's vocabulary: the model's shape was checked with the settings
         check_resumed_model(config, corpus.vocab_size)
     check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     check_out_writable(config.out)
+    if not config.resume:  # a fresh run replaces only an earlier distframe run's files
+        check_fresh_out(config.out)
     if config.optimizer == "elastic":
         from distframe.train_elastic import run_elastic
         with _threads_per_rank(config.world_size):
@@ -90,6 +92,8 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         start_notes = (*start_notes, *world_size_note(config, given_world, launcher))
         try:  # every rank writes its checkpoint shards into OUT
             check_out_writable(config.out)
+            if not config.resume:
+                check_fresh_out(config.out)
             error = None
         except ConfigError as exc:
             error = exc
@@ -99,7 +103,7 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         if config.resume and train_checkpoint.agreed_resume_step(
                 config.out, config.steps, backend) == config.steps:
             return _already_finished(config, rank=backend.rank)
-        corpus = load_corpus(config.data, token_dtype=config.token_dtype)
+        corpus = load_run_corpus(config)
         if config.resume:  # each rank reads its own OUT/config.json: they agree on the verdict
             try:
                 check_resumed_model(config, corpus.vocab_size)
@@ -202,20 +206,6 @@ def check_backend_available(name: str, world_size: int) -> None:
     elif name == "gloo" and not torch.distributed.is_available():
         raise BackendUnavailableError("--backend gloo needs a torch build with torch.distributed; "
                                       "use --backend inmemory or mpi")
-
-
-def check_out_writable(out: str) -> None:
-    """ConfigError naming ``--out`` unless this process can create OUT and write a file there
-    (checked before the ranks train: a rank that cannot write its first checkpoint would fail
-    with an OSError's traceback after the run's first interval)."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        handle, probe = tempfile.mkstemp(dir=out, prefix=".distframe-write-check-")
-        os.close(handle)
-        os.remove(probe)
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc}); pass a "
-                          "directory you can write to") from None
 
 
 @contextlib.contextmanager

@@ -3,8 +3,9 @@
 The server runs ``AsyncSGDOptimizer.serve()`` until every worker is done; each worker trains its
 share of the ``--steps`` updates (worker i of W takes updates i+1, i+1+W, ..., each on the whole
 ``--batch-size`` global batch of that update's step) and pushes one gradient per update. The
-server applies them at the constant ``--lr`` (it steps whenever a gradient arrives, so there is
-no per-step schedule). Nothing collective can run while the server serves, so:
+server applies them in turn, the k-th update of the run at ``learning_rate(config, k)``: the
+same warm-up and cosine schedule as a synchronous run, by update. Nothing collective can run
+while the server serves, so:
 
 * metrics are collected after the run: every worker's losses are gathered to rank 0 and logged
   one record per update, in the order the workers reported them (with ``--round-robin``, the
@@ -13,11 +14,13 @@ no per-step schedule). Nothing collective can run while the server serves, so:
   whole run's (every worker's tokens over the server's wall time);
 * validation (``val_loss`` of the last record) and the checkpoint happen once, at the end: the
   server's parameters, buffers and optimizer state are broadcast to every rank first, so the
-  checkpoint is an ordinary DDP one (``--resume`` under any strategy reads it); ``--eval-every`` and
-  ``--checkpoint-every`` do not apply.
+  checkpoint is an ordinary DDP one (``--resume`` under any strategy reads it). A
+  ``--checkpoint-every`` interval is refused and ``--eval-every`` warned about when given
+  (``train_settings.check_given_settings``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -29,7 +32,7 @@ from distframe import train_checkpoint
 from distframe.data import TokenCorpus
 from distframe.errors import DistFrameError
 from distframe.train_config import TrainConfig
-from distframe.train_loop import Job, TrainResult, next_token_loss
+from distframe.train_loop import Job, TrainResult, learning_rate, next_token_loss
 from distframe.train_metrics import ProgressBar, peak_memory_bytes
 
 SERVER_RANK = 0
@@ -52,7 +55,11 @@ class AsyncJob(Job):
         self.backend.barrier()
         started = time.time()
         if self.backend.rank == SERVER_RANK:
-            report = self.optimizer.serve()
+            schedule = self._follow_the_schedule(start_step)
+            try:
+                report = self.optimizer.serve()
+            finally:
+                schedule.remove()
             reports = torch.empty(0, 4, dtype=torch.float64)
         else:
             report, reports = None, self._work(start_step)
@@ -73,6 +80,21 @@ class AsyncJob(Job):
         self._finish()
         tokens = records.shape[0] * self.tokens_per_step
         return self._result(last, val_loss, tokens, serve_seconds, checkpoint)
+
+    def _follow_the_schedule(self, start_step: int) -> Any:
+        """Makes the server's optimizer step the k-th update of the run (after ``start_step``) at
+        ``learning_rate(config, k)``; returns the hook's handle (``remove()`` it after serving).
+
+        The server sets each group's rate before every step (``--lr``, or its staleness-scaled
+        share) and restores it after; this pre-step hook scales that rate by the schedule's
+        factor, so the state it saves keeps ``--lr`` and a resumed run continues the schedule."""
+        updates = itertools.count(start_step + 1)
+
+        def scale(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - torch's hook
+            factor = learning_rate(self.config, next(updates)) / self.config.lr
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+        return self.optimizer.wrapped_optimizer.register_step_pre_hook(scale)
 
     def _work(self, start_step: int) -> torch.Tensor:
         """This worker's updates; returns one row (update, loss, seconds, time reported) per

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +104,6 @@ def agreed_resume_step(out_dir: str, steps: int, backend: Any) -> int:
     return found[1]
 
 
-def remove_checkpoints(out_dir: str) -> None:
-    """Deletes ``OUT/checkpoints`` (a fresh run replaces an earlier run's checkpoints)."""
-    shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)
-
-
 def save(out_dir: str, step: int, model: Any, optimizer: Any, rng: Any = None,
          info: dict[str, Any] | None = None) -> str:
     """Collective: every rank writes its shard of ``OUT/checkpoints/step-N``, with its generator
@@ -169,6 +163,17 @@ def _intact_before(path: str) -> tuple[int, str] | None:
             earlier.append((int(found.group(1)), str(where)))
     return next(((step, where) for step, where in sorted(earlier, reverse=True)
                  if damaged(where) is None), None)
+
+
+def damaged_for_generate(path: str, damage: str) -> str:
+    """The one line ``distframe generate`` stops with when checkpoint ``path`` is damaged: what is
+    wrong and the latest intact checkpoint before it, to pass as --checkpoint instead."""
+    intact = _intact_before(path)
+    head = f"--checkpoint: checkpoint {path} is damaged ({damage.rstrip('.')})"
+    if intact is None:
+        return (f"{head}, and no earlier checkpoint in {os.path.dirname(path)} is intact; restore it "
+                "from a copy")
+    return f"{head}; {intact[1]} (step {intact[0]}) is the latest intact one: pass --checkpoint {intact[1]}"
 
 
 def _damaged_message(path: str, damage: str) -> str:

@@ -98,20 +98,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", group=opt, type=int, help="seed of the initial model, the batches and the dropout "
         "masks" + _default("seed"))
     data = parser.add_argument_group("data and outputs")
-    add("--data", group=data, metavar="PATH", help="a text file, a directory of text files or a "
-        "flat .bin token file (default: the Python standard library's sources)")
+    add("--data", group=data, metavar="PATH", help="a text file, a directory of text files (--out "
+        "inside it left out) or a flat .bin token file; saved as an absolute path (default: the "
+        "Python standard library's sources)")
     add("--token-dtype", group=data, metavar="{" + ",".join(TOKEN_DTYPES) + "}",
         help="dtype of a .bin token file" + _default("token_dtype"))
     add("--out", group=data, metavar="DIR", help="metrics.jsonl, config.json, loss.png and "
-        "checkpoints/step-N; a fresh run replaces an earlier run's there" + _default("out"))
+        "checkpoints/step-N; a fresh run replaces an earlier distframe run's there (its metrics and "
+        "step-N checkpoints only) and refuses an OUT holding other files" + _default("out"))
     add("--resume", group=data, action="store_true", help="continue from the latest checkpoint in "
-        "--out (at any world size or strategy); its saved settings apply unless given here, but "
+        "--out (at any world size or strategy); its saved settings (OUT/config.json, else the "
+        "checkpoint's own) apply unless given here, but "
         "its model stays: the model flags and the data's vocabulary must match it (workers that "
         "torchrun restarts continue without it)")
     add("--checkpoint-every", group=data, type=int, metavar="STEPS", help="checkpoint interval; "
-        "0: only at the end" + _default("checkpoint_every"))
+        "0: only at the end (--optimizer async: only at the end; an interval is refused)"
+        + _default("checkpoint_every"))
     add("--eval-every", group=data, type=int, metavar="STEPS", help="validation interval; 0: only "
-        "at the end" + _default("eval_every"))
+        "at the end (--optimizer async: only at the end)" + _default("eval_every"))
     add("--eval-batches", group=data, type=int, help="global batches per validation" + _default("eval_batches"))
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -129,7 +133,8 @@ def _add_optimizer_arguments(parser: argparse.ArgumentParser, add: Any) -> None:
         "powersgd" + _default("powersgd_rank"))
     add("--powersgd-start", group=group, type=int, metavar="STEPS", help="uncompressed steps "
         "before powersgd starts" + _default("powersgd_start"))
-    add("--max-staleness", group=group, type=int, metavar="N", help="--optimizer async: most "
+    add("--max-staleness", group=group, type=int, metavar="N", help="--optimizer async (the server "
+        "applies --lr's warm-up and cosine schedule by update): most "
         "updates between a worker's pull and its gradient's use" + _default("max_staleness"))
     add("--round-robin", group=group, action="store_true", help="--optimizer async: serve the "
         "workers in a fixed order (a reproducible run)")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.model import DilatedTransformerLM
-from distframe import train_checkpoint, train_rng
+from distframe import train_checkpoint, train_out, train_rng
 from distframe.backends.types import ReduceOp
 from distframe.data import (BatchSampler, TokenCorpus, check_windows, load_corpus,
                             validation_offsets)
@@ -85,6 +85,14 @@ def run_info(config: TrainConfig, corpus: TokenCorpus, world_size: int, backend:
             "data": corpus.description, "data_sha256": corpus.digest}
 
 
+def load_run_corpus(config: TrainConfig) -> TokenCorpus:
+    """The data ``config`` trains on: a directory's walk leaves the run's own --out out (which
+    the run writes while it reads), and splits by path only where each side holds a window."""
+    seq_len = config.model_config(vocab_size=256, checked=False).seq_len
+    return load_corpus(config.data, token_dtype=config.token_dtype, exclude=config.out,
+                       window=seq_len + 1)
+
+
 def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
                   corpus: TokenCorpus | None = None,
                   initial_state: dict[str, torch.Tensor] | None = None,
@@ -92,7 +100,7 @@ def train_on_rank(backend: Any, config: TrainConfig, *, backend_name: str,
     """Runs the whole job on this rank of ``backend`` and returns what it reached.
     ``start_notes``: lines rank 0 prints on stderr once the run has started (the settings'
     warnings), before its first step."""
-    corpus = corpus or load_corpus(config.data, token_dtype=config.token_dtype)
+    corpus = corpus or load_run_corpus(config)
     check_windows(corpus, config.model_config(vocab_size=corpus.vocab_size).seq_len)
     initial_state = initial_state or initial_model_state(config, corpus.vocab_size)
     device = _device(backend_name, backend)
@@ -157,37 +165,55 @@ def _device(backend_name: str, backend: Any) -> torch.device:
 
 
 def prepare_out(config: TrainConfig, info: dict, log: MetricsLog, notes: Sequence[str] = ()) -> None:
-    """Creates OUT, clears an earlier run's metrics and checkpoints there unless ``--resume``,
-    and writes ``OUT/config.json``; one writer calls it, as the run starts, and it prints
-    ``notes`` on stderr (bad input found before this point stays the CLI's one line)."""
+    """Creates OUT, clears an earlier distframe run's metrics and checkpoints there unless
+    ``--resume`` (refusing an OUT whose files it cannot tell are distframe's: ``train_out``), and
+    writes ``OUT/config.json``; one writer calls it, as the run starts, and it prints ``notes`` on
+    stderr (bad input found before this point stays the CLI's one line)."""
     for note in notes:
         print(note, file=sys.stderr)
     out = config.out
-    os.makedirs(out, exist_ok=True)
-    if not config.resume and (os.path.exists(log.path) or train_checkpoint.latest_checkpoint(out)):
-        print(f"distframe train: replacing the earlier run in {out} (--resume continues it "
-              "instead)", file=sys.stderr)
-        train_checkpoint.remove_checkpoints(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise train_out.cannot_write(out, out, exc) from None
+    if not config.resume:
+        train_out.check_fresh_out(out)
+        if os.path.exists(log.path) or train_checkpoint.latest_checkpoint(out):
+            print(f"distframe train: replacing the earlier run in {out} (--resume continues it "
+                  "instead)", file=sys.stderr)
+        try:
+            kept = train_out.remove_earlier_checkpoints(out)
+        except OSError as exc:
+            raise train_out.cannot_write(out, train_checkpoint.checkpoint_dir(out), exc) from None
+        if kept:
+            print(f"distframe train: note: left {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''} "
+                  f"in {train_checkpoint.checkpoint_dir(out)} (not checkpoints distframe wrote)",
+                  file=sys.stderr)
         log.clear()
+    else:
+        _warn_if_the_data_changed(out, info)
     # Written aside and renamed into place: an interrupted write must not leave a truncated
     # config.json, without which no checkpoint of the run can be resumed or sampled from.
     path = os.path.join(out, "config.json")
-    if config.resume:
-        _warn_if_the_data_changed(path, info)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:  # a full disk, a directory in the way
+        raise train_out.cannot_write(out, path, exc) from None
 
 
-def _warn_if_the_data_changed(path: str, info: dict) -> None:
+def _warn_if_the_data_changed(out: str, info: dict) -> None:
     """One line on stderr when a resumed run reads other tokens than the run it continues (the
     default corpus is the running Python's standard library; a --data file edited since): it
     goes on, but no longer equals the uninterrupted run."""
-    saved = train_checkpoint.read_config_json(path) if os.path.isfile(path) else {}
+    from distframe.train_settings import saved_run
+    found = saved_run(out)
+    saved = found[0] if found else {}
     before = saved.get("data_sha256")
     if isinstance(before, str) and before != info.get("data_sha256"):
         print(f"distframe train: warning: --resume reads other data than the run in "
-              f"{os.path.dirname(path) or '.'} trained on ({info.get('data')}, was {saved.get('data')}; "
+              f"{out} trained on ({info.get('data')}, was {saved.get('data')}; "
               "sha256 differs), so it does not continue the same sequence of batches", file=sys.stderr)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from distframe.errors import ConfigError
+from distframe.train_out import cannot_write
 
 METRIC_KEYS = ("step", "train_loss", "val_loss", "tokens_per_s", "peak_memory_bytes", "wall_s")
 
@@ -44,16 +45,22 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to ``OUT/metrics.jsonl`` (flushed each time)."""
+    """Appends one JSON object per logged step to ``OUT/metrics.jsonl`` (flushed each time). An
+    OSError (a full disk, a directory in its place) is a ConfigError naming the file."""
 
     def __init__(self, out_dir: str) -> None:
+        self.out = out_dir
         self.path = os.path.join(out_dir, "metrics.jsonl")
 
     def records(self) -> list[dict[str, Any]]:
         if not os.path.exists(self.path):
             return []
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().split("\n")
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                lines = f.read().split("\n")
+        except OSError as exc:
+            raise ConfigError(f"--out {self.out}: cannot read {self.path} ({exc.strerror or exc}); "
+                              "move it away (it only holds the logged metrics)") from None
         records = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -74,18 +81,27 @@ class MetricsLog:
         """Drops records after ``step`` (written after the checkpoint a run resumes from)."""
         kept = [r for r in self.records() if r["step"] <= step]
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise cannot_write(self.out, self.path, exc) from None
         return kept
 
     def clear(self) -> None:
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        try:
+            if os.path.lexists(self.path):
+                os.remove(self.path)
+        except OSError as exc:
+            raise cannot_write(self.out, self.path, exc) from None
 
     def append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({k: record[k] for k in METRIC_KEYS}) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({k: record[k] for k in METRIC_KEYS}) + "\n")
+        except OSError as exc:
+            raise cannot_write(self.out, self.path, exc) from None
 
 
 class ProgressBar:
@@ -136,6 +152,10 @@ def plot_losses(records: list[dict[str, Any]], path: str) -> str | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as exc:  # the run's metrics and checkpoints are written: only the plot is lost
+        return f"no loss plot: cannot write {path} ({exc.strerror or exc}); metrics.jsonl holds the losses"
+    finally:
+        plt.close(fig)
     return None

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from distframe.errors import ConfigError
-from distframe.train_checkpoint import latest_checkpoint, read_config_json
+from distframe.train_checkpoint import latest_checkpoint, read_config_json, saved_run_info
 from distframe.train_config import (LAUNCH_SETTINGS, MODEL_FLAGS, PARALLEL_SETTINGS, TrainConfig,
                                     flag)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
@@ -30,16 +30,25 @@ def resolve_config(flags: Mapping[str, Any], toml_path: str | None = None, *,
     resume = flags.get("resume", file_settings.get("resume", False))
     out = flags.get("out", file_settings.get("out", TrainConfig.out))
     given = {**file_settings, **flags}
+    if isinstance(given.get("data"), str) and given["data"]:
+        # Saved absolute in OUT/config.json: --resume from another directory reads the same data.
+        given["data"] = os.path.abspath(given["data"])
     if not isinstance(resume, bool):  # bool("false") would resume
         raise ConfigError(f"--resume {resume!r}: use true or false")
     if resume:
-        settings.update(_saved_settings(out, given))
+        saved, source = _saved_settings(out, given)
+        if source != os.path.join(out, "config.json") and warn:
+            warn(f"distframe train: note: {out}/config.json is missing, so --resume takes the run's "
+                 f"settings from {source}")
+        _check_saved_data(saved, given, source)
+        settings.update(saved)
     settings.update(given)
     settings["resume"] = resume
     with saved_run_named(resume, out):
         config = TrainConfig(**settings)
     if resume:  # before anything is built: a checkpoint of another shape fails only in the load
         check_resumed_model(config)
+    check_given_settings(config, given)
     for line in setting_warnings(config, given) if warn else ():
         warn(line)
     return config
@@ -60,7 +69,22 @@ def setting_warnings(config: TrainConfig, given: Collection[str]) -> list[str]:
                      f"--steps {config.steps}, so the learning rate never reaches its peak --lr "
                      f"{config.lr} (it stops at {config.lr * config.steps / config.warmup_steps:.3g});"
                      f" use --warmup-steps at most {config.steps}, or raise --steps")
+    if config.optimizer == "async" and "eval_every" in given and config.eval_every:
+        # (warned, not refused: validation at the end only loses no training)
+        lines.append(f"distframe train: warning: --eval-every {config.eval_every} does not apply to "
+                     "--optimizer async, which validates once, at the end of the run")
     return lines
+
+
+def check_given_settings(config: TrainConfig, given: Collection[str]) -> None:
+    """ConfigError for a setting ``given`` (on the command line or in ``--config``) that the run
+    would ignore, losing what the user asked for: ``--optimizer async`` checkpoints only at the
+    end (a checkpoint is collective, and the server serves until the last update), so a
+    ``--checkpoint-every`` interval would leave a crash nothing to resume from."""
+    if config.optimizer == "async" and "checkpoint_every" in given and config.checkpoint_every:
+        raise ConfigError(f"--checkpoint-every {config.checkpoint_every}: --optimizer async saves one "
+                          "checkpoint, at the end of the run; drop --checkpoint-every (or pass 0), or "
+                          "run shorter runs and continue each with --resume")
 
 
 @contextlib.contextmanager
@@ -72,13 +96,15 @@ def saved_run_named(resume: bool, out: str) -> Iterator[None]:
     try:
         yield
     except ConfigError as exc:
-        path = os.path.join(out, "config.json") if isinstance(out, str) else ""
-        if not resume or not os.path.isfile(path):
+        if not resume or not isinstance(out, str):
             raise
         try:
-            saved = read_config_json(path).get("train")
+            found = saved_run(out)
         except ConfigError:
             raise exc from None
+        if found is None:
+            raise
+        saved = found[0].get("train")
         message = str(exc)
         named = [f"{flag(k)} {v}" for k, v in (saved if isinstance(saved, dict) else {}).items()
                  if isinstance(v, int) and not isinstance(v, bool) and k != "world_size"
@@ -123,10 +149,10 @@ def check_resumed_model(config: TrainConfig, vocab_size: int | None = None) -> N
     segment lengths or dilation rates would load, and silently train another function).
     ``vocab_size``: the vocabulary of the data this run reads; None (not read yet): not compared.
     Dropout and activation checkpointing may change: they are no part of the parameters."""
-    path = os.path.join(config.out, "config.json")
-    if not os.path.isfile(path) or latest_checkpoint(config.out) is None:
+    found = saved_run(config.out) if latest_checkpoint(config.out) is not None else None
+    if found is None:
         return  # nothing to continue: --resume says so itself
-    raw = read_config_json(path)
+    raw, path = found
     saved = raw.get("model")
     if not isinstance(saved, dict):  # not what distframe train writes: the load says what it lacks
         return
@@ -195,14 +221,36 @@ def load_toml(path: str) -> dict[str, Any]:
     return _known_settings(raw, f"--config {path}")
 
 
-def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The saved run's settings, less how it was launched and, where ``given`` changes the
-    strategy, the schedule or the optimizer, the old one's own settings (a hybrid run resumed under
-    ddp drops its --tp, an interleaved one resumed under 1f1b its --virtual-stages)."""
+def saved_run(out: str) -> tuple[dict[str, Any], str] | None:
+    """The resolved configuration of the run in ``out`` and where it was read: ``OUT/config.json``
+    or, where that is missing (a checkpoint copied into a new OUT), the "info" saved in its latest
+    checkpoint, which holds the same; None if OUT has neither."""
     path = os.path.join(out, "config.json")
-    if not os.path.exists(path):
-        return {}
-    raw = read_config_json(path)
+    if os.path.exists(path):
+        return read_config_json(path), path
+    found = latest_checkpoint(out)
+    return None if found is None else saved_run_info(found[0])
+
+
+def _check_saved_data(saved: Mapping[str, Any], given: Mapping[str, Any], source: str) -> None:
+    """ConfigError when the resumed run's --data, taken from ``source``, is not there (a path
+    relative to another directory, saved before paths were saved absolute; data moved since)."""
+    data = saved.get("data")
+    if "data" in given or not isinstance(data, str) or os.path.exists(data):
+        return
+    raise ConfigError(f"--resume: the run's --data {data} (from {source}) is not there, seen from "
+                      f"{os.getcwd()}; pass --data with the path of that data")
+
+
+def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The saved run's settings and where they were read (``saved_run``), less how it was
+    launched and, where ``given`` changes the strategy, the schedule or the optimizer, the old
+    one's own settings (a hybrid run resumed under ddp drops its --tp, an interleaved one resumed
+    under 1f1b its --virtual-stages)."""
+    found = saved_run(out)
+    if found is None:
+        return {}, os.path.join(out, "config.json")
+    raw, path = found
     saved = raw.get("train", raw)
     if not isinstance(saved, dict):
         raise ConfigError(f'{path}: "train" holds {type(saved).__name__}, not the object of '
@@ -225,7 +273,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> dict[str, Any]:
         dropped.add("virtual_stages")  # model chunks per rank belong to the saved schedule
     if given.get("optimizer", settings.get("optimizer")) != settings.get("optimizer"):
         dropped.update(name for choice in OPTIMIZERS.values() for name in choice.settings)
-    return {k: v for k, v in settings.items() if k not in dropped}
+    return {k: v for k, v in settings.items() if k not in dropped}, path
 
 
 def _known_settings(raw: Mapping[str, Any], source: str) -> dict[str, Any]:

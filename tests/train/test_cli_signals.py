@@ -1,0 +1,65 @@
+"""SIGTERM to the ``distframe`` command takes Ctrl-C's path: the launcher tears its rank
+processes down (a terminated parent used to leave its Gloo ranks running), the command exits 130
+naming the last complete checkpoint, and that checkpoint loads."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.train.conftest import TINY
+
+
+def _session_members(session: int) -> list[int]:
+    """Processes of this machine in ``session`` (the 6th field of /proc/<pid>/stat)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # from the state on: state ppid pgrp session
+        if fields[0] not in ("Z", "X") and int(fields[3]) == session:
+            members.append(int(entry))
+    return members
+
+
+def test_sigterm_stops_a_gloo_run_and_its_ranks(tmp_path, corpus_file):
+    out = tmp_path / "run"
+    script = Path(sys.executable).with_name("distframe")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "distframe"]
+    proc = subprocess.Popen([*command, "train", *TINY, "--data", corpus_file, "--out", str(out),
+                             "--backend", "gloo", "--world-size", "2", "--steps", "100000",
+                             "--checkpoint-every", "2", "--eval-every", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its ranks are in its session, found below
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "step-2" / "metadata.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    deadline = time.monotonic() + 15
+    while _session_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _session_members(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"processes of the run still running: {left}"
+    from distframe.checkpoint import consolidate
+    steps = sorted((p for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")),
+                   key=lambda p: int(p.name.split("-")[1]))
+    assert steps and f"{steps[-1]} is the last complete checkpoint" in err
+    for step in steps:
+        consolidate(step)
