@@ -4,8 +4,8 @@ The server runs ``AsyncSGDOptimizer.serve()`` until every worker is done; each w
 share of the ``--steps`` updates (worker i of W takes updates i+1, i+1+W, ..., each on the whole
 ``--batch-size`` global batch of that update's step) and pushes one gradient per update. The
 server applies them in turn, the k-th update of the run at ``learning_rate(config, k)``: the
-same warm-up and cosine schedule as a synchronous run, by update. Nothing collective can run
-while the server serves, so:
+same warm-up and cosine schedule as a synchronous run, by update (the server's ``lr_scheduler``,
+stepped once per update it applies). Nothing collective can run while the server serves, so:
 
 * metrics are collected after the run: every worker's losses are gathered to rank 0 and logged
   one record per update, in the order the workers reported them (with ``--round-robin``, the
@@ -20,7 +20,6 @@ while the server serves, so:
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -50,16 +49,11 @@ class AsyncJob(Job):
     def run(self) -> TrainResult:
         start_step, history = self._start()
         wall_before = history[-1]["wall_s"] if history else 0.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr
+        self._schedule_the_server(start_step)
         self.backend.barrier()
         started = time.time()
         if self.backend.rank == SERVER_RANK:
-            schedule = self._follow_the_schedule(start_step)
-            try:
-                report = self.optimizer.serve()
-            finally:
-                schedule.remove()
+            report = self.optimizer.serve()
             reports = torch.empty(0, 4, dtype=torch.float64)
         else:
             report, reports = None, self._work(start_step)
@@ -81,20 +75,19 @@ class AsyncJob(Job):
         tokens = records.shape[0] * self.tokens_per_step
         return self._result(last, val_loss, tokens, serve_seconds, checkpoint)
 
-    def _follow_the_schedule(self, start_step: int) -> Any:
-        """Makes the server's optimizer step the k-th update of the run (after ``start_step``) at
-        ``learning_rate(config, k)``; returns the hook's handle (``remove()`` it after serving).
+    def _schedule_the_server(self, start_step: int) -> None:
+        """Gives the server the run's schedule (every rank builds it; the server steps it once
+        per applied update): the k-th update of the run (after ``start_step``) at
+        ``learning_rate(config, k)``. Positioned by ``start_step``, the updates already done,
+        whatever the resumed checkpoint holds (a synchronous run saves no scheduler)."""
+        config = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = config.lr  # the schedule's base: --lr, not the rate the checkpoint saved
+            group.pop("initial_lr", None)  # a resumed run's, which a new scheduler would take up
 
-        The server sets each group's rate before every step (``--lr``, or its staleness-scaled
-        share) and restores it after; this pre-step hook scales that rate by the schedule's
-        factor, so the state it saves keeps ``--lr`` and a resumed run continues the schedule."""
-        updates = itertools.count(start_step + 1)
-
-        def scale(optimizer: Any, args: Any, kwargs: Any) -> None:  # noqa: ARG001 - torch's hook
-            factor = learning_rate(self.config, next(updates)) / self.config.lr
-            for group in optimizer.param_groups:
-                group["lr"] *= factor
-        return self.optimizer.wrapped_optimizer.register_step_pre_hook(scale)
+        def factor(updates_applied: int) -> float:
+            return learning_rate(config, start_step + updates_applied + 1) / config.lr
+        self.optimizer.set_lr_scheduler(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor))
 
     def _work(self, start_step: int) -> torch.Tensor:
         """This worker's updates; returns one row (update, loss, seconds, time reported) per

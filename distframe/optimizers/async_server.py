@@ -31,6 +31,7 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -84,12 +85,13 @@ class ParameterServer:
     (tell every other worker to stop). ``worker_timeout``: seconds without a message from a
     computing worker before it is declared dead (``timeout_hint`` tells such a worker how to
     raise it). ``buffers``: the server's model buffers, which pushes update and pulls carry.
+    ``lr_scheduler``: the server's scheduler (on ``optimizer``), stepped once per applied update.
     """
 
     def __init__(self, backend: ICommunicationBackend, flat: FlatParameters, buffers: ModelBuffers,
                  optimizer: torch.optim.Optimizer, workers: list[int], *, max_staleness: int,
                  staleness_lr: bool, deterministic: bool, on_worker_failure: str,
-                 worker_timeout: float, timeout_hint: str) -> None:
+                 worker_timeout: float, timeout_hint: str, lr_scheduler: Any = None) -> None:
         self.backend, self.flat, self.buffers, self.optimizer = backend, flat, buffers, optimizer
         self.timeout_hint = timeout_hint
         self.max_staleness = max_staleness
@@ -103,7 +105,7 @@ class ParameterServer:
         self.clock = {w: 0 for w in workers}
         self.stopping = False
         self.report = AsyncReport(updates_per_worker={w: 0 for w in workers})
-        self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.lr_scheduler = lr_scheduler
         self._arrivals: queue.Queue = queue.Queue()
         self._listening: set[int] = set()
         # Header receives posted and not yet completed, kept across a wait that timed out: a
@@ -261,11 +263,16 @@ class ParameterServer:
             raise RuntimeError(f"gradient of worker {worker} is {staleness} updates stale, over "
                                f"max_staleness={self.max_staleness}")
         self.flat.load_gradients(grad, got)
-        for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
+        # The rate of this update: the scheduler's (or the one set before serve()), not a rate
+        # taken once when serving began, which no schedule could move.
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr / (1 + staleness) if self.staleness_lr else lr
         self.optimizer.step()
-        for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
+        for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr  # the scaled rate was this gradient's; the optimizer keeps its own
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # the next update's rate
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         self.clock[worker] += 1

@@ -9,7 +9,6 @@ staleness gate are in ``async_server.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,8 @@ from distframe.backends.objects import broadcast_bytes
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.ddp import DDPModel
+from distframe.models.sharded_state import RangeReader
+from distframe.optimizers.async_config import AsyncConfig
 from distframe.optimizers.async_protocol import (
     BODY_TAG,
     HEADER_TAG,
@@ -30,54 +31,13 @@ from distframe.optimizers.async_protocol import (
     send_header,
     send_text,
 )
+from distframe.optimizers.async_schedule import ServerSchedule, refuse_unstepped_scheduler
 from distframe.optimizers.async_server import AsyncReport, ParameterServer
 from distframe.optimizers.async_state import decode_state, encode_state
 from distframe.optimizers.base import ShardedOptimizerBase
 from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 
-FAILURE_POLICIES = ("continue", "stop")
 __all__ = ["AsyncConfig", "AsyncSGDOptimizer", "WorkerDroppedError"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AsyncConfig:
-    """Settings of AsyncSGDOptimizer.
-
-    max_staleness: the most updates the server may apply between a worker's pull and the
-        application of its gradient (workers that would exceed it wait before starting a step).
-    server_rank: the rank that serves (it computes no gradients).
-    staleness_lr: scale the learning rate of a gradient with staleness t by 1 / (1 + t).
-    deterministic: serve workers in a fixed round-robin order (tests; equals a sequential replay).
-    on_worker_failure: "continue" without a failed worker, or "stop" every worker cleanly (the
-        gradients already pushed are applied; no worker gets parameters again).
-    worker_timeout: seconds the server waits for a computing worker before declaring it dead
-        (None: the backend's timeout); a worker still alive then gets ``WorkerDroppedError``. Set
-        it above the longest step a worker may take.
-    """
-
-    max_staleness: int = 4
-    server_rank: int = 0
-    staleness_lr: bool = False
-    deterministic: bool = False
-    on_worker_failure: str = "continue"
-    worker_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("max_staleness", "server_rank"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"AsyncSGDOptimizer {field}={value!r}: use a non-negative int")
-        for field in ("staleness_lr", "deterministic"):
-            if not isinstance(getattr(self, field), bool):
-                raise ConfigError(f"AsyncSGDOptimizer {field} must be True or False")
-        if self.on_worker_failure not in FAILURE_POLICIES:
-            raise ConfigError(f"AsyncSGDOptimizer on_worker_failure={self.on_worker_failure!r}: "
-                              f"choose one of {', '.join(FAILURE_POLICIES)}")
-        timeout = self.worker_timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < math.inf):
-            raise ConfigError(f"AsyncSGDOptimizer worker_timeout={self.worker_timeout!r}: use a "
-                              "positive number of seconds, or None for the backend's timeout")
 
 
 class AsyncSGDOptimizer(ShardedOptimizerBase):
@@ -135,6 +95,16 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     writes a slice).
     ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
 
+    Learning-rate schedule: the server's (``async_schedule.py``). ``lr_scheduler``: a function
+    that builds a torch scheduler on a torch optimizer (``lambda opt: LambdaLR(opt, f)``), built
+    on every rank's wrapped optimizer (or later, before training: ``set_lr_scheduler``); the
+    server applies each update at its rate (scaled by ``1 / (1 + staleness)`` with
+    ``staleness_lr``), then steps it. Its state is in the server's ``state_dict()`` (every
+    rank's after ``synchronize_optimizer_state()``), so a checkpoint resumes it. A rate changed
+    otherwise (a scheduler built on a worker's optimizer, a worker's lr set by hand) raises
+    ConfigError at that worker's next push, as one built on the server's does at ``serve()``;
+    so does, when built, a scheduler whose ``step()`` needs a metric (ReduceLROnPlateau).
+
     Loss scaling: workers step on their own, so each keeps a plain ``torch.amp.GradScaler`` (a
     step it skips pushes nothing); ``distframe.ShardedGradScaler``, a collective, is refused.
     """
@@ -143,6 +113,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     steps_independently = True  # a worker's GradScaler skips (no push) or scales on its own
 
     def __init__(self, model: ShardedModelBase, optimizer: Any, *, config: AsyncConfig | None = None,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  **settings: Any) -> None:
         fields = {f.name for f in dataclasses.fields(AsyncConfig)}
         config_settings = {k: settings.pop(k) for k in list(settings) if k in fields}
@@ -172,6 +143,24 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._parameters_replicated = True
         self._next_header: tuple[torch.Tensor, Any] | None = None  # the server's, posted by step()
         self._dropped: str | None = None  # why the server dropped this worker (WorkerDroppedError)
+        self._schedule = ServerSchedule(self.param_groups)
+        if lr_scheduler is not None:
+            self.set_lr_scheduler(lr_scheduler)
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """This rank's copy of the server's lr scheduler (the server's steps), or None."""
+        return self._schedule.scheduler
+
+    def set_lr_scheduler(self, builder: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """Builds the server's lr scheduler, ``builder(self.wrapped_optimizer)``, on this rank
+        (every rank calls it; see the class docstring), before training. It starts from its
+        construction, on the groups' rates as they are: a scheduler state loaded before it
+        existed is not applied (build it first, then load, to resume one)."""
+        if self.clock or self.version or self._has_parameters:
+            raise ConfigError("AsyncSGDOptimizer.set_lr_scheduler after training began: the server "
+                              "has applied updates at the earlier rate; build it before training")
+        self._schedule.build(builder, self.wrapped_optimizer)
 
     @property
     def is_server(self) -> bool:
@@ -192,8 +181,10 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
             hint = (f"worker_timeout is None, so the backend's timeout ({timeout:g} s) applies: pass "
                     "AsyncSGDOptimizer(worker_timeout=SECONDS) above a worker's longest step, or a "
                     "longer timeout= to the backend")
+        refuse_unstepped_scheduler(self)
         server = ParameterServer(
             backend, self.flat, self.buffers, self.wrapped_optimizer, self.workers,
+            lr_scheduler=self.lr_scheduler,
             max_staleness=self.config.max_staleness, staleness_lr=self.config.staleness_lr,
             deterministic=self.config.deterministic, on_worker_failure=self.config.on_worker_failure,
             worker_timeout=float(timeout), timeout_hint=hint)
@@ -237,6 +228,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
                               "(train_step does it for you)")
         if self.stopped:
             return
+        self._schedule.before_push(self)  # before sending: the failure report is the next message
         backend, server = self.model.backend, self.config.server_rank
         # The answer's receive, posted now: a DROPPED notice already there means the server
         # declared this worker dead while it computed, and would discard this gradient.
@@ -342,14 +334,14 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         self._parameters_replicated = True
 
     def synchronize_optimizer_state(self) -> None:
-        """Every rank gets the server's optimizer state and hyperparameters (two broadcasts);
-        collective, after training."""
+        """Every rank gets the server's optimizer state, hyperparameters and lr scheduler state
+        (two broadcasts); collective, after training."""
         self._require_session_over("synchronize_optimizer_state")
         layout, optimizer = self.model.shard_layout(), self.wrapped_optimizer
-        blob = encode_state(layout, optimizer) if self.is_server else b""
+        blob = encode_state(layout, optimizer, self._schedule.state()) if self.is_server else b""
         blob = broadcast_bytes(self.model.backend, blob, self.config.server_rank)
         if not self.is_server:
-            decode_state(layout, optimizer, blob)
+            self._schedule.load(decode_state(layout, optimizer, blob), self.param_groups)
 
     def state_dict(self) -> dict[str, Any]:
         """The server's: all of the optimizer state (it alone steps; the replicated layout would
@@ -357,15 +349,22 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         # With the names of the parameters each group trains, so a load gives each group its own
         # settings whatever order the loading optimizer builds them in (see ShardedOptimizerBase).
         groups = hyperparameters(self.wrapped_optimizer, self._optimizer_layout(), self._group_names)
+        schedule = self._schedule.saved(self.is_server)
         if self.is_server:
             tensors, scalars = optimizer_pieces(self.model.shard_layout(), self.wrapped_optimizer, 0, 1)
-            return {"tensors": tensors, "scalars": scalars, "param_groups": groups}
+            return {"tensors": tensors, "scalars": scalars, "param_groups": groups, **schedule}
         if not self._parameters_replicated:
             raise ConfigError(
                 "AsyncSGDOptimizer: this worker holds stale parameters (the server holds the trained "
                 "ones); after serve() and the workers' finish(), call opt.synchronize_parameters() on "
                 "every rank, then save")
-        return {"tensors": {}, "scalars": {}, "param_groups": groups}
+        return {"tensors": {}, "scalars": {}, "param_groups": groups, **schedule}
+
+    def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
+        """Loads as ShardedOptimizerBase does, plus the lr scheduler's state where saved and
+        built (the loaded groups already hold the rates it had set)."""
+        super().load_state_dict(state, reader)
+        self._schedule.load(state.get("lr_scheduler"), self.param_groups)
 
     def _require_session_over(self, what: str) -> None:
         if not self.is_server and self._has_parameters and not (self._finished or self.stopped):

@@ -19,7 +19,6 @@ How membership changes on the in-memory engine is ``elastic_membership.py``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,9 @@ from distframe.optimizers.elastic_commit import Commit
 from distframe.optimizers.elastic_grad_scaler import CommittedGradScaler, refuse_unregistered
 from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source, lost_commit,
                                                   unsaved_load)
+from distframe.optimizers.owned_scheduler import (build_scheduler, group_settings,
+                                                   restore_group_settings, scheduler_state)
+from distframe.optimizers.sharded_state import hyperparameters
 
 __all__ = ["Commit", "ElasticMember", "ElasticOptimizer", "ElasticRollbackError", "latest_checkpoint",
            "latest_checkpoint_and_step"]
@@ -86,7 +88,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
     and joiners get it back (as Horovod's elastic State restores the objects it holds); do not
     step it yourself. Checkpoints hold it too (``state_dict()`` adds the scheduler's state and
     ``step_count``), so a restart from one resumes the schedule where it was. It is built after
-    the restore, then given the restored state.
+    the restore, then given the restored state and group settings (the lr, and the momentum or
+    betas OneCycleLR and CyclicLR set). One whose ``step()`` needs a metric (ReduceLROnPlateau)
+    is refused with ConfigError: step such a scheduler yourself, after validation.
 
     ``grad_scaler``: the GradScaler that drives the steps (DDP: a plain ``torch.amp.GradScaler``
     or ``distframe.ShardedGradScaler``; ZeRO, FSDP: ShardedGradScaler), used as usual
@@ -145,16 +149,29 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.restored_from = self._restore()
         self._restoring = False
         if lr_scheduler is not None:
-            self.lr_scheduler = lr_scheduler(self)
-            saved = self.member.commit.lr_scheduler or self._loaded_scheduler
-            if saved is not None:
-                self._load_scheduler(saved)
-            # The commit made while restoring (from a checkpoint, or the initial one) predates
-            # the scheduler: survivors rolled back to it must get the scheduler's state too.
-            # Every rank built and loaded the same scheduler, so this needs no collective.
-            self.member.commit = dataclasses.replace(self.member.commit,
-                                                     lr_scheduler=self._scheduler_state())
+            self._own_scheduler(lr_scheduler)
         self._loaded_scheduler = None
+
+    def _own_scheduler(self, builder: Callable[[ElasticOptimizer], Any]) -> None:
+        """Builds the scheduler on the restored state and gives it its saved state back, with
+        the group settings restored ([Note: a scheduler built after the state it continues])."""
+        restored = group_settings(self.param_groups)
+        self.lr_scheduler = build_scheduler(builder, self, "ElasticOptimizer",
+                                            "step it yourself after validation")
+        saved = self.member.commit.lr_scheduler or self._loaded_scheduler
+        if saved is not None:
+            self.lr_scheduler.load_state_dict(saved)
+            restore_group_settings(self.param_groups, restored)
+        # The commit made while restoring (from a checkpoint, or the initial one) predates the
+        # scheduler: survivors rolled back to it must get the scheduler's state, and the group
+        # settings its building wrote (a fresh OneCycleLR's momentum), too. Every rank built and
+        # loaded the same scheduler, so this needs no collective.
+        commit = self.member.commit
+        groups = [{**saved_group, **now} for saved_group, now in
+                  zip(commit.optimizer["param_groups"], hyperparameters(self.wrapped_optimizer))]
+        self.member.commit = dataclasses.replace(
+            commit, lr_scheduler=self._scheduler_state(),
+            optimizer={**commit.optimizer, "param_groups": groups})
 
     def model_loaded(self) -> None:
         """Called by the model at the end of each of its loads: the next ``step()`` commits the
@@ -327,15 +344,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
         self.member.loaded_step = self.step_count
 
     def _scheduler_state(self) -> dict[str, Any] | None:
-        if self.lr_scheduler is None:
-            return None
-        state = self.lr_scheduler.state_dict()
-        try:
-            return json.loads(json.dumps(state))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"ElasticOptimizer commits the lr_scheduler's state_dict as JSON, and "
-                              f"{type(self.lr_scheduler).__name__}'s is not ({exc}); use a scheduler "
-                              "whose state is plain numbers and lists") from None
+        return None if self.lr_scheduler is None else scheduler_state(self.lr_scheduler, "ElasticOptimizer")
 
     def _load_scheduler(self, state: dict[str, Any]) -> None:
         """The scheduler's committed state, and the rates it had set (a scheduler built afresh sets

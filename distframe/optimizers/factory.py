@@ -17,7 +17,7 @@ def make_optimizer(name: str, model: Any, optimizer: Any, **settings: Any) -> Sh
     a name (none, fp16, bf16, int8, topk, powersgd) with its settings as keywords (ratio, rank,
     start_iter, chunk_size, stochastic, seed); ``error_feedback``.
     ``async``: AsyncSGDOptimizer on a DDPModel (max_staleness, server_rank, staleness_lr,
-    deterministic, on_worker_failure, worker_timeout).
+    deterministic, on_worker_failure, worker_timeout, lr_scheduler: the server's).
     ``elastic``: ElasticOptimizer on any data-parallel model (commit_every, checkpoint_dir,
     checkpoint_every, member, lr_scheduler, allow_rollback).
     Remaining keywords go to the torch.optim optimizer (lr, weight_decay, ...).
