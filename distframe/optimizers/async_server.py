@@ -12,7 +12,9 @@ start a step (receive parameters): with P the workers computing on parameters th
 Every application before a pending gradient's own adds one to its age and removes one from the
 number of gradients that can still land before it, so age + others stays <= s; it is the
 worker that would push the oldest gradient further than s that waits ("a worker further ahead
-waits"). s = 0 is sequential SGD; s >= number of workers - 1 never throttles round-robin workers.
+waits"). s = 0 is sequential SGD. With W workers taking turns, a worker restarts while the W - 1
+others pend, the oldest of them pulled W - 1 updates ago: (W - 1) + (W - 1), so s >= 2 (W - 1)
+never throttles them (s = W - 1 makes each wait for the push of the one before it).
 
 [Note: a worker dropped while still computing] A worker that sends nothing for the
 worker_timeout is declared dead; it may only be slow. Its staleness was accounted for up to the
