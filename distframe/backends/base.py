@@ -142,7 +142,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         data = self._check_tensor("all_reduce", tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+        if self._may_post(async_op) and data.is_cpu and validation.is_dense(data) and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION) and self._posted(
                 "all_reduce", data.nbytes, (tensor.shape, tensor.dtype, (("op", op.name),)),
                 self._post_all_reduce, data,
@@ -168,7 +168,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         counts as shape (1,)). Every rank must pass the same shape. ``out`` (optional, contiguous,
         not overlapping ``tensor``) receives the result, saving an allocation per call."""
         data = self._check_tensor("all_gather", tensor)
-        flat = data.reshape(1) if data.dim() == 0 else data.contiguous()
+        flat = validation.dense(data.reshape(1) if data.dim() == 0 else data)
         shape = (self._world_size * flat.shape[0], *flat.shape[1:])
         if out is not None:
             out = self._check_out("all_gather", out, shape, tensor)
@@ -195,7 +195,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         if out is not None:
             out = self._check_out("reduce_scatter", out, shape, tensor)
         applied = effective_op(op, tensor.dtype)
-        if self._may_post(async_op) and data.is_cpu and data.is_contiguous() and not (
+        if self._may_post(async_op) and data.is_cpu and validation.is_dense(data) and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION):
             result = out if out is not None else data.new_empty(shape)
             if self._posted("reduce_scatter", data.nbytes, (tensor.shape, tensor.dtype, (("op", op.name),)),
@@ -245,7 +245,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         dst = self._check_peer("gather", "dst", dst)
         sig = lambda: Signature("gather", tuple(tensor.shape), tensor.dtype, (("dst", dst),))
         return self._run("gather", sig, tensor.nbytes,
-                         lambda call: self._gather(data.contiguous(), dst, call), async_op)
+                         lambda call: self._gather(validation.dense(data), dst, call), async_op)
 
     def scatter(self, chunks: Sequence[torch.Tensor] | None, src: int, *,
                 async_op: bool = False) -> torch.Tensor | Work:
@@ -296,7 +296,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         data, dst, tag = self._check_p2p("isend", tensor, dst, tag)
         self.stats.record("send", tensor.nbytes)
-        return self._isend(data.contiguous(), dst, tag)
+        return self._isend(validation.dense(data), dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         data, src, tag = self._check_p2p("irecv", tensor, src, tag)

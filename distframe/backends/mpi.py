@@ -40,6 +40,7 @@ from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacem
 from distframe.backends.mpi_p2p import P2PWork, irecv_with_header, isend_with_header
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
 from distframe.backends.types import ReduceOp, Work
+from distframe.backends.validation import is_dense
 from distframe.errors import CollectiveTimeoutError
 
 _MAX_SCATTER_DIMS = 32
@@ -296,7 +297,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
             return irecv_with_header(self, tensor, src, tag, seq)
         stage = needs_staging(tensor, self._device_aware)
         host = tensor
-        if stage or not tensor.is_contiguous():  # receive into a buffer, copied over on completion
+        if stage or not is_dense(tensor):  # receive into a buffer, copied over on completion
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu" if stage else tensor.device)
         return P2PWork(self, self._comm.Irecv([wire(host), self._MPI.BYTE], src, tag), "recv", seq, src, tag,
                        host, target=tensor)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from distframe.backends.types import ReduceOp
+from distframe.backends.validation import dense
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -40,7 +41,7 @@ def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
             return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
         if tensor.dtype == torch.float16:
             return tensor.div(power_of_two_at_least(world_size)).contiguous()
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
+    return dense(tensor)  # written back with copy_, which respects neg and conj bits
 
 
 def average_(work: torch.Tensor, world_size: int, keep_dtype: bool = False) -> torch.Tensor:

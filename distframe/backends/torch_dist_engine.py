@@ -53,7 +53,8 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
                                                  peer_lost, wait_for_members)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
-from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, UnfinishedSends, message_tag
+from distframe.backends.torch_dist_p2p import (HEADER_TAG, RecvWork, UnfinishedSends, debug_payload_tag,
+                                               message_tag)
 from distframe.backends.torch_dist_waits import TorchDistWaits
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
@@ -261,7 +262,7 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         if self.debug:
             header = Signature("send", tuple(tensor.shape), tensor.dtype).encode(seq).to(self._device)
             self._sends.add((self._pg.send([header], dst, tag + HEADER_TAG), header, dst, tag, seq))
-            wire_tag = tag
+            wire_tag = debug_payload_tag(tag, seq)
         else:  # [Note: the message's shape in its tag] (torch_dist_p2p)
             wire_tag = message_tag(tag, tensor, seq)
         try:

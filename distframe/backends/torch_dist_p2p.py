@@ -42,6 +42,7 @@ from distframe.backends.torch_dist_board import (_CUT, DEPARTURE_SETTLE_S, WAIT_
                                                  peer_lost)
 from distframe.backends.torch_dist_wire import movable
 from distframe.backends.types import Work
+from distframe.backends.validation import is_dense
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -59,6 +60,15 @@ def message_tag(tag: int, tensor: torch.Tensor, seq: int) -> int:
     outside debug mode ([Note: the message's shape in its tag])."""
     mixed = ((_fingerprint(tensor.dtype, tuple(tensor.shape)) ^ (seq * 0x9E3779B9)) * 0x85EBCA6B)
     return tag | ((mixed & 0xFFFFFFFF) >> (32 - FINGERPRINT_BITS) << FINGERPRINT_SHIFT)
+
+
+def debug_payload_tag(tag: int, seq: int) -> int:
+    """The tag Gloo sees for the payload of message ``seq`` on the channel with user tag ``tag`` in
+    debug mode: the message's number (mod 512) in bits 22-30, clear of ``HEADER_TAG``'s bit 21.
+    Its receive is posted only once its header has arrived, when the receive is first waited
+    for: on the user's tag alone Gloo matched payloads in wait order, so receives waited out of
+    order swapped their messages."""
+    return tag | ((seq & 0x1FF) << 22)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,7 +101,7 @@ class RecvWork(Work):
     def __init__(self, backend: TorchDistributedBackend, tensor: torch.Tensor, src: int, tag: int,
                  seq: int) -> None:
         self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
-        direct = tensor.is_contiguous() and tensor.device == backend._device
+        direct = is_dense(tensor) and tensor.device == backend._device
         self._buffer = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype,
                                                          device=backend._device)
         self._done = False
@@ -127,7 +137,7 @@ class RecvWork(Work):
         if self._payload_work is None:
             self._await(self._header_work)
             self._check_header()
-            self._payload_work = self._post(movable(self._buffer), self._tag)
+            self._payload_work = self._post(movable(self._buffer), debug_payload_tag(self._tag, self._seq))
         self._await(self._payload_work)
         if self._buffer is not self._tensor:
             self._tensor.copy_(self._buffer)

@@ -21,6 +21,20 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its values in order: contiguous, and not a lazy negation
+    or conjugation (torch's neg and conj bits: ``x.conj()``, and the ``.imag`` of one). Gloo and
+    MPI move memory, so such a view sent 5 for -5, or failed in NumPy; torch ops (the in-memory
+    engine) respect the bits."""
+    return tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj()
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when :func:`is_dense`, else a contiguous copy of its values (written back
+    with ``copy_``, which respects the bits, where an op writes into it)."""
+    return tensor if is_dense(tensor) else tensor.resolve_conj().resolve_neg().contiguous()
+
+
 def as_int(op: str, name: str, value: object) -> int:
     """``value`` as a Python int: an int, or an integer that converts exactly (a NumPy integer,
     a 0-dim integer tensor), as torch.distributed takes them; never a bool or a float."""
@@ -59,10 +73,11 @@ def check_p2p(op: str, tensor: object, peer: object, tag: object, rank: int, wor
 def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """``out`` as the engines write it (:func:`plain`: a detached alias when it requires grad)."""
     out = check_tensor(op, out)
-    if out.shape != shape or out.dtype != like.dtype or not out.is_contiguous():
+    if out.shape != shape or out.dtype != like.dtype or not is_dense(out):
+        kind = ("non-contiguous " if not out.is_contiguous() else
+                "lazily negated or conjugated (neg or conj bit) " if not is_dense(out) else "")
         raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
-                         f"got {'non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
-                         f"{tuple(out.shape)}")
+                         f"got {kind}{out.dtype} {tuple(out.shape)}")
     # Storages on different devices never share an address, and empty ones may both have none.
     ptr = _storage_address(out)
     if ptr and ptr == _storage_address(like):
@@ -73,11 +88,14 @@ def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) 
 def check_chunks(op: str, chunks: object, world_size: int, *, same_shape: bool) -> list[torch.Tensor]:
     if chunks is None or isinstance(chunks, torch.Tensor) or len(chunks) != world_size:
         raise ValueError(f"{op} needs a list of world_size={world_size} tensors, got {chunks!r:.80}")
-    chunks = [check_tensor(op, c) for c in chunks]
+    chunks = [dense(check_tensor(op, c)) for c in chunks]  # read only: values, in plain memory
     first = chunks[0]
     for j, c in enumerate(chunks):
+        if not same_shape and c.dim() == 0:
+            raise ValueError(f"{op}: chunk {j} is 0-dim, and chunks are split along dim 0; pass "
+                             "t.reshape(1) for a single value")
         if c.dtype != first.dtype or (same_shape and c.shape != first.shape) or (
-                not same_shape and (c.dim() == 0 or c.shape[1:] != first.shape[1:])):
+                not same_shape and c.shape[1:] != first.shape[1:]):
             what = "shape and dtype" if same_shape else "dtype and dims after dim 0"
             raise ValueError(f"{op}: chunk {j} has shape {tuple(c.shape)} and dtype {c.dtype}, "
                              f"chunk 0 has {tuple(first.shape)} and {first.dtype}; all chunks need one {what}")

@@ -186,6 +186,25 @@ def test_debug_mismatch_raises_on_every_rank(debug_pool, kind, words):
     assert debug_pool.run(rank_pid_and_sum) == [(pid, 3.0) for pid in pids]
 
 
+def rank_receives_waited_out_of_order(b):
+    if b.rank == 0:
+        b.send(torch.tensor([1.0]), 1)
+        b.send(torch.tensor([2.0]), 1)
+    if b.rank != 1:
+        return None
+    a, c = torch.zeros(1), torch.zeros(1)
+    first, second = b.irecv(a, 0), b.irecv(c, 0)
+    second.wait()
+    first.wait()
+    return a.item(), c.item()
+
+
+def test_debug_receives_waited_out_of_order_take_their_messages_in_posting_order(debug_pool):
+    # Debug mode posted each payload's receive on the user's tag when it was waited for, so
+    # Gloo matched payloads in wait order: (2.0, 1.0). Receives match in posting order (MPI's rule).
+    assert debug_pool.run(rank_receives_waited_out_of_order)[1] == (1.0, 2.0)
+
+
 def test_debug_point_to_point_mismatch_raises_on_the_receiver(debug_pool):
     messages = debug_pool.run(rank_p2p_mismatch)
     assert messages[0] == "no error" and messages[2] == "no error"

@@ -4,6 +4,7 @@ test_collectives.py, like the checks in checks.py."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from distframe.backends import ReduceOp
@@ -170,3 +171,58 @@ def check_complex32_average(backend) -> None:
         if got.dtype != torch.complex32:
             raise AssertionError(f"{what} AVG of complex32 gave {got.dtype}")
         np.testing.assert_array_equal(got.to(torch.complex64).cpu().numpy(), expected, err_msg=what)
+
+
+def _lazy_views(r: int):
+    """Rank r's lazily negated view (torch's neg bit: the .imag of a conjugate) and lazily
+    conjugated view (conj bit), each of 2 elements, with the values they stand for."""
+    base = torch.tensor([1 + 5j, 2 - 3j], dtype=torch.complex128) * (r + 1)
+    neg = base.conj().imag  # values -5(r+1), 3(r+1); memory holds their negation
+    conj = base.conj()
+    assert neg.is_neg() and conj.is_conj()
+    return [(neg, neg.resolve_neg().clone()), (conj, conj.resolve_conj().clone())]
+
+
+def check_lazy_views_move_their_values(backend) -> None:
+    """Gloo and MPI read memory, where these views hold the negated or conjugated values: they
+    sent 5 for -5 and failed in NumPy; the in-memory engine, which uses torch ops, was right."""
+    n, r = backend.world_size, backend.rank
+    for k in range(2):
+        views = [_lazy_views(q)[k] for q in range(n)]
+        mine, value = _lazy_views(r)[k]
+        everyone = torch.stack([v for _, v in views])
+        assert torch.equal(backend.all_gather(mine), everyone.reshape(-1)), "all_gather"
+        if k == 0:  # real: every reduce op
+            for op, expect in (("sum", everyone.sum(0)), ("max", everyone.amax(0))):
+                target, _ = _lazy_views(r)[k]
+                backend.all_reduce(target, op)
+                assert torch.equal(target.resolve_neg(), expect), f"all_reduce {op}"
+        else:
+            target, _ = _lazy_views(r)[k]
+            backend.all_reduce(target)
+            assert torch.equal(target.resolve_conj(), everyone.sum(0)), "all_reduce of a conj view"
+        target, _ = _lazy_views(r)[k]
+        backend.broadcast(target, 0)
+        assert torch.equal(target.resolve_conj().resolve_neg(), views[0][1]), "broadcast"
+        gathered = backend.gather(mine, 0)
+        if r == 0:
+            assert torch.equal(torch.stack(gathered), everyone), "gather"
+        got = backend.scatter([v for v, _ in views] if r == 0 else None, 0)
+        assert torch.equal(got, value), "scatter"
+        parts = backend.all_to_all([mine[:1]] * n)
+        assert torch.equal(torch.cat(parts), everyone[:, 0]), "all_to_all"
+        if n > 1:
+            into, _ = _lazy_views(r)[k]
+            if r == 0:
+                backend.send(views[0][0], 1)
+            elif r == 1:
+                backend.recv(into, 0)
+                assert torch.equal(into.resolve_conj().resolve_neg(), views[0][1]), "recv into a view"
+        backend.barrier()
+
+
+def check_zero_dim_all_to_all_chunks_are_named(backend) -> None:
+    n = backend.world_size
+    with pytest.raises(ValueError, match=r"chunk 0 is 0-dim.*reshape\(1\)"):
+        backend.all_to_all([torch.tensor(1.0)] * n)
+    backend.barrier()

@@ -137,3 +137,11 @@ def test_complex_min_max_is_refused_alike(runner):
 
 def test_complex32_average(runner):
     runner.run(checks_dtypes.check_complex32_average)
+
+
+def test_lazy_views_move_their_values(runner):
+    runner.run(checks_dtypes.check_lazy_views_move_their_values)
+
+
+def test_zero_dim_all_to_all_chunks_are_named(runner):
+    runner.run(checks_dtypes.check_zero_dim_all_to_all_chunks_are_named)
