@@ -7,6 +7,9 @@ its peak. A tensor subclass without storage of its own (DTensor) is counted thro
 tensors. With ``include_existing`` it first registers every storage reachable from Python (gc),
 so the peak is of everything live, not only of what the measured code created.
 
+A storage resized in place is followed: one freed with ``resize_(0)`` stops counting, one
+re-allocated with ``resize_(n)`` counts once at its new size.
+
 What it cannot see: tensors made by ops on other threads (a communication thread that allocates
 its own outputs) and memory a library allocates without making a tensor (Gloo's internal buffers,
 a kernel's scratch space). Say so beside any figure it gives.
@@ -52,7 +55,16 @@ class PeakStorage(TorchDispatchMode):
             self.current += storage.nbytes()
 
     def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+        # A storage freed in place (resize_(0): FSDP2's free_storage, distframe's sharded units)
+        # stays alive, and one re-allocated with resize_(n) moves to a new address, where _add
+        # counts it again. Drop an entry whose storage died or whose pointer or size is no longer
+        # what was counted (corrected in the nineteenth session, BENCHMARKS.md).
+        for key in list(self.live):
+            ref, nbytes = self.live[key]
+            if not ref.expired():
+                storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                if storage.data_ptr() == key and storage.nbytes() == nbytes:
+                    continue
             self.current -= self.live.pop(key)[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -63,6 +75,18 @@ class PeakStorage(TorchDispatchMode):
                 self._add(t)
         self.peak = max(self.peak, self.current)
         return out
+
+
+def reachable_bytes() -> int:
+    """Bytes of the unique storages of every tensor reachable from Python now (gc), a DTensor
+    through its inner tensors: a count from real storage to set beside a model's own bookkeeping.
+    In a process whose threads are separate ranks it counts every rank's tensors."""
+    gc.collect()
+    counter = PeakStorage()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):
+            counter._add(obj)
+    return counter.current
 
 
 def live_peak(step) -> int:

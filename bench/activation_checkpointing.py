@@ -4,11 +4,16 @@ the same model keeping its activations, in the same run.
 
 Run: python bench/activation_checkpointing.py [--seq-len 1024 2048 4096] [--steps 5]
 Peak memory is real tensor storage (``_storage.PeakStorage``: every op's outputs, weak references
-to their storages); scratch memory of a kernel that never becomes a tensor is not counted.
+to their storages); scratch memory of a kernel that never becomes a tensor is not counted. It is
+printed twice: the storage the step creates (excluding the parameters and the batch, which exist
+before it), and everything live over the step (parameters included), each variant measured with
+only its own model alive. Step times alternate the two variants step by step (since the nineteenth
+session; before, each variant's steps ran in a block of their own).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -27,8 +32,8 @@ sys.path.append(_HERE)  # after the package: this folder's attention.py must not
 from _storage import PeakStorage  # noqa: E402
 
 
-def measure(seq_len: int, checkpointing: bool, steps: int, batch: int) -> tuple[float, int]:
-    """(median step seconds, peak live storage bytes of one step) of the small preset."""
+def build(seq_len: int, checkpointing: bool, batch: int):
+    """The small preset and one step of it (forward, backward, gradients dropped)."""
     segments = tuple(min(w, seq_len) for w in (256, 512, 1024))
     config = DilatedTransformerConfig.preset("small", seq_len=seq_len, segment_lengths=segments,
                                              activation_checkpointing=checkpointing)
@@ -40,16 +45,35 @@ def measure(seq_len: int, checkpointing: bool, steps: int, batch: int) -> tuple[
         loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         loss.backward()
         model.zero_grad(set_to_none=True)
+    return step
 
+
+def peaks(seq_len: int, checkpointing: bool, batch: int) -> tuple[int, int]:
+    """(peak bytes of the storage one step creates, peak of everything live over a step:
+    parameters, the batch, and anything else reachable included), with only this model alive."""
+    step = build(seq_len, checkpointing, batch)
     step()  # warm-up
-    with PeakStorage() as meter:
+    with PeakStorage() as created:
         step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
+    gc.collect()
+    with PeakStorage(include_existing=True) as everything:
         step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), meter.peak
+    return created.peak, everything.peak
+
+
+def times(seq_len: int, steps: int, batch: int) -> tuple[list[float], list[float]]:
+    """Step seconds of the kept and the checkpointed model, alternating step by step (kept first
+    on even steps) after one warm-up step of each."""
+    variants = (build(seq_len, False, batch), build(seq_len, True, batch))
+    for step in variants:
+        step()
+    out: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            started = time.perf_counter()
+            variants[which]()
+            out[which].append(time.perf_counter() - started)
+    return out
 
 
 def main() -> None:
@@ -58,16 +82,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; small preset, batch {args.batch}")
-    print("| seq | kept: step s | kept: peak MiB | checkpointed: step s | checkpointed: peak MiB "
-          "| time ratio | memory ratio |")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; small preset, batch {args.batch}; "
+          f"step s = median of {args.steps} steps, the two variants alternating")
+    print("| seq | kept: step s | kept: peak MiB excl. / incl. params | checkpointed: step s "
+          "| checkpointed: peak MiB excl. / incl. params | time ratio (medians / paired) "
+          "| memory ratio excl. / incl. params |")
     print("|---|---|---|---|---|---|---|")
     for seq_len in args.seq_len:
-        kept_s, kept_peak = measure(seq_len, False, args.steps, args.batch)
-        ckpt_s, ckpt_peak = measure(seq_len, True, args.steps, args.batch)
-        print(f"| {seq_len} | {kept_s:.3f} | {kept_peak / 2**20:.1f} | {ckpt_s:.3f} | "
-              f"{ckpt_peak / 2**20:.1f} | {ckpt_s / kept_s:.2f} | {ckpt_peak / kept_peak:.2f} |")
-
+        kept_new, kept_all = peaks(seq_len, False, args.batch)
+        ckpt_new, ckpt_all = peaks(seq_len, True, args.batch)
+        kept_t, ckpt_t = times(seq_len, args.steps, args.batch)
+        kept_s, ckpt_s = statistics.median(kept_t), statistics.median(ckpt_t)
+        paired = statistics.median(c / k for k, c in zip(kept_t, ckpt_t))
+        print(f"| {seq_len} | {kept_s:.3f} | {kept_new / 2**20:.1f} / {kept_all / 2**20:.1f} "
+              f"| {ckpt_s:.3f} | {ckpt_new / 2**20:.1f} / {ckpt_all / 2**20:.1f} "
+              f"| {ckpt_s / kept_s:.2f} / {paired:.2f} | "
+              f"{ckpt_new / kept_new:.2f} / {ckpt_all / kept_all:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

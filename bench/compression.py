@@ -6,7 +6,9 @@ loss after N steps, per compressor, on the in-memory engine (world 4) and Gloo (
 
 "bytes/step" is what one rank hands to the gradient collectives per step (``backend.stats``,
 the loss all_reduce excluded); "wire/step" estimates what one rank receives: ring all_reduce
-2(W-1)/W x bytes, all_gather (W-1) x bytes.
+2(W-1)/W x bytes, all_gather (W-1) x bytes. "bytes red." is DDP's bytes/step over a row's, "wire
+red." DDP's wire/step over a row's: they differ where a compressor all-gathers (int8, top-k),
+e.g. int8 at world 4 hands over 4x fewer bytes but moves only 2x fewer over the wire.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def main() -> None:
     print(f"engine={args.engine} world={args.world} steps={args.steps} tiny LM (seq {SEQ}, "
           f"global batch {GLOBAL_BATCH}), AdamW lr 1e-2")
     print(f"{'compressor':<13} {'loss':>7} {'d_loss':>8} {'bytes/step':>11} {'wire/step':>11} "
-          f"{'reduction':>9} {'steps/s':>8}")
+          f"{'bytes red.':>10} {'wire red.':>9} {'steps/s':>8}")
     base = None
     for label, name, settings in CONFIGS:
         if args.only and label not in args.only:
@@ -100,7 +102,7 @@ def main() -> None:
         loss, sent, wire, rate = results[0][0], results[0][1], results[0][2], min(r[3] for r in results)
         base = base or (loss, sent, wire)
         print(f"{label:<13} {loss:7.4f} {loss - base[0]:+8.4f} {sent:11.0f} {wire:11.0f} "
-              f"{base[1] / sent:8.1f}x {rate:8.2f}", flush=True)
+              f"{base[1] / sent:9.1f}x {base[2] / wire:8.1f}x {rate:8.2f}", flush=True)
 
 
 def _spawn(args, name, settings):

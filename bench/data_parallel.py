@@ -6,7 +6,10 @@ sequence 256, batch 8 per rank, AdamW. Each configuration runs in fresh processe
 threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
 
 Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
-(parameters, gradients, optimizer state, buffers) with the ZeRO formula beside it; ``peak MiB`` =
+(parameters, gradients, optimizer state, buffers: the code's own bookkeeping) with, beside it,
+``gc state`` = the unique storage of every tensor reachable from Python then, less what was
+reachable before the model was built (process engines only: in-memory ranks share one process),
+and the ZeRO formula; ``peak MiB`` =
 the process's peak RSS (VmHWM, reset just before the model is built) minus its RSS then (process engines only: the
 in-memory ranks share one process); ``live MiB`` = the peak of live tensor storage over one more
 step after the timed ones, every storage counted once (model, gradients, optimizer state,
@@ -26,8 +29,10 @@ Then, because a step's time swings by up to 10% between runs on 2 shared cores, 
 ratios the targets name are measured once more with both sides in the same two processes:
 DDPModel beside torch DDP and FSDPModel beside FSDP2 (gloo), and with DeepSpeed installed ZeRO-1/2
 beside its stages, alternating step by step (ours first on even steps), ``--pair-steps`` steps
-each; the figures are the ratio of median step times and ("paired") the median over steps of
-the baseline's step time over ours in the same step.
+each; the figures are speed ratios (above 1: ours faster): the baseline's median step time over
+ours, and ("paired speed ratio") the median over steps of the baseline's step time over ours in
+the same step. (bench/collectives.py's "paired time ratio" is the other way up: engine time over
+raw time, below 1 faster.)
 
     python bench/data_parallel.py [--steps 5] [--warmup 1] [--only ddp,fsdp] [--pair-steps 12]
     python bench/data_parallel.py --only gloo:torch-fsdp2,gloo:fsdp    # just the FSDP pair
@@ -138,6 +143,13 @@ def live_peak_mib(step) -> float:
     return live_peak(step) / 2**20
 
 
+def reachable_mib() -> float:
+    """Unique storage of every tensor reachable from Python (gc), MiB (bench/_storage.py)."""
+    sys.path.append(_HERE)
+    from _storage import reachable_bytes
+    return reachable_bytes() / 2**20
+
+
 def peak_rss_mib() -> float:
     try:
         return _status_kib("VmHWM") / 1024
@@ -158,6 +170,8 @@ def strategies() -> dict[str, tuple[type, type]]:
 
 def run_distframe(backend, strategy: str, steps: int, warmup: int):
     torch.set_num_threads(1)
+    counted = backend.engine != "inmemory"  # in-memory ranks share one process: gc sees them all
+    reachable_before = reachable_mib() if counted else None
     before = reset_peak()
     model_cls, opt_cls = strategies()[strategy]
     model = model_cls(build(), backend)
@@ -166,6 +180,8 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
     lm_loss(model(x), y).backward()
     opt.step()
     state = model.memory_footprint()["total"]
+    del x, y
+    gc_state = reachable_mib() - reachable_before if counted else None
     opt.zero_grad()
     for s in range(1, warmup):
         model.train_step(batch_for(backend.rank, s), lm_loss, opt)
@@ -177,7 +193,8 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
     peak = peak_rss_mib() - before
     live = None if backend.engine == "inmemory" else live_peak_mib(
         lambda: model.train_step(batch_for(backend.rank, warmup + steps), lm_loss, opt))
-    return {"steps_per_s": steps / elapsed, "state": state, "peak": peak, "live": live}
+    return {"steps_per_s": steps / elapsed, "state": state, "gc_state": gc_state, "peak": peak,
+            "live": live}
 
 
 # ---- torch baselines (own process group) ---------------------------------------------------------
@@ -261,7 +278,8 @@ def _torch_rank(rank: int, kind: str, steps: int, warmup: int, port: int, out) -
     elapsed = time.perf_counter() - start
     peak = peak_rss_mib() - before
     live = live_peak_mib(lambda: step(warmup + steps))
-    out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "peak": peak, "live": live}))
+    out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "gc_state": None, "peak": peak,
+                    "live": live}))
     dist.destroy_process_group()
 
 
@@ -332,13 +350,13 @@ def print_pairs(steps: int, warmup: int, pairs: list[str]) -> None:
     results = spawn(functools.partial(run_pairs, steps=steps, warmup=warmup, pairs=pairs), WORLD, "gloo",
                     timeout=1800, start_method="spawn")[0]
     print(f"\ninterleaved in the same processes ({steps} steps each, after {warmup} warm-up):")
-    print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12} {'paired':>7}")
+    print(f"{'pair':<24} {'ours ms':>8} {'base ms':>9} {'speed ratio':>12} {'paired speed ratio':>19}")
     labels = {"ddp": "DDPModel / torch DDP", "fsdp": "FSDPModel / FSDP2",
               "ddp-unused": "DDP find_unused / torch",
               "zero1": "ZeRO-1 / DeepSpeed", "zero2": "ZeRO-2 / DeepSpeed"}
     for name, (ours, theirs, paired) in results.items():
         label = labels[name]
-        print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f} {paired:7.3f}",
+        print(f"{label:<24} {ours * 1e3:8.1f} {theirs * 1e3:9.1f} {theirs / ours:12.3f} {paired:19.3f}",
               flush=True)
 
 
@@ -368,8 +386,8 @@ def main(argv=None) -> None:
     print(f"model: {params / 1e6:.2f}M parameters, seq {SEQ}, batch {BATCH}/rank, world {WORLD}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}"
           + ("" if deepspeed else "; DeepSpeed not installed: no DeepSpeed rows"))
-    print(f"{'configuration':<22} {'steps/s':>8} {'vs base':>8} {'state MiB':>10} {'formula MiB':>12} "
-          f"{'peak MiB':>9} {'live MiB':>9}")
+    print(f"{'configuration':<22} {'steps/s':>8} {'vs base':>8} {'state MiB':>10} {'gc state':>9} "
+          f"{'formula MiB':>12} {'peak MiB':>9} {'live MiB':>9}")
     speeds: dict[str, float] = {}
     for label, engine, kind in rows:
         if only and kind not in only and label not in only:
@@ -382,13 +400,15 @@ def main(argv=None) -> None:
                                               warmup=args.warmup), WORLD, engine, timeout=600, **start_method)
         r = results[0]
         state = f"{r['state'] / 2**20:10.2f}" if r["state"] is not None else f"{'-':>10}"
+        gc_state = f"{r['gc_state']:9.2f}" if r.get("gc_state") is not None else f"{'-':>9}"
         formula = f"{FORMULA[kind] * params / 2**20:12.2f}" if kind in FORMULA else f"{'-':>12}"
         peak = f"{max(x['peak'] for x in results):9.1f}" if engine != "inmemory" else f"{'-':>9}"
         speeds[label] = min(x["steps_per_s"] for x in results)
         base = speeds.get(BASELINE.get(label, ""))
         ratio = f"{speeds[label] / base:8.3f}" if base else f"{'-':>8}"
         live = f"{max(x['live'] for x in results):9.1f}" if results[0]["live"] is not None else f"{'-':>9}"
-        print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {formula} {peak} {live}", flush=True)
+        print(f"{label:<22} {speeds[label]:8.3f} {ratio} {state} {gc_state} {formula} {peak} {live}",
+              flush=True)
     if not only or "pairs" in only:
         print_pairs(args.pair_steps, max(args.warmup, 1), args.pairs.split(","))
 

@@ -6,8 +6,10 @@
 1. Throughput (gloo, 2 processes, one thread each): an ``nn.Sequential`` of residual MLP blocks
    (float32) cut into 2 stages by distframe's splitter; the very same stage modules run under
    distframe's PipelineParallelModel and under torch's ``PipelineStage`` + ``ScheduleGPipe`` /
-   ``Schedule1F1B`` (SGD step included in both), alternately in the same processes. Figure:
-   median steps/s over the timed steps; ratio distframe / torch.
+   ``Schedule1F1B`` (SGD step included in both), alternately in the same processes (distframe
+   first on even steps, torch first on odd ones, each after the raw process group's barrier;
+   before the nineteenth session distframe always went first, after the engine's own barrier).
+   Figure: median steps/s over the timed steps; ratio distframe / torch.
 2. Bubble, real compute (the same gloo run): per-stage busy time from the runtime's timeline,
    idle = pipeline span - busy; the mean idle fraction against the formula, and against the
    bubble replayed from the step's own op times with free messages (``replayed_bubble``):
@@ -86,15 +88,18 @@ def _rank_throughput(backend, configs, steps, warmup, batch_size):
             ours_times, theirs_times, timelines = [], [], []
             for s in range(warmup + steps):
                 x, y = batch(s, batch_size)
-                backend.barrier()
-                start = time.perf_counter()
-                ours.train_step((x, y), mse, opt)
-                ours_times.append(time.perf_counter() - start)
-                timelines.append(ours.last_timeline)
-                dist.barrier()
-                start = time.perf_counter()
-                _torch_step(theirs, their_opt, backend, x, y)
-                theirs_times.append(time.perf_counter() - start)
+                # Alternating: distframe first on even steps, torch first on odd ones; both sides
+                # start after the same barrier (the raw process group's, which runs no engine code).
+                for side in ("ours", "theirs") if s % 2 == 0 else ("theirs", "ours"):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if side == "ours":
+                        ours.train_step((x, y), mse, opt)
+                        ours_times.append(time.perf_counter() - start)
+                        timelines.append(ours.last_timeline)
+                    else:
+                        _torch_step(theirs, their_opt, backend, x, y)
+                        theirs_times.append(time.perf_counter() - start)
             rows.append({"schedule": schedule, "m": m, "ours_s": ours_times[warmup:],
                          "torch_s": theirs_times[warmup:], "timelines": timelines[warmup:]})
     finally:
