@@ -17,6 +17,7 @@ a kernel's scratch space). Say so beside any figure it gives.
 from __future__ import annotations
 
 import gc
+import resource
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -96,3 +97,29 @@ def live_peak(step) -> int:
     with PeakStorage(include_existing=True) as mode:
         step()
     return mode.peak
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> float:
+    """Resets the process's peak RSS (Linux clear_refs) and returns the current RSS in MiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_rss_mib() -> float:
+    """The process's peak RSS (MiB) since the last ``reset_peak_rss``."""
+    try:
+        return _status_kib("VmHWM") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

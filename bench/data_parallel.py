@@ -45,7 +45,6 @@ import argparse
 import functools
 import importlib.util
 import os
-import resource
 import socket
 import sys
 import time
@@ -118,43 +117,27 @@ def batch_for(rank: int, step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
+def _meters():
+    """bench/_storage.py: peak RSS, peak live tensor storage, storage reachable from Python."""
+    sys.path.append(_HERE)  # after the packages: this folder's attention.py must not shadow one
+    import _storage
+    return _storage
 
 
 def reset_peak() -> float:
-    """Resets the process's peak RSS (Linux clear_refs) and returns the current RSS in MiB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _status_kib("VmRSS") / 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def live_peak_mib(step) -> float:
-    """Peak live tensor storage (MiB) over one more ``step()`` (bench/_storage.py)."""
-    sys.path.append(_HERE)  # after the packages: this folder's attention.py must not shadow one
-    from _storage import live_peak
-    return live_peak(step) / 2**20
-
-
-def reachable_mib() -> float:
-    """Unique storage of every tensor reachable from Python (gc), MiB (bench/_storage.py)."""
-    sys.path.append(_HERE)
-    from _storage import reachable_bytes
-    return reachable_bytes() / 2**20
+    return _meters().reset_peak_rss()
 
 
 def peak_rss_mib() -> float:
-    try:
-        return _status_kib("VmHWM") / 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _meters().peak_rss_mib()
+
+
+def live_peak_mib(step) -> float:
+    return _meters().live_peak(step) / 2**20
+
+
+def reachable_mib() -> float:
+    return _meters().reachable_bytes() / 2**20
 
 
 # ---- distframe strategies ------------------------------------------------------------------------

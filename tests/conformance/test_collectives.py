@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.conformance import checks, checks_dtypes
+from tests.conformance import checks, checks_dtypes, checks_groups
 from tests.conformance.oracle import DTYPES, FLOAT_NAMES
 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
@@ -79,7 +79,7 @@ def test_subgroups(runner):
 
 
 def test_shutdown_ends_the_groups_made_from_it(runner):
-    runner.run(checks.check_shutdown_ends_the_groups_made_from_it)
+    runner.run(checks_groups.check_shutdown_ends_the_groups_made_from_it)
 
 
 def test_stats(runner):
