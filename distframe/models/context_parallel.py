@@ -26,6 +26,7 @@ from attention.dilated import DilatedAttention
 from attention.ring import RingDilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.pipeline_outputs import flatten_output, unflatten_output
 from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttention
 
 
@@ -81,6 +82,18 @@ def sequence_slice(tensor: Any, group: ICommunicationBackend, what: str) -> Any:
         raise ConfigError(f"cp={count} splits the sequence into equal slices, but {what} have length "
                           f"{length}; use a sequence length divisible by {count}")
     return tensor.narrow(1, group.rank * (length // count), length // count)
+
+
+def gather_output(output: Any, group: ICommunicationBackend) -> Any:
+    """The model's whole output from every rank's slice: each tensor of it (a tuple, list or dict
+    of them too) gathered along dim 1, the sequence; ConfigError for one without that dim."""
+    layout, leaves = flatten_output(output)
+    for leaf in leaves:
+        if leaf.dim() < 2:
+            raise ConfigError(f"cp > 1 gathers the model's outputs along dim 1 (the sequence), but one "
+                              f"has shape {tuple(leaf.shape)}; return (batch, seq, ...) tensors (a loss "
+                              "of each slice belongs in loss_fn)")
+    return unflatten_output(layout, iter([gather_sequence(t, group) for t in leaves]).__next__)
 
 
 def gather_sequence(tensor: torch.Tensor, group: ICommunicationBackend) -> torch.Tensor:

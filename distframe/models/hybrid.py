@@ -44,7 +44,7 @@ from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.inputs import call_with
 from distframe.models.config import ShardingConfig
-from distframe.models.context_parallel import apply_context_parallel, gather_sequence, sequence_slice
+from distframe.models.context_parallel import apply_context_parallel, gather_output, sequence_slice
 from distframe.models.devices import module_device
 from distframe.models.hybrid_checks import check_arguments, check_find_unused
 from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
@@ -150,9 +150,10 @@ class HybridShardedModel(ShardedModelBase):
         if self.runner is None:
             output = self.wrapped_model(inputs)
         else:
-            output = refuse_backward(broadcast_any(self.runner.forward_only(inputs), self.groups.pp,
-                                                   self.dims.pp - 1, self._device))
-        return output if cp is None else gather_sequence(output, cp)
+            output = broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
+                                   self._device)
+        # Gathered or broadcast outside autograd: a backward through it must go to train_step.
+        return refuse_backward(output if cp is None else gather_output(output, cp))
 
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of this rank's slice, gradients left in ``.grad`` unsynchronised;

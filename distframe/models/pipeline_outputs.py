@@ -92,8 +92,9 @@ def concat_microbatches(outputs: list[Any]) -> Any:
     return unflatten_output(layout, iter(joined).__next__)
 
 
-_NO_BACKWARD = ("a pipelined model's forward runs every micro-batch without autograd, so a backward "
-                "through its output cannot reach the stages' parameters: train with "
+_NO_BACKWARD = ("a pipelined or context-parallel model's forward output is broadcast or gathered "
+                "outside autograd (a pipeline runs every micro-batch without it), so a backward "
+                "through it cannot reach the parameters: train with "
                 "model.train_step(batch, loss_fn, optimizer) (or model.forward_backward(batch, loss_fn) "
                 "for the gradients alone), and run evaluation under torch.no_grad()")
 

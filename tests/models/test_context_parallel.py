@@ -110,3 +110,55 @@ def test_ring_attention_of_another_group_is_moved_onto_the_cp_group():
     for replica, out, count, on_cp_group in spawn(run, 4):
         torch.testing.assert_close(out, expected[replica], **TOL)
         assert count == 2 and on_cp_group
+
+
+class DictOutput(nn.Module):
+    """The LM with a dict output: its logits and their sigmoid, both (batch, seq, ...)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.sequence_shard = lm.sequence_shard
+
+    def pipeline_layers(self):
+        return self.lm.pipeline_layers()
+
+    def forward(self, x):
+        logits = self.lm(x)
+        return {"logits": logits, "gate": logits.sigmoid()}
+
+
+def test_a_structured_output_is_gathered_leaf_by_leaf():
+    # It failed with AttributeError: 'dict' object has no attribute 'movedim'.
+    dense = tiny_lm()
+    x, _ = batches()[0]
+    with torch.no_grad():
+        expected = dense(x)
+
+    def run(b):
+        model = HybridShardedModel(DictOutput(copy.deepcopy(dense)), b, dims=ParallelDims(cp=2))
+        with torch.no_grad():
+            return model(x)
+
+    for out in spawn(run, 2):
+        assert list(out) == ["logits", "gate"]
+        torch.testing.assert_close(out["logits"], expected, **TOL)
+        torch.testing.assert_close(out["gate"], expected.sigmoid(), **TOL)
+
+
+@pytest.mark.parametrize("penalty", [False, True])
+def test_a_backward_by_hand_through_a_cp_output_names_train_step(penalty):
+    # The gathered output had no graph: torch's "does not require grad", or, with a penalty over
+    # the parameters, a step on the penalty's gradients alone (7.8e-3 off one process).
+    x, y = batches()[0]
+
+    def run(b):
+        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(cp=2))
+        loss = lm_loss(model(x), y)
+        if penalty:
+            loss = loss + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        with pytest.raises(ConfigError, match=r"train_step"):
+            loss.backward()
+        return True
+
+    assert all(spawn(run, 2))
