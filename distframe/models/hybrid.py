@@ -138,7 +138,9 @@ class HybridShardedModel(ShardedModelBase):
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
-        forward without autograd; the last stage's output is broadcast over the pipeline group."""
+        forward without autograd; the last stage's output is broadcast over the pipeline group.
+        With cp, each slice's output is gathered along the sequence. A broadcast or gathered
+        output's backward raises ConfigError (``refuse_backward``): train with train_step."""
         cp = self.groups.cp
         if self.runner is None and torch.is_grad_enabled():  # a backward through it may follow
             self._before_backward()

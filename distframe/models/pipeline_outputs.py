@@ -112,7 +112,8 @@ class _RefuseBackward(torch.autograd.Function):
 
 
 def refuse_backward(output: Any) -> Any:
-    """``output`` (a forward without autograd) with each floating leaf in a graph whose backward
+    """``output`` (a pipeline's forward without autograd, or a context-parallel output gathered
+    outside it) with each floating leaf in a graph whose backward
     raises ConfigError saying to use train_step: a hand-written ``loss.backward()`` got torch's
     "does not require grad", or, with a term that reaches the parameters (a penalty), ran and
     left that term's gradients alone. Only where grad mode is on: under torch.no_grad() the
