@@ -24,18 +24,22 @@ class CollectiveTimeoutError(DistFrameError, TimeoutError):
     """
 
     def __init__(self, op: str, seq: int, missing_ranks: Sequence[int] | None, timeout: float,
-                 detail: str = "") -> None:
+                 detail: str = "", early: bool = False) -> None:
         self.op = op
         self.seq = seq
         self.missing_ranks = None if missing_ranks is None else sorted(missing_ranks)
         self.timeout = timeout
         who = ("unknown ranks" if self.missing_ranks is None
                else f"ranks {self.missing_ranks} did not arrive")
-        message = f"{op} (sequence number {seq}) timed out after {timeout:g} s: {who}"
+        # early: the rank stopped after ``timeout`` seconds, before its timeout ran out, because
+        # the missing ranks can never arrive (they left the group or are stuck behind it)
+        waited = (f"stopped after {timeout:g} s, before its timeout" if early
+                  else f"timed out after {timeout:g} s")
+        message = f"{op} (sequence number {seq}) {waited}: {who}"
         if detail:
             message += f"; {detail}"
         super().__init__(message)
-        self._args = (op, seq, missing_ranks, timeout, detail)
+        self._args = (op, seq, missing_ranks, timeout, detail, early)
 
     def __reduce__(self):  # picklable, so process launchers can carry it back to the caller
         return type(self), self._args

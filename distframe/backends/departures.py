@@ -95,7 +95,7 @@ def departure_error(departed: dict[int, Departure], op: str, seq: int,
         op, seq, gone, round(waited, 1),
         f"{who} left the group after {calls} calls, without making this one (its function returned "
         "or it shut the backend down), so this rank stopped at once instead of waiting for the "
-        "timeout; the group is unusable now, shut it down")
+        "timeout; the group is unusable now, shut it down", early=True)
 
 
 def receive_departure_error(departed: Departure | None, src: int, receiver: int, tag: int, seq: int,
@@ -135,7 +135,7 @@ def _p2p_departure_error(op: str, counts: Mapping[tuple[int, int], int] | None,
         op, seq, [peer], round(waited, 1),
         f"rank {peer} left the group after {verb} {done} messages with tag {tag} "
         f"{'to' if op == 'recv' else 'from'} rank {me}, so this {op} stopped at once instead of "
-        "waiting for the timeout; the group is unusable now, shut it down")
+        "waiting for the timeout; the group is unusable now, shut it down", early=True)
 
 
 def gave_up_error(op: str, seq: int, missing, timeout: float, who: int | None, now_op: str,

@@ -284,7 +284,7 @@ class Rendezvous:
         if not stuck:
             return None
         return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1),
-                                      shared_gpu_note(op, device, stuck))
+                                      shared_gpu_note(op, device, stuck), early=True)
 
     def _finished_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
         """The error for a wait whose ``absent`` (local) ranks include some whose function under
@@ -297,7 +297,7 @@ class Rendezvous:
                   "this rank stopped at once instead of waiting for the timeout")
         note = self._global_note(gone)
         return CollectiveTimeoutError(op, seq, gone, round(waited, 1),
-                                      f"{note}; {detail}" if note else detail)
+                                      f"{note}; {detail}" if note else detail, early=True)
 
     def missing_ranks(self, seq: int) -> set[int]:
         """The ranks that have not (yet) posted to collective ``seq``, or not left it."""

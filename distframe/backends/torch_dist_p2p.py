@@ -234,7 +234,8 @@ class RecvWork(Work):
         return CollectiveTimeoutError(
             "recv", self._seq, [self._src], round(waited, 1),
             f"rank {self._src} left the group after sending message {self._seq} with tag {self._tag}, "
-            "which never matched this receive" + mismatch_hint(backend, self._tensor, self._src, self._tag))
+            "which never matched this receive" + mismatch_hint(backend, self._tensor, self._src, self._tag),
+            early=True)
 
     def _check_header(self) -> None:
         expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)

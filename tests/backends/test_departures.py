@@ -243,6 +243,7 @@ def test_peers_waiting_for_a_rank_that_left_stop_at_once(pool, tmp_path, where, 
         assert outcome[:4] == ("timeout", *expected), outcome
         elapsed, text = outcome[4:]
         assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+        assert "before its timeout" in text and "timed out" not in text, text  # it did not time out
 
 
 def test_new_group_stops_at_once_when_a_member_left_without_calling_it(pool):
@@ -252,6 +253,7 @@ def test_new_group_stops_at_once_when_a_member_left_without_calling_it(pool):
         assert outcome[:4] == ("timeout", *expected), outcome
         elapsed, text = outcome[4:]
         assert elapsed < PROMPT and f"rank {expected[2][0]} left" in text, text
+        assert "before its timeout" in text and "timed out" not in text, text  # it did not time out
 
 
 @pytest.mark.parametrize("call", ["recv", "irecv"])
