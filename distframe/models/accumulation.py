@@ -34,25 +34,31 @@ def accumulated_backward(model: Any, batch: tuple[Any, Any], loss_fn: Callable, 
     def scaled(output: Any, targets: Any) -> torch.Tensor:
         return loss_fn(output, targets) / steps
 
+    # a pipeline cuts each piece into its micro-batches: check the slice against both at once
+    micro = getattr(getattr(model, "runner", None), "num_microbatches", 1)
     total = None
-    for k, piece in enumerate(split_batch(batch, steps)):
+    for k, piece in enumerate(split_batch(batch, steps, micro)):
         with model.no_sync() if k < steps - 1 else contextlib.nullcontext():
             loss = model.forward_backward(piece, scaled).detach()
         total = loss if total is None else total + loss
     return total
 
 
-def split_batch(batch: tuple[Any, Any], steps: int) -> list[tuple[Any, Any]]:
+def split_batch(batch: tuple[Any, Any], steps: int, num_microbatches: int = 1) -> list[tuple[Any, Any]]:
     """``batch = (inputs, targets)`` cut into ``steps`` equal pieces along dim 0 of every tensor
-    in it (tuples, lists and dicts are looked into; anything else goes whole to every piece)."""
+    in it (tuples, lists and dicts are looked into; anything else goes whole to every piece).
+    ``num_microbatches``: what a pipeline then cuts each piece into, so dim 0 must be a multiple
+    of both (an error naming the piece's size alone would send the user to the wrong knob)."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
     leaves, spec = tree_flatten(tuple(batch))
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % steps):
+        if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % (steps * num_microbatches)):
+            need, what = ((steps, f"accumulation_steps={steps}") if num_microbatches == 1 else
+                          (steps * num_microbatches, f"accumulation_steps={steps} x num_microbatches="
+                                                     f"{num_microbatches} = {steps * num_microbatches}"))
             raise ConfigError(
-                f"accumulation_steps={steps} must divide dim 0 of every tensor of the batch, got "
-                f"shape {tuple(leaf.shape)}; pass a slice of a multiple of {steps} samples, or "
-                "fewer accumulation steps")
+                f"{what} must divide dim 0 of every tensor of the batch, got shape {tuple(leaf.shape)}; "
+                f"pass a slice of a multiple of {need} samples, or fewer accumulation steps")
     chunks = [leaf.chunk(steps) if isinstance(leaf, torch.Tensor) else [leaf] * steps for leaf in leaves]
     return [tree_unflatten([chunk[k] for chunk in chunks], spec) for k in range(steps)]

@@ -98,3 +98,17 @@ def test_pieces_that_do_not_divide_the_slice_are_refused():
         return True
 
     assert all(spawn(run, 2))
+
+
+def test_a_pipeline_slice_that_pieces_and_micro_batches_cannot_divide_names_both():
+    # 8 samples in 2 pieces of 4, then 3 micro-batches each: the slice must be a multiple of 6
+    def run(backend):
+        model = PipelineParallelModel(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)).double(), backend,
+                                      num_microbatches=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batch = (torch.randn(8, 2, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64))
+        with pytest.raises(ConfigError, match=r"num_microbatches=3 = 6 .* multiple of 6 samples"):
+            model.train_step(batch, loss_fn, opt, accumulation_steps=2)
+        return True
+
+    assert all(spawn(run, 2))
