@@ -94,6 +94,8 @@ def dilated_attention_autograd(query: torch.Tensor, key: torch.Tensor, value: to
     Units (head groups of a branch) cover disjoint rows, so merging over all units at once is
     merging over branches.
     """
+    if any(getattr(source, "exchanges", False) for source in sources):  # ring sources: not differentiable
+        raise ValueError("attention dropout is not supported on keys exchanged between ranks")
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     pairs = None
     if dropout > 0.0:

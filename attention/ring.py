@@ -128,6 +128,10 @@ class RingDilatedAttention(DilatedAttention):
                 is_causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's ``(B, T / P, H, D)`` slices -> its slice of the output."""
+        if self.training and self.attention_dropout != 0.0:  # set after construction
+            raise ValueError(f"attention_dropout={self.attention_dropout}: RingDilatedAttention supports "
+                             "only 0.0 (its dropout path would drop the gradients of other ranks' keys); "
+                             "set it back to 0.0, or call eval()")
         validate_is_causal(is_causal)
         validate_inputs(query, key, value, key_padding_mask)
         self._check_ranks_agree(query, is_causal, key_padding_mask)

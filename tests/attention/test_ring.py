@@ -151,3 +151,23 @@ def test_slices_of_different_lengths_are_an_error():
 
     with pytest.raises(ValueError, match=r"slices of one length.*\[3, 3, 3, 2\]"):
         spawn(run, 4)
+
+
+def test_dropout_set_after_construction_is_refused_in_training():
+    """The constructor refuses ``attention_dropout``; set on the module later (a fine-tuning loop
+    that turns dropout on in every DilatedAttention), the dropout path's key gather was not
+    differentiable across ranks: keys and values held elsewhere got no gradient (1.8 off, no
+    error). Training refuses it; eval mode (no dropout) still runs."""
+    x = torch.randn(1, 16, 1, 4, dtype=torch.float64)
+
+    def run(backend):
+        module = RingDilatedAttention((16,), (1,), backend=backend)
+        module.attention_dropout = 0.1
+        mine = x.chunk(backend.world_size, dim=1)[backend.rank]
+        with pytest.raises(ValueError, match="attention_dropout"):
+            module(mine, mine, mine)
+        module.eval()
+        return module(mine, mine, mine)
+
+    out = torch.cat(spawn(run, 2), dim=1)
+    torch.testing.assert_close(out, DilatedAttention((16,), (1,))(x, x, x), rtol=1e-10, atol=1e-10)
