@@ -21,7 +21,9 @@ one small-message latency per call (128 bytes per rank; a few microseconds on on
 [Note: after a timeout] A timed-out MPI request cannot be cancelled. It stays referenced by the
 backend (with its buffers) and may still complete if the late rank arrives, so a group that has
 timed out is not fit for further collectives: shut it down and build a new one. ``shutdown``
-frees the communicator only when no request is left pending, and never synchronises with peers.
+keeps the communicator while a request is left pending, and never synchronises with peers: it
+frees the communicator once every peer has shut it down too and nothing sent on it was left
+unreceived ([Note: freeing a communicator] in ``mpi_retire``).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacem
                                             upcast_for_mpi, wire, write_back)
 from distframe.backends.mpi_p2p import P2PWork, irecv_with_header, isend_with_header
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
+from distframe.backends.mpi_retire import free_retired, retire
 from distframe.backends.types import ReduceOp, Work
 from distframe.backends.validation import is_dense
 from distframe.errors import CollectiveTimeoutError
@@ -63,6 +66,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
 
     def __init__(self, comm: Any = None, *, timeout: float = DEFAULT_TIMEOUT, debug: bool = False) -> None:
         MPI = import_mpi()
+        free_retired()  # communicators shut down earlier whose context ids can go back
         own = (MPI.COMM_WORLD if comm is None else comm).Dup()
         self._setup(MPI, own, timeout, debug)
 
@@ -273,6 +277,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._complete(call, self._comm.Ibarrier, None)
         self._complete(call, self._comm.Ibarrier, None)
         member = self._rank in ranks
+        free_retired()
         sub = self._comm.Split(0 if member else self._MPI.UNDEFINED,
                                ranks.index(self._rank) if member else 0)
         if not member:
@@ -319,9 +324,11 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self.depart()
         self._board.close()
         # A receive whose Work.wait(timeout=...) expired is among them, though a later wait
-        # may have completed it: only a request still pending keeps the communicator.
-        if all(self._settled(request) for request, _ in self._abandoned):
-            self._comm.Free()
+        # may have completed it: only a request still pending keeps the communicator for good.
+        # Otherwise it is freed once the peers' counts show nothing can outlive it
+        # ([Note: freeing a communicator] in mpi_retire).
+        retire(self._comm, self._MPI, self._seq, dict(self._p2p_seq),
+               safe=all(self._settled(request) for request, _ in self._abandoned))
 
     def _settled(self, request: Any) -> bool:
         try:

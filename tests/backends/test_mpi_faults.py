@@ -16,6 +16,7 @@ pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4
 
 from distframe._mpi_launch import MPIPool, spawn_mpi  # noqa: E402
 from distframe.backends.mpi import MPICommunicationBackend  # noqa: E402
+from distframe.backends import mpi_retire  # noqa: E402
 from distframe.backends.mpi_buffers import stage_back, stage_in, write_back  # noqa: E402
 from distframe.errors import (BackendUnavailableError, CollectiveMismatchError,  # noqa: E402
                               CollectiveTimeoutError, ConfigError, RankFailedError)
@@ -123,7 +124,8 @@ def run_p2p_mismatch_polled(b, received):
 def run_recv_wait_expires_then_completes(b):
     """On a group of its own, rank 0's receive from rank 1 first waits with a timeout that
     expires (rank 1 waits for rank 0's go-ahead), then completes. Every rank shuts the group down
-    and says whether its communicator was freed, with what rank 0 received."""
+    and says whether its communicator was freed (once the peers' counts arrived), with what rank
+    0 received."""
     from mpi4py import MPI
     group = MPICommunicationBackend(b.comm, timeout=30)
     got = torch.zeros(3)
@@ -138,6 +140,11 @@ def run_recv_wait_expires_then_completes(b):
         group.send(torch.arange(3.0) + 1, 0, tag=2)
     comm = group.comm
     group.shutdown()
+    b.barrier()  # every peer has shut it down: it is freed once their counts have arrived
+    deadline = time.monotonic() + 10
+    while comm != MPI.COMM_NULL and time.monotonic() < deadline:
+        mpi_retire.free_retired()  # what building the next communicator does
+        time.sleep(0.01)
     return comm == MPI.COMM_NULL, got.tolist()
 
 
