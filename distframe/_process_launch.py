@@ -126,6 +126,11 @@ class ProcessPool:
 
     # ---- workers -----------------------------------------------------------------------------
     def _start_workers(self) -> None:
+        if multiprocessing.current_process().daemon:  # multiprocessing's AssertionError otherwise
+            raise ConfigError(
+                f"spawn(..., backend={self.backend!r}) inside a rank of a spawned process group: "
+                "its rank processes cannot start processes of their own; use the rank's backend "
+                "(or backend.new_group(...)) for the inner work, or backend='inmemory' for it")
         self._generation += 1
         context = _start_context(self.start_method)
         host, port = "127.0.0.1", self._store.port

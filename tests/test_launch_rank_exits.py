@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distframe import spawn
+from distframe._mpi_launch import MPIPool
 from distframe.errors import RankFailedError
 
 
@@ -42,7 +43,6 @@ def pool(request):
         from distframe._process_launch import ProcessPool
         pool = ProcessPool(2, "gloo", timeout=20)
     else:
-        from distframe._mpi_launch import MPIPool
         pool = MPIPool(2, timeout=20)
     yield pool
     pool.close()
@@ -104,3 +104,22 @@ def test_a_message_left_unreceived_by_a_raising_run_is_not_the_next_runs(pool):
     with pytest.raises(ValueError, match="rank 0 stops"):
         pool.run(raise_with_a_message_unreceived)
     assert pool.run(send_and_receive, 2.0) == [2.0, 2.0]
+
+
+def spawn_gloo_inside(backend):
+    from distframe.errors import ConfigError
+    try:
+        return spawn(rank_sum, 2, "gloo", timeout=20)
+    except ConfigError as exc:
+        return str(exc)
+
+
+def test_a_gloo_spawn_inside_a_gloo_rank_is_refused_with_the_alternatives(pool):
+    # Before: multiprocessing's "daemonic processes are not allowed to have children". An MPI
+    # rank is no daemon: there the inner spawn runs.
+    outcomes = pool.run(spawn_gloo_inside)
+    if isinstance(pool, MPIPool):
+        assert outcomes == [[1.0, 1.0]] * 2
+        return
+    for message in outcomes:
+        assert "inside a rank of a spawned process group" in message and "new_group" in message, message
