@@ -24,6 +24,7 @@ from distframe.backends.functional import (all_reduce, copy_to_parallel_region,
                                            scatter_to_parallel_region)
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.tensor_parallel_region import mark_split, sum_replicated_gradients
 
 
 def shard_range(size: int, backend: ICommunicationBackend, what: str) -> tuple[int, int]:
@@ -37,7 +38,7 @@ def shard_range(size: int, backend: ICommunicationBackend, what: str) -> tuple[i
 
 def _slice_param(param: torch.Tensor, dim: int, lo: int, hi: int) -> nn.Parameter:
     piece = param.detach().narrow(dim, lo, hi - lo).clone()
-    return nn.Parameter(piece, requires_grad=param.requires_grad)
+    return mark_split(nn.Parameter(piece, requires_grad=param.requires_grad), dim)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -89,7 +90,9 @@ class RowParallelLinear(nn.Module):
 
     Forward: with ``input_is_parallel=False`` the input is first cut to this rank's slice of the
     last dim; the local matmul gives a partial sum, ``g`` all-reduces it, then the (replicated)
-    bias is added once. Holds ``weight (out, in/t)`` and the full ``bias (out)``.
+    bias is added once. Holds ``weight (out, in/t)`` and the full ``bias (out)``. A replicated
+    value its split input was computed with (a scalar PReLU weight after its 'column' partner)
+    gets the gradient summed over the group ([Note: replicated values inside the split region]).
     """
 
     record_output, output_node = False, None  # as ColumnParallelLinear's
@@ -121,6 +124,8 @@ class RowParallelLinear(nn.Module):
                                 if x.shape[-1] == full else f"last dim {x.shape[-1]}"))
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.backend)
+        elif torch.is_grad_enabled() and x.grad_fn is not None:
+            sum_replicated_gradients(x.grad_fn, self.backend)  # see tensor_parallel_region
         y = reduce_from_parallel_region(F.linear(x, self.weight), self.backend)  # (..., out)
         y = y if self.bias is None else y + self.bias
         if self.record_output:

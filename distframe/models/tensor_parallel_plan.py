@@ -16,6 +16,12 @@ parameter names stay the dense model's. Rules:
 * ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
   ``MultiheadDilatedAttention``: the whole attention is replaced by
   TensorParallelDilatedAttention (split by heads, one ``f`` for q/k/v).
+* A planned layer is replaced under every name it is registered by (``self.alias = self.up``);
+  either name may be planned. A parent that reads its children's weights itself cannot take a
+  split layer: ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``) is a ConfigError;
+  an ``nn.TransformerEncoderLayer`` is kept off its fused inference path (``_keep_off_fused_paths``).
+* A replicated value the split region uses (a PReLU weight between a column and its row) gets
+  its gradient summed over the group (``tensor_parallel_region``).
 
 A weight tied between planned layers (the LM's embedding and head) stays one Parameter. Given a
 TensorParallelRNG (``tensor_parallel_rng``), every ``nn.Dropout`` becomes a ReplicatedDropout (the
@@ -70,6 +76,7 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
         replace_dropouts(model, rng, include)
     shared: dict = {}
     origins: dict[int, int] = {}
+    places = _places(model)
     by_parent: dict[str, dict[str, str]] = {}
     for name, style in plan.items():
         parent, _, child = name.rpartition(".")
@@ -84,7 +91,8 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
             continue
         if isinstance(parent, MultiheadDilatedAttention):
             with _naming(parent_name or type(parent).__name__):
-                parallel = _replace_attention(model, parent_name, parent, children, backend, shared, rng)
+                parallel = _parallel_attention(parent_name, parent, children, backend, shared, rng)
+            _replace(model, places, parent, parallel)
             _record(origins, parent, parallel)
             continue
         paired = _paired(parent, children)
@@ -94,9 +102,45 @@ def apply_tensor_parallel(model: nn.Module, backend: ICommunicationBackend, plan
             with _naming(name):
                 layer = _parallel_layer(dense, style, paired[child], backend, shared, name)
             layer.plan_name = name  # named in its wiring errors
-            setattr(parent, child, layer)
+            _replace(model, places, dense, layer)
             _record(origins, dense, layer)
+    _keep_off_fused_paths(model)
     return origins
+
+
+def _places(model: nn.Module) -> dict[int, list[str]]:
+    """``id(module) -> every name it is registered under`` (``self.alias = self.up``: two)."""
+    places: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        places.setdefault(id(module), []).append(name)
+    return places
+
+
+def _replace(model: nn.Module, places: dict[int, list[str]], dense: nn.Module, parallel: nn.Module) -> None:
+    """Puts ``parallel`` in ``dense``'s place under each of its names: an alias left holding the
+    dense module would compute with the full weights, which no longer train."""
+    for name in places[id(dense)]:
+        owner_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner_name) if owner_name else model, attr, parallel)
+
+
+def _keep_off_fused_paths(model: nn.Module) -> None:
+    """torch's fused inference path of an nn.TransformerEncoderLayer (eval, no grad) passes its
+    linear1/linear2 weights to one kernel, bypassing the split layers' forwards: with slices of
+    them it computes another model, silently. ``activation_relu_or_gelu`` (0: an activation the
+    kernel does not fuse) only chooses that path, so 0 keeps the layer on its module-by-module
+    forward; an nn.TransformerEncoder holding such a layer does not turn a padded batch into a
+    nested tensor either (what its constructor does for such a layer): it computes the padded
+    positions rather than zeroing them, as it does with grad enabled."""
+    for module in model.modules():
+        parallel = any(isinstance(child, (ColumnParallelLinear, RowParallelLinear))
+                       for child in module.children())
+        if isinstance(module, nn.TransformerEncoderLayer) and parallel:
+            module.activation_relu_or_gelu = 0
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder) and any(
+                getattr(layer, "activation_relu_or_gelu", 1) == 0 for layer in module.layers):
+            module.use_nested_tensor = False
 
 
 @contextlib.contextmanager
@@ -131,9 +175,13 @@ def split_dims(model: nn.Module) -> dict[int, int]:
 
 
 def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """The plan, validated, with each planned module under its first name (``named_modules()``'s):
+    a module registered under two names (``self.alias = self.up``) may be planned by either."""
     if not isinstance(plan, Mapping) or not plan:
         raise ConfigError("plan must be a non-empty dict {'module.name': 'column' | 'row' | 'vocab'}")
-    names = dict(model.named_modules())
+    names = dict(model.named_modules(remove_duplicate=False))
+    first = {id(module): name for name, module in model.named_modules()}
+    canonical: dict[str, str] = {}
     for name, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
@@ -143,12 +191,39 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(names[name], wanted):
             raise ConfigError(f"plan[{name!r}]={style!r} needs an nn.{wanted.__name__}, "
                               f"got {type(names[name]).__name__}")
+        _check_parent(names, name)
+        known = first[id(names[name])]
+        if canonical.get(known, style) != style:
+            other = next(n for n in plan if first[id(names[n])] == known and n != name)
+            raise ConfigError(f"{other!r} and {name!r} name one module (registered under both names), "
+                              f"planned {plan[other]!r} and {style!r}: plan it once")
+        canonical[known] = style
+    _check_ties(model, names, canonical)
+    return canonical
+
+
+def _check_parent(names: dict[str, nn.Module], name: str) -> None:
+    """ConfigError for a planned layer whose parent reads its weight itself (see the note on
+    parents in the module docstring's rules)."""
+    parent_name = name.rpartition(".")[0]
+    if isinstance(names[parent_name], nn.MultiheadAttention):
+        raise ConfigError(
+            f"plan[{name!r}]: {parent_name or 'the model'!r} is an nn.MultiheadAttention, whose forward "
+            "reads its projections' weights itself (F.multi_head_attention_forward), so a split "
+            f"{name.rpartition('.')[2]} would compute with one rank's slice; leave it out of the plan "
+            "(the attention stays replicated), or build the model with "
+            "attention.MultiheadDilatedAttention and plan its q_proj, k_proj, v_proj 'column' and "
+            "out_proj 'row' (split by heads)")
+
+
+def _check_ties(model: nn.Module, names: dict[str, nn.Module], plan: dict[str, str]) -> None:
     # A weight tied between a planned layer and another module would be split on one side only,
     # silently untying them: both must be planned (split the same way) or neither.
+    planned_modules = {id(names[name]) for name in plan}
     planned = {id(p): name for name in plan for p in names[name].parameters()}
     for alias, param in model.named_parameters(remove_duplicate=False):
         owner = alias.rpartition(".")[0]
-        if id(param) in planned and owner not in plan:
+        if id(param) in planned and id(names[owner]) not in planned_modules:
             raise ConfigError(f"{alias} is tied to {planned[id(param)]}, which the plan splits; plan "
                               f"{owner!r} too (a tied embedding 'vocab' with its head 'column') or neither")
     # ... and split along one dim: checked here, on the whole model, because pipeline stages
@@ -161,7 +236,6 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(f"{name!r} ({style}) and {other[1]!r} ({plan[other[1]]}) share a weight that "
                               "they would split along different dims; plan a tied embedding 'vocab' with "
                               "its head 'column'")
-    return dict(plan)
 
 
 def _paired(parent: nn.Module, children: dict[str, str]) -> dict[str, bool]:
@@ -178,7 +252,8 @@ def _paired(parent: nn.Module, children: dict[str, str]) -> dict[str, bool]:
         in_pair = {name for pair in pairs for name in pair}
         return {child: child in in_pair for child in children}
     styles = set(children.values())
-    return {child: {"column": "row", "row": "column"}.get(style) in styles for child, style in children.items()}
+    partner = {"column": "row", "row": "column"}
+    return {child: partner.get(style) in styles for child, style in children.items()}
 
 
 def _parallel_layer(dense: nn.Module, style: str, paired: bool, backend: ICommunicationBackend,
@@ -192,16 +267,12 @@ def _parallel_layer(dense: nn.Module, style: str, paired: bool, backend: ICommun
     raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
 
 
-def _replace_attention(model: nn.Module, name: str, attention: MultiheadDilatedAttention,
-                       children: dict[str, str], backend: ICommunicationBackend, shared: dict,
-                       rng: TensorParallelRNG | None) -> TensorParallelDilatedAttention:
+def _parallel_attention(name: str, attention: MultiheadDilatedAttention, children: dict[str, str],
+                        backend: ICommunicationBackend, shared: dict,
+                        rng: TensorParallelRNG | None) -> TensorParallelDilatedAttention:
     if children != _ATTENTION_PLAN:
         raise ConfigError(f"attention {name!r}: plan q_proj, k_proj, v_proj as 'column' and out_proj "
                           f"as 'row' (it is split by heads), got {children}")
     if not name:
         raise ConfigError("plan the attention's projections inside a model, not a bare attention module")
-    owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    parallel = TensorParallelDilatedAttention(attention, backend, shared, rng)
-    setattr(owner, attr, parallel)
-    return parallel
+    return TensorParallelDilatedAttention(attention, backend, shared, rng)

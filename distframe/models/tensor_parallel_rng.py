@@ -117,15 +117,19 @@ class TensorParallelRNG:
 
 class ReplicatedDropout(nn.Dropout):
     """``nn.Dropout`` whose mask comes from ``rng.replicated_generator``: the same on every rank
-    of the tensor group. Stands in for each ``nn.Dropout`` of a tensor-parallel model."""
+    of the tensor group. Stands in for each ``nn.Dropout`` of a tensor-parallel model; ``name``:
+    its name in the model, for its errors. A recomputation that draws another mask is a
+    ConfigError in backward (see [Note: dropout under the user's activation checkpointing])."""
 
-    def __init__(self, p: float, rng: TensorParallelRNG, inplace: bool = False) -> None:
+    def __init__(self, p: float, rng: TensorParallelRNG, inplace: bool = False,
+                 name: str | None = None) -> None:
         super().__init__(p, inplace)
-        self.rng = rng
+        self.rng, self.name = rng, name
 
     @classmethod
-    def from_dense(cls, dense: nn.Dropout, rng: TensorParallelRNG) -> ReplicatedDropout:
-        replaced = cls(dense.p, rng, dense.inplace)
+    def from_dense(cls, dense: nn.Dropout, rng: TensorParallelRNG,
+                   name: str | None = None) -> ReplicatedDropout:
+        replaced = cls(dense.p, rng, dense.inplace, name)
         replaced.train(dense.training)
         return replaced
 
@@ -137,7 +141,51 @@ class ReplicatedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return generator_dropout(x, self.p, self.dropout_generator(x.device), inplace=self.inplace)
+        generator = self.dropout_generator(x.device)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return generator_dropout(x, self.p, generator, inplace=self.inplace)
+        drawn_from = generator.get_state()  # a CPU tensor (5 KB on the CPU, 16 bytes on CUDA)
+        dropped = generator_dropout(x, self.p, generator, inplace=self.inplace)
+        return _SameMaskWhenRecomputed.apply(dropped, drawn_from, self.name)
+
+
+class _SameMaskWhenRecomputed(torch.autograd.Function):
+    """Identity; backward raises ConfigError if the generator state the mask was drawn from
+    differs from the forward's (see the note below).
+
+    [Note: dropout under the user's activation checkpointing]
+    ``torch.utils.checkpoint`` (non-reentrant) drops the tensors a block saved for backward and
+    recomputes them by running the block again, restoring torch's global generators first, not
+    the tensor group's (``TensorParallelRNG``): a ReplicatedDropout recomputed that way draws
+    another mask, and the gradients belong to another network, silently. The recomputation cannot
+    be told from a forward while it runs, but its saved tensors can: the generator state the mask
+    was drawn from is kept twice, as a saved tensor (which checkpoint replaces by the
+    recomputation's) and on the autograd node (which it keeps), and backward compares the two. A
+    checkpoint given ``context_fn`` = ``attention.recompute.same_dropout_masks`` restores the
+    generators, so the states agree and training is exact. Every tensor rank draws from the same
+    state, so all raise alike, before any of the block's backward. Reentrant checkpointing
+    (``use_reentrant=True``) runs the forward without autograd and is not caught; it has no
+    ``context_fn``."""
+
+    @staticmethod
+    def forward(ctx, dropped: torch.Tensor, drawn_from: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.drawn_from, ctx.name = drawn_from, name
+        ctx.save_for_backward(drawn_from)
+        return dropped.view_as(dropped)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (recomputed,) = ctx.saved_tensors
+        if not torch.equal(recomputed, ctx.drawn_from):
+            name = "a ReplicatedDropout" if ctx.name is None else repr(ctx.name)
+            raise ConfigError(
+                f"{name} was recomputed by torch.utils.checkpoint with another dropout mask than its "
+                "forward drew: under tensor parallelism nn.Dropout draws from the tensor group's "
+                "generator (distframe.models.tensor_parallel_rng), which checkpoint does not restore, "
+                "so the gradients would be wrong. Pass context_fn=lambda: same_dropout_masks(block, "
+                "device) (from attention.recompute) to torch.utils.checkpoint(block, ..., "
+                "use_reentrant=False)")
+        return grad, None, None
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -158,9 +206,10 @@ def replace_dropouts(model: nn.Module, rng: TensorParallelRNG,
                               "group (this one would let the ranks' replicated parameters drift apart); "
                               "use nn.Dropout or p=0")
     replaced = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Dropout and (include is None or include(child)):
-                setattr(parent, name, ReplicatedDropout.from_dense(child, rng))
+                full_name = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, ReplicatedDropout.from_dense(child, rng, full_name))
                 replaced += 1
     return replaced
