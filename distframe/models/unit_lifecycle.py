@@ -129,9 +129,11 @@ class UnitLifecycle:
         self._handles = []
         index = 0
         for unit in units:
+            # First of the unit's pre-hooks, as FSDP2's: one registered before wrapping (the
+            # hook-based weight_norm and spectral_norm) reads the unit's gathered parameters.
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda module, args, kwargs, unit=unit: self.pre_forward(unit, args, kwargs),
-                with_kwargs=True))
+                with_kwargs=True, prepend=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self.post_forward(unit, output)))
             for param in unit.params:
