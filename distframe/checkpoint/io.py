@@ -38,13 +38,14 @@ from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
 from distframe.checkpoint import dropout_rng, temporary
+from distframe.checkpoint.matching import check_parameters
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, CheckpointError,
                                          fsync_path, open_reader, read_metadata, sha256_of,
                                          shard_file_name, untied_aliases, verify_files,
                                          write_metadata)
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
-from distframe.models.sharded_state import RangeReader, piece_key
+from distframe.models.sharded_state import RangeReader, numel_of, piece_key
 from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_pieces,
                                                 optimizer_pieces)
 
@@ -170,8 +171,8 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
     verify_files(path, meta)
     ours = set(model.parameter_metadata()) | {name for name, _ in model.replicated_tensors()}
     untied = untied_aliases(meta, ours)
-    _check_parameters(meta, model, untied)
     reader = open_reader(path, meta, untied)
+    check_parameters(meta, model, untied, reader)
     try:
         model.read_shards(reader)
     except ConfigError as exc:
@@ -204,9 +205,11 @@ def consolidate(path: str | Path) -> dict[str, torch.Tensor]:
     reader = open_reader(path, meta)
     out: dict[str, torch.Tensor] = {}
     for name, info in meta["parameters"].items():
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
+        numel = numel_of(info["shape"])
+        if numel == 0:  # no rank stores a piece of a parameter without elements
+            dtype = getattr(torch, str(info.get("dtype")), None)
+            out[name] = torch.empty(info["shape"], dtype=dtype if isinstance(dtype, torch.dtype) else None)
+            continue
         out[name] = reader.read("param", name, 0, numel).reshape(info["shape"]).clone()
     for name in meta["replicated"]:
         out[name] = reader.buffer(name).clone()
@@ -367,29 +370,3 @@ def _existing(path: Path) -> Path:
     if path.exists():
         return path
     return _complete(path) or path
-
-
-def _check_parameters(meta: dict[str, Any], model: ShardedModelBase, untied: dict[str, str]) -> None:
-    """CheckpointError naming the first parameter, frozen parameter or buffer that the model and
-    the checkpoint do not share (a parameter frozen on one side only is shared, and so is an
-    ``untied`` alias, read from the tensor it names)."""
-    saved, replicated = meta["parameters"], set(meta["replicated"])
-    shapes = {name: info["shape"] for name, info in model.parameter_metadata().items()}
-    ours = set(shapes)
-    for name, tensor in model.replicated_tensors():
-        shapes.setdefault(name, list(tensor.shape))
-    for name, shape in shapes.items():
-        stored = untied.get(name, name)
-        if stored not in saved and stored not in replicated:
-            kind = "parameter" if name in ours else "buffer or frozen parameter"
-            held = sorted(saved) if name in ours else sorted(replicated)
-            raise CheckpointError(f"{kind} {name!r} is not in the checkpoint; it holds {held[:5]}"
-                                  + ("..." if len(held) > 5 else ""))
-        if stored in saved and shape != saved[stored]["shape"]:
-            tied = f" (saved tied to {stored!r}, which it reads)" if stored != name else ""
-            raise CheckpointError(f"parameter {name!r}{tied} has shape {shape} here but "
-                                  f"{saved[stored]['shape']} in the checkpoint")
-    unexpected = sorted((set(saved) | replicated) - set(shapes) - model.replicated_names())
-    if unexpected:
-        raise CheckpointError(f"the checkpoint holds {unexpected[:5]} that this model does not have "
-                              "(it was saved from a different model)")

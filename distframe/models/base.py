@@ -17,6 +17,7 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
+from distframe.models.extra_state import copy_replicated, extra_state_modules, extra_state_tensors
 from distframe.models.flat import Segment
 from distframe.models.full_parameters import Summonable, full_state_dict, refuse_while_summoned, summoned
 from distframe.models.grad_norm import clip_sharded_grad_norm
@@ -27,7 +28,8 @@ from distframe.models.plain_optimizer_guard import guard
 from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_initialised,
                                       check_same_structure, check_unwrapped)
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
-                                            full_state_pieces, non_persistent_buffers, shard_pieces)
+                                            non_persistent_buffers, shard_pieces)
+from distframe.models.state_checks import loading_reader
 from distframe.models.wrapped_parameters import WrappedParameters
 from distframe.models.zero_grad_route import route_zero_grad
 
@@ -323,18 +325,20 @@ class ShardedModelBase(nn.Module, abc.ABC):
                 for n, p in self.wrapped_model.named_parameters() if p.requires_grad}
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Persistent buffers and frozen parameters: identical on every rank, saved once by rank
-        0 (non-persistent buffers are not saved, as torch's state_dict leaves them out)."""
+        """Persistent buffers, frozen parameters and extra state (extra_state.py): identical on
+        every rank, saved once by rank 0 (non-persistent buffers are not, as torch leaves them out)."""
         frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
         skipped = non_persistent_buffers(self.wrapped_model)
-        return frozen + [(n, b) for n, b in self.wrapped_model.named_buffers() if n not in skipped]
+        buffers = [(n, b) for n, b in self.wrapped_model.named_buffers() if n not in skipped]
+        return frozen + buffers + extra_state_tensors(self.wrapped_model)
 
     def replicated_names(self) -> set[str]:
         """Every buffer and frozen-parameter name of the unwrapped model, the same on every rank
         (model-parallel strategies, whose ranks hold parts, override it with the dense model's);
         non-persistent buffers too, which a load ignores where an older checkpoint holds them."""
         frozen = {n for n, p in self.wrapped_model.named_parameters() if not p.requires_grad}
-        return frozen | {n for n, _ in self.wrapped_model.named_buffers()}
+        extra = {n for n, _ in extra_state_modules(self.wrapped_model)}
+        return frozen | extra | {n for n, _ in self.wrapped_model.named_buffers()}
 
     def state_aliases(self) -> dict[str, str]:
         """Each further ``state_dict()`` name of a tensor the unwrapped model holds under several
@@ -361,12 +365,11 @@ class ShardedModelBase(nn.Module, abc.ABC):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
                         assign: bool = False) -> None:  # noqa: ARG002
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
-        checkpoint reader), or the unwrapped model's plain state dict (every key without a "/");
-        each rank reads the ranges it holds (``read_shards``), then ``finish_load``. Collective."""
-        if not isinstance(state_dict, RangeReader) and state_dict and not any("/" in k for k in state_dict):
-            state_dict = full_state_pieces(state_dict, self.parameter_metadata(), self.replicated_names(),
-                                           self.state_aliases(), strict=strict)
-        reader = state_dict if isinstance(state_dict, RangeReader) else RangeReader.from_tensors(state_dict)
+        checkpoint reader), or the unwrapped model's plain state dict (every key without a "/"),
+        checked first (state_checks.py); each rank reads the ranges it holds (``read_shards``),
+        then ``finish_load``. Collective."""
+        reader = loading_reader(state_dict, self.parameter_metadata(), self.replicated_names(),
+                                self.state_aliases(), strict=strict)
         self.read_shards(reader)
         self.finish_load()
 
@@ -378,9 +381,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         check_replicated(reader, replicated)
         layout = self.shard_layout()
         fill_shards(layout, reader, "param", layout.shards)
-        with torch.no_grad():
-            for name, tensor in replicated:
-                tensor.copy_(reader.replicated(name, tensor.shape))
+        copy_replicated(self.wrapped_model, reader, replicated)
 
     def finish_load(self) -> None:
         """The collective end of a load, after ``read_shards`` on every rank (``_after_load``);

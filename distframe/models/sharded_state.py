@@ -3,9 +3,10 @@
 A local shard is a 1-D tensor the optimizer updates (a bucket chunk, a unit chunk, or a whole
 replicated parameter); ``ShardLayout`` says which ranges of which parameters it holds. State is
 written as ``{"param/<name>@<offset>": 1-D slice, "optim.<key>/<name>@<offset>": slice,
-"buffer/<name>": tensor}``; ``RangeReader`` answers "elements a:b of parameter p" from any set of
-such pieces, which is what lets a checkpoint saved under one strategy and world size load under
-another. Pure bookkeeping and copies; no communication.
+"buffer/<name>": tensor}`` (buffers, frozen parameters and module extra state, whole);
+``RangeReader`` answers "elements a:b of parameter p" from any set of such pieces, which is what
+lets a checkpoint saved under one strategy and world size load under another. Pure bookkeeping
+and copies; no communication.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from distframe.errors import ConfigError
+from distframe.models.extra_state import check_extra_state, is_extra_state
 from distframe.models.flat import Segment
 
 
@@ -103,22 +105,67 @@ class RangeReader:
 
     def read(self, kind: str, name: str, start: int, length: int) -> torch.Tensor:
         runs = self._index.get((kind, name))
+        if length == 0:  # nothing to read: a parameter without elements has no pieces
+            return self._fetch(runs[0][2], 0, 0) if runs else torch.empty(0)
         if not runs and kind == "param" and f"buffer/{name}" in self.keys:
-            # Stored frozen (whole, as buffers are), read by a model that trains it.
-            return self.buffer(name).reshape(-1)[start:start + length]
+            return self._read_frozen(name, start, length)
         if not runs:
             raise KeyError(f"no stored {kind} data for parameter {name!r}")
-        parts, pos, end = [], start, start + length
+        slices, gap = self._slices(runs, start, start + length)
+        if gap is not None:
+            raise KeyError(f"stored {kind} data for {name!r} does not cover element {gap}")
+        parts = [self._fetch(key, lo, hi) for key, lo, hi in slices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def uncovered(self, kind: str, name: str, start: int, length: int) -> int | None:
+        """The first element of ``start:start + length`` of ``name`` that ``read`` would not
+        find (a parameter stored frozen counts whole), or None when it would find them all."""
+        runs = self._index.get((kind, name))
+        if length == 0:
+            return None
+        if not runs and kind == "param" and f"buffer/{name}" in self.keys:
+            numel = numel_of(self._shape_of(f"buffer/{name}"))
+            return None if start + length <= numel else max(start, numel)
+        return self._slices(runs, start, start + length)[1] if runs else start
+
+    @staticmethod
+    def _slices(runs: list[tuple[int, int, str]], start: int, end: int) -> tuple[list, int | None]:
+        """(key, lo, hi) of each stored piece that holds elements start:end, in order, and the
+        first element that none holds (None when they hold all)."""
+        slices, pos = [], start
         i = max(0, bisect.bisect_right(runs, (start, float("inf"), "")) - 1)
         while pos < end:
             if i >= len(runs) or runs[i][0] > pos or runs[i][0] + runs[i][1] <= pos:
-                raise KeyError(f"stored {kind} data for {name!r} does not cover element {pos}")
+                return slices, pos
             offset, numel, key = runs[i]
             hi = min(end, offset + numel)
-            parts.append(self._fetch(key, pos - offset, hi - offset))
+            slices.append((key, pos - offset, hi - offset))
             pos = hi
             i += 1
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return slices, None
+
+    def _read_frozen(self, name: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``start:start + length`` of parameter ``name``, stored frozen (whole, as a
+        buffer) and read by a model that trains it. A backstop for the callers' shape checks
+        (state_checks, checkpoint.load's): a read past its end is a ConfigError naming both."""
+        stored = tuple(self._shape_of(f"buffer/{name}"))
+        if start + length > numel_of(stored):
+            raise ConfigError(f"parameter {name!r} is stored frozen with shape {list(stored)} "
+                              f"({numel_of(stored)} elements), but its elements {start}:{start + length} "
+                              "were to be read: the model's parameter has another shape")
+        return self.buffer(name).reshape(-1)[start:start + length]
+
+    def names(self, kind: str) -> set[str]:
+        """The names that pieces of ``kind`` are stored for."""
+        return {name for k, name in self._index if k == kind}
+
+    def covered(self, kind: str, name: str) -> int:
+        """How many elements the pieces of ``kind`` stored for ``name`` hold together."""
+        return sum(numel for _, numel, _ in self._index.get((kind, name), []))
+
+    def extent(self, kind: str, name: str) -> int:
+        """One past the last element the pieces of ``kind`` stored for ``name`` hold (0: none)."""
+        return max((offset + numel for offset, numel, _ in self._index.get((kind, name), [])), default=0)
 
     def whole(self, kind: str, name: str) -> torch.Tensor:
         """The one piece of ``kind`` stored for ``name``, whole (state kept per rank, such as
@@ -146,16 +193,17 @@ class RangeReader:
         element count is that shape's, else their count."""
         if f"buffer/{name}" in self.keys:
             return tuple(self._shape_of(f"buffer/{name}"))
-        runs = self._index.get(("param", name), [])
-        covered = sum(n for _, n, _ in runs)
-        return None if not runs else tuple(shape) if covered == _numel(shape) else (covered,)
+        if not self.holds("param", name):
+            return None
+        covered = self.covered("param", name)
+        return tuple(shape) if covered == numel_of(shape) else (covered,)
 
     def replicated(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """Buffer or frozen parameter ``name`` of ``shape``: stored whole, or as parameter pieces
         when the saving model trained it."""
         if f"buffer/{name}" in self.keys:
             return self.buffer(name)
-        return self.read("param", name, 0, _numel(shape)).reshape(tuple(shape))
+        return self.read("param", name, 0, numel_of(shape)).reshape(tuple(shape))
 
 
 
@@ -175,12 +223,14 @@ def check_replicated(reader: RangeReader, named: Iterable[tuple[str, torch.Tenso
     for name, tensor in named:
         stored = reader.replicated_shape(name, tensor.shape)
         if stored is None:
-            raise ConfigError(f"buffer or frozen parameter {name!r} is not in the state loaded")
-        if stored != tuple(tensor.shape):
+            kind = "extra state" if is_extra_state(name) else "buffer or frozen parameter"
+            raise ConfigError(f"{kind} {name!r} is not in the state loaded")
+        if stored != tuple(tensor.shape) and not is_extra_state(name):  # [Note: extra state]
             raise ConfigError(f"buffer or frozen parameter {name!r} has shape {list(tensor.shape)} "
                               f"here but {list(stored)} in the state loaded")
 
-def _numel(shape: Sequence[int]) -> int:
+
+def numel_of(shape: Sequence[int]) -> int:
     numel = 1
     for d in shape:
         numel *= d
@@ -189,7 +239,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 def fill_shards(layout: ShardLayout, reader: RangeReader, kind: str,
                 tensors: list[torch.Tensor]) -> None:
-    """Copies every held segment of every shard from ``reader`` into ``tensors`` (in place)."""
+    """Copies every held segment of every shard from ``reader`` into ``tensors`` (in place);
+    ConfigError first, before anything is copied, when ``reader`` lacks any of them."""
+    check_covered(reader, kind, [s for segs in layout.segments for s in segs])
     with torch.no_grad():
         for tensor, segs in zip(tensors, layout.segments):
             flat = tensor.view(-1)
@@ -214,6 +266,8 @@ def full_state_pieces(state: dict[str, torch.Tensor], trainable: dict[str, dict]
                                   f"{list(tensor.shape)} in the state dict loaded")
             pieces[piece_key("param", name, 0)] = tensor.detach().reshape(-1)
         elif name in replicated:
+            if is_extra_state(name):
+                check_extra_state(name, tensor)
             pieces[f"buffer/{name}"] = tensor.detach()
         else:
             unexpected.append(name)
@@ -224,3 +278,26 @@ def full_state_pieces(state: dict[str, torch.Tensor], trainable: dict[str, dict]
             f"{unexpected[:3]}: a wrapped model loads the unwrapped model's state dict (names as in "
             "gather_full_parameters(), without a 'module.' prefix) or every rank's state_dict() merged")
     return pieces
+
+
+def check_covered(reader: RangeReader, kind: str, segments: list[Segment]) -> None:
+    """ConfigError naming the parameters of ``segments`` (the ranges this rank reads) of which
+    ``reader`` holds no ``kind`` data, and those of which it lacks a range: the state was saved
+    from a smaller parameter, or is not every rank's ``state_dict()`` merged."""
+    missing: list[str] = []
+    short: dict[str, str] = {}
+    for s in segments:
+        gap = reader.uncovered(kind, s.name, s.param_offset, s.length)
+        if gap is None or s.name in missing or s.name in short:
+            continue
+        if not reader.holds(kind, s.name) and not (kind == "param" and f"buffer/{s.name}" in reader.keys):
+            missing.append(s.name)
+        else:
+            short[s.name] = (f"{s.name!r}: elements {s.param_offset}:{s.param_offset + s.length} read here, "
+                             f"element {gap} not held")
+    if missing or short:
+        what = "parameter(s)" if kind == "param" else f"{kind} state of parameter(s)"
+        found = [f"missing {what} {missing[:5]}"] if missing else []
+        found += [f"{what} not held whole: " + "; ".join(list(short.values())[:5])] if short else []
+        raise ConfigError(f"the state loaded does not fit this model: {', '.join(found)}. It was saved "
+                          "from a smaller model, or is not every rank's state_dict() merged")

@@ -12,6 +12,7 @@ from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, ShardLayout
+from distframe.models.state_checks import check_optimizer_pieces
 from distframe.optimizers.instances import (adopt_instance, build_optimizer, check_dense_gradients,
                                            check_elementwise, check_instance_covers,
                                            check_optimizer_argument)
@@ -266,8 +267,9 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads state saved under any layout (merge every rank's ``tensors`` and ``scalars``);
         each param group takes the settings of the saved group that trained its parameters
-        (ConfigError when the saved run grouped them otherwise)."""
+        (ConfigError when the saved run grouped them otherwise, or for another model's state)."""
         reader = reader or state_reader(state, type(self).__name__)
+        check_optimizer_pieces(reader, self.model.parameter_metadata(), self.model.replicated_names())
         load_optimizer_pieces(self._optimizer_layout(), self.wrapped_optimizer, reader,
                               state.get("scalars", {}), state.get("param_groups", []), self._group_names)
 
