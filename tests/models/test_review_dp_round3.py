@@ -68,3 +68,45 @@ def test_hook_based_weight_and_spectral_norm_train_as_one_process(strategy):
     for params in spawn(run, 2):
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-10, msg=name)
+
+
+class WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.a(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_a_parameter_without_elements_trains(strategy):
+    # Before: its stand-in shares the NaN's data pointer, so reading it in its own unit's forward
+    # was refused as a read of a resharded parameter.
+    def build():
+        with SEED_LOCK:
+            torch.manual_seed(0)
+            return WithEmpty().double()
+
+    batches = _batches()
+    reference = build()
+    opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for x, y in batches:
+        F.mse_loss(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def run(backend):
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(build(), backend)
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for x, y in batches:
+            rows = slice(3 * backend.rank, 3 * backend.rank + 3)
+            model.train_step((x[rows], y[rows]), F.mse_loss, opt)
+        return model.gather_full_parameters()
+
+    for params in spawn(run, 2):
+        assert params["empty"].shape == (0, 4)
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-10, msg=name)
