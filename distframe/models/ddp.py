@@ -15,6 +15,7 @@ from distframe.models.flat import FlatSpace, Segment, partition_into_buckets
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
+from distframe.precision import refuse_policy
 
 CommHook = Callable[[ICommunicationBackend, GradBucket], Work]
 
@@ -65,9 +66,9 @@ class DDPModel(ShardedModelBase):
             peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None))
 
     def _check_config(self, config: ShardingConfig) -> None:
-        if config.mixed_precision is not None:
-            raise ConfigError("ShardingConfig.mixed_precision applies to ZeRO and FSDP (fp32 master "
-                              "weights); for DDP cast the model yourself or use ZeRO1Model")
+        refuse_policy(config.mixed_precision, type(self).__name__,
+                      "for DDP compute in lower precision under torch.autocast (or cast the model "
+                      "yourself), or use ZeRO1Model for a MixedPrecisionPolicy")
 
     def register_comm_hook(self, hook: CommHook) -> None:
         """Replaces the per-bucket gradient all_reduce (see the class docstring)."""

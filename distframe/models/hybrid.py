@@ -63,6 +63,7 @@ from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
 from distframe.models.wrapped_parameters import WrappedParameters
+from distframe.precision import refuse_policy
 
 
 class HybridShardedModel(ShardedModelBase):
@@ -281,6 +282,9 @@ class HybridShardedModel(ShardedModelBase):
         return float(total)
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
+    def _check_config(self, config: ShardingConfig) -> None:
+        refuse_policy(config.mixed_precision, type(self).__name__)  # it has no master weights to keep
+
     def _parameters_list(self) -> list[torch.Tensor]:
         return [lp.param for lp in self.local_parameters]
 

@@ -23,9 +23,9 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError, DistFrameError
-from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig, TrainingState
 from distframe.models.full_parameters import Summonable
+from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
@@ -38,22 +38,26 @@ from distframe.precision import MixedPrecisionPolicy
 UnitSpec = tuple[nn.Module, list[tuple[str, nn.Parameter]]]
 
 
-class UnitShardedModelBase(ShardedModelBase):
+class UnitShardedModelBase(MasterWeightsModelBase):
     """Parameters, gradients and optimizer state all sharded, per unit (see ShardedUnit and
     UnitLifecycle for the collectives). Each rank holds its master chunk of every unit, the
     gradient of that chunk after synchronisation, and optimizer state for it; full parameters
-    of a unit exist only between its gather and its reshard."""
+    of a unit exist only between its gather and its reshard (a unit kept gathered, below
+    ``replicate_below_numel``, holds them between steps, gathered again by each optimizer step).
+    Floating forward inputs are cast to ``param_dtype``; parameters edited in place reach the
+    masters where the unit is gathered, and are refused where it holds stand-ins (master_weights.py)."""
 
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        dtype = single_dtype(named, type(self).__name__)
+        single_dtype(named, type(self).__name__)  # ConfigError unless the trainable ones share one
         refuse_sparse_gradients(module, type(self).__name__)
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
+        self._input_dtype = policy.input_dtype
         chosen = self._choose_units(module)
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
-        cast_frozen(module, dtype, policy.compute_dtype(dtype))
+        cast_frozen(module, policy.param_dtype)
         self.units = [
             ShardedUnit(i, owner, params, backend, policy,
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
@@ -177,6 +181,8 @@ class UnitShardedModelBase(ShardedModelBase):
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
     def _pre_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self._take_in_place_edits()  # before any unit gathers
         self.lifecycle.begin_forward(self._synchronize)
 
     def _post_forward(self, output: Any) -> Any:
@@ -207,14 +213,27 @@ class UnitShardedModelBase(ShardedModelBase):
             "ShardingConfig(check_structure=False) skips this check of the first forward")
 
     def synchronize_gradients(self) -> None:
+        self._take_in_place_edits()  # before the optimizer steps the masters
         self.lifecycle.finish()
 
     def synchronize_parameters(self) -> None:
-        """No communication: the next forward gathers the updated chunks."""
+        """Units kept gathered between steps (``replicate_below_numel``) gather their updated
+        chunks now (one all_gather each, started together), so a read or an in-place edit between
+        steps sees the current weights; the others are gathered by the next forward."""
         self.lifecycle.mark_stale()
+        kept = [u for u in self.units if u.persistent]
+        for unit in kept:
+            unit.unshard(async_op=True)
+        for unit in kept:
+            unit.drop_prefetch()  # waits for its gather
 
     def _after_load(self) -> None:
-        self.lifecycle.mark_stale()
+        self.synchronize_parameters()
+
+    def _master_chunks(self) -> list[MasterChunk]:
+        for unit in self.units:
+            unit.drop_prefetch()  # a gather in flight: its parameters' values are being written
+        return [(u.space, u.master, u.is_unsharded) for u in self.units]
 
     def _summonable(self) -> list[Summonable]:
         """Each unit's space; a unit gathered now (``persistent``, or not resharded after its

@@ -45,6 +45,18 @@ class WrappedParameters:
         named = list(module.named_parameters())
         self._entries = [_Wrapped(n, p, p.requires_grad, policy.compute_dtype(p.dtype) if p.requires_grad
                                   else p.dtype) for n, (_, p) in zip(names or [n for n, _ in named], named)]
+        self.record_versions()
+
+    def record_versions(self) -> None:
+        """Takes each parameter's ``_version`` (its count of in-place writes) as the one ``edited``
+        compares with."""
+        self._versions = [e.param._version for e in self._entries]
+
+    def edited(self) -> list[nn.Parameter]:
+        """The trainable parameters written in place since ``record_versions`` (one attribute read
+        each; see [Note: in-place edits after wrapping] in master_weights.py)."""
+        return [e.param for e, version in zip(self._entries, self._versions)
+                if e.trainable and e.param._version != version]
 
     def check(self, model: nn.Module) -> None:
         """ConfigError when ``model.wrapped_model``'s parameters are not the ones wrapped, as

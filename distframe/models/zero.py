@@ -10,11 +10,11 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp, Work
 from distframe.errors import ConfigError
-from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.flat import FlatSpace, partition_into_buckets
 from distframe.models.full_parameters import Summonable
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
+from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.precision import MixedPrecisionPolicy
@@ -33,24 +33,26 @@ def single_dtype(named: list[tuple[str, nn.Parameter]], strategy: str) -> torch.
     return first.dtype
 
 
-def cast_frozen(module: nn.Module, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-    """Frozen parameters of the trainable ones' ``dtype`` take ``compute_dtype`` (a
-    MixedPrecisionPolicy's param_dtype), as FSDP2 computes with every parameter in param_dtype and
-    DeepSpeed's bf16 mode casts the whole model: left in float32 beside bfloat16 trainable ones,
-    no input dtype suited both (a frozen base under LoRA failed in its first layer). They keep no
-    float32 copy (they are not trained, and a copy would cost twice their bytes)."""
-    if compute_dtype == dtype:
+def cast_frozen(module: nn.Module, param_dtype: torch.dtype | None) -> None:
+    """Every frozen floating-point parameter takes ``param_dtype`` (a MixedPrecisionPolicy's; None:
+    nothing changes), whatever its own dtype, as FSDP2 computes with every parameter of a group in
+    param_dtype and DeepSpeed's bf16 mode casts the whole model: a frozen base left in float32 (or
+    float16) beside bfloat16 trainable ones failed in its first layer, since no input dtype suited
+    both. They keep no copy in their own dtype (they are not trained, and it would cost twice
+    their bytes); a checkpoint holds them in ``param_dtype`` and loads into any dtype."""
+    if param_dtype is None:
         return
     with torch.no_grad():
         for param in module.parameters():
-            if not param.requires_grad and param.dtype == dtype:
-                param.data = param.data.to(compute_dtype)
+            if not param.requires_grad and param.is_floating_point() and param.dtype != param_dtype:
+                param.data = param.data.to(param_dtype)
 
 
-class _ReplicatedParametersShardedState(ShardedModelBase):
+class _ReplicatedParametersShardedState(MasterWeightsModelBase):
     """ZeRO-1/2 machinery. Parameters (compute dtype) are views into one flat buffer per
     gradient bucket; rank r's master shard of a bucket is chunk r of that space (a view of the
-    flat buffer itself when no mixed precision is set, else a float32 copy).
+    flat buffer itself when no mixed precision is set, else a float32 copy). Floating forward inputs
+    are cast to ``param_dtype``; parameters edited in place reach the masters (master_weights.py).
 
     Collectives per step: one ``reduce_scatter(AVG)`` per bucket started from the gradient hooks
     during backward (each rank receives its chunk's averaged gradient), then after the optimizer
@@ -67,9 +69,11 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         policy = self.config.mixed_precision or MixedPrecisionPolicy()
         self.compute_dtype = policy.compute_dtype(dtype)
-        cast_frozen(module, dtype, self.compute_dtype)
+        self._input_dtype = policy.input_dtype
+        cast_frozen(module, policy.param_dtype)
         self.reduce_dtype = policy.communication_dtype(dtype)
         master_dtype = policy.master(dtype)
+        self._masters_apart = master_dtype != self.compute_dtype  # else a view of the flat buffer
         element = torch.empty(0, dtype=self.compute_dtype).element_size()
         groups = partition_into_buckets(named, first_cap_bytes=self.config.first_bucket_cap_bytes,
                                         cap_bytes=self.config.bucket_cap_bytes, element_size=element)
@@ -123,6 +127,7 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
     # ---- ShardedModelBase ----------------------------------------------------------------------
     def _pre_forward(self) -> None:
         if torch.is_grad_enabled():
+            self._take_in_place_edits()
             self.gradient_buckets.prepare_for_backward(self._synchronize)
             self._restart_kept_buffers()
 
@@ -146,7 +151,13 @@ class _ReplicatedParametersShardedState(ShardedModelBase):
         self._reduced_buckets.clear()
 
     def synchronize_gradients(self) -> None:
+        self._take_in_place_edits()  # before the optimizer steps the masters
         self.gradient_buckets.finish()
+
+    def _master_chunks(self) -> list[MasterChunk]:
+        if not self._masters_apart:  # the masters are views of the parameters' flat buffers
+            return []
+        return [(space, master, True) for space, master in zip(self.spaces, self.masters)]
 
     def synchronize_parameters(self) -> None:
         """All-gathers every bucket's updated chunk straight into the full flat parameters. The

@@ -17,7 +17,8 @@ class ZeRO3Model(UnitShardedModelBase):
     (the next module's gather is prefetched asynchronously), freed after it, all-gathered again
     before its backward, and its gradients are reduce-scattered (AVG) as soon as they are
     accumulated: 3(N-1)/N x parameters on the wire. Modules with fewer than
-    ``replicate_below_numel`` parameters stay gathered between steps (gathered once per step).
+    ``replicate_below_numel`` parameters stay gathered between steps (gathered once per step, by
+    the optimizer's step, so their parameters hold the current weights between steps).
     Each rank holds 16/N bytes per parameter for float32 Adam, plus the unit being used.
 
     A parameter must be used inside the forward of the modules that register it (or of their
