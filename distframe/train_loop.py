@@ -298,9 +298,18 @@ class Job:
         return start_step, [r for r in history if r["step"] <= start_step]
 
     def _set_learning_rate(self, step: int) -> None:
+        """The schedule's lr for ``step``, and the run's --weight-decay: a checkpoint's optimizer
+        state (torch's load_state_dict) and an elastic rollback put back the saved groups'
+        settings, and --resume --weight-decay X trained on with the old decay while config.json
+        said X."""
         lr = learning_rate(self.config, step)
-        for group in self.optimizer.param_groups:
+        groups = self.optimizer.param_groups
+        split = not (self.config.decay_all or not self.config.weight_decay)  # as base_optimizer
+        decays = [self.config.weight_decay, 0.0] if split else [self.config.weight_decay] * len(groups)
+        for group, decay in zip(groups, decays):
             group["lr"] = lr
+            if "weight_decay" in group:
+                group["weight_decay"] = decay
 
     def _train_step(self, step: int) -> tuple[float, float]:
         self._set_learning_rate(step)

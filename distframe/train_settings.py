@@ -266,6 +266,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any],
         raise ConfigError(f"--base-optimizer {given['base_optimizer']}: the run in {out} trained "
                           f"with {trained_with}, whose state --resume continues; leave "
                           "--base-optimizer out, or start a new run in another --out")
+    _check_decay_groups(out, settings, given)
     dropped = set(LAUNCH_SETTINGS)
     if given.get("strategy", settings.get("strategy")) != settings.get("strategy"):
         dropped.update(PARALLEL_SETTINGS)
@@ -276,6 +277,24 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any],
     return {k: v for k, v in settings.items() if k not in dropped}, path
 
 
+def _check_decay_groups(out: str, saved: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """ConfigError when ``given`` changes whether the optimizer holds the weight decay split (two
+    param groups, the second without decay) that the saved run trained with: its optimizer
+    state belongs to those groups (``train_loop.base_optimizer``)."""
+    def split(settings: Mapping[str, Any], fallback: Mapping[str, Any]) -> bool:
+        decay_all = settings.get("decay_all", fallback.get("decay_all", TrainConfig.decay_all))
+        decay = settings.get("weight_decay", fallback.get("weight_decay", TrainConfig.weight_decay))
+        return not (decay_all or not decay)
+
+    if split(given, saved) != split(saved, {}):
+        was = ("the weight decay split (1-D parameters in a second param group, without decay)"
+               if split(saved, {}) else "one param group (--decay-all, or --weight-decay 0)")
+        raise ConfigError(
+            f"--weight-decay / --decay-all: the run in {out} trained with {was}, whose optimizer "
+            "state --resume continues; keep that layout (a nonzero --weight-decay may change), "
+            "or start a new run in another --out")
+
+
 def _known_settings(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     settings = {}
@@ -284,5 +303,8 @@ def _known_settings(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         if name not in known:
             raise ConfigError(f"{source}: unknown key {key!r}; keys mirror the flags of "
                               "`distframe train --help` (for example d-model = 256)")
+        if name in settings:  # d-model and d_model: the later one silently won
+            other = next(k for k in raw if k != key and k.replace("-", "_") == name)
+            raise ConfigError(f"{source}: keys {other!r} and {key!r} name one setting; keep one")
         settings[name] = value
     return settings

@@ -66,3 +66,50 @@ def test_the_flag_reaches_the_config():
     from distframe.cli import build_parser
     assert build_parser().parse_args(["train", "--decay-all"]).decay_all is True
     assert getattr(build_parser().parse_args(["train"]), "decay_all", None) is None  # not given
+
+
+def _resumed_losses(tmp_path, corpus_file, name, *flags):
+    """Train 2 steps (--weight-decay 0.01, a checkpoint at each), copy OUT, resume to step 4."""
+    import shutil
+    from tests.train.conftest import train
+    base = tmp_path / "base"
+    if not base.exists():
+        train(base, corpus_file, "--steps", "2", "--world-size", "1", "--weight-decay", "0.01",
+              "--checkpoint-every", "1")
+    out = tmp_path / name
+    shutil.copytree(base, out)
+    return [r["train_loss"] for r in train(out, corpus_file, "--resume", "--steps", "4", *flags)
+            if r["step"] > 2]
+
+
+def test_resume_takes_a_new_weight_decay(tmp_path, corpus_file):
+    # Before: the checkpoint's optimizer state put back the saved groups' decay, and the run
+    # went on with 0.01 (bit-identical losses) while config.json recorded 5.
+    kept = _resumed_losses(tmp_path, corpus_file, "kept")
+    again = _resumed_losses(tmp_path, corpus_file, "again", "--weight-decay", "0.01")
+    changed = _resumed_losses(tmp_path, corpus_file, "changed", "--weight-decay", "5")
+    assert kept == again
+    assert changed[0] == kept[0] and changed[1] != kept[1]  # step 3's update decays by 5
+    assert json.loads((tmp_path / "changed" / "config.json").read_text())["train"]["weight_decay"] == 5
+
+
+@pytest.mark.parametrize("saved,given", [({"weight_decay": 0.01}, {"weight_decay": 0.0}),
+                                         ({"weight_decay": 0.01}, {"decay_all": True}),
+                                         ({"weight_decay": 0.0}, {"weight_decay": 0.1})])
+def test_resume_that_changes_the_decay_groups_is_refused_naming_the_flags(tmp_path, saved, given):
+    # Before: the checkpoint's load failed on every rank with advice for the library API
+    # ("pass the sharded optimizer an optimizer instance with them").
+    from distframe.errors import ConfigError
+    (tmp_path / "config.json").write_text(json.dumps({"train": TrainConfig(steps=4, **saved).to_json()}))
+    with pytest.raises(ConfigError, match=r"--weight-decay / --decay-all: .* keep that layout"):
+        resolve_config({"resume": True, "out": str(tmp_path), **given})
+    assert resolve_config({"resume": True, "out": str(tmp_path), "weight_decay": 0.5 if saved["weight_decay"]
+                           else 0.0}).steps == 4  # the same layout resumes
+
+
+def test_a_config_file_key_written_both_ways_is_refused(tmp_path):
+    from distframe.errors import ConfigError
+    path = tmp_path / "run.toml"
+    path.write_text("d-model = 64\nd_model = 32\n")
+    with pytest.raises(ConfigError, match="'d-model' and 'd_model' name one setting"):
+        resolve_config({}, str(path))
