@@ -323,6 +323,11 @@ class TrainConfig:
             sizes.append(at_failure - 1)
         return sizes
 
+    @property
+    def splits_decay(self) -> bool:
+        """Whether the optimizer holds the weight decay split (``decay_split``)."""
+        return decay_split(self.decay_all, self.weight_decay)
+
     def model_config(self, *, vocab_size: int, checked: bool = True) -> DilatedTransformerConfig:
         """The DilatedTransformerConfig of the preset with this run's overrides applied."""
         overrides = {MODEL_FLAGS[k]: getattr(self, k) for k in MODEL_FLAGS
@@ -343,3 +348,9 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in dataclasses.fields(self)}
+
+
+def decay_split(decay_all: bool, weight_decay: float) -> bool:
+    """Whether ``distframe train``'s optimizer holds two param groups, the second (1-D parameters)
+    without weight decay: unless ``--decay-all`` or no decay (``train_loop.base_optimizer``)."""
+    return not (decay_all or not weight_decay)

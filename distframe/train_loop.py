@@ -149,7 +149,7 @@ def base_optimizer(model: Any, config: TrainConfig) -> tuple[Any, dict[str, Any]
     every distframe optimizer keeps an instance's groups."""
     optimizer_cls, settings = BASE_OPTIMIZERS[config.base_optimizer]
     kwargs = settings(config.lr, config.weight_decay)
-    if config.decay_all or not config.weight_decay:
+    if not config.splits_decay:
         return optimizer_cls, kwargs
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2]},
@@ -304,8 +304,8 @@ class Job:
         said X."""
         lr = learning_rate(self.config, step)
         groups = self.optimizer.param_groups
-        split = not (self.config.decay_all or not self.config.weight_decay)  # as base_optimizer
-        decays = [self.config.weight_decay, 0.0] if split else [self.config.weight_decay] * len(groups)
+        decay = self.config.weight_decay
+        decays = [decay, 0.0] if self.config.splits_decay else [decay] * len(groups)  # base_optimizer's
         for group, decay in zip(groups, decays):
             group["lr"] = lr
             if "weight_decay" in group:

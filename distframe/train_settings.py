@@ -13,7 +13,7 @@ from typing import Any
 from distframe.errors import ConfigError
 from distframe.train_checkpoint import latest_checkpoint, read_config_json, saved_run_info
 from distframe.train_config import (LAUNCH_SETTINGS, MODEL_FLAGS, PARALLEL_SETTINGS, TrainConfig,
-                                    flag)
+                                    decay_split, flag)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
 
@@ -284,7 +284,7 @@ def _check_decay_groups(out: str, saved: Mapping[str, Any], given: Mapping[str, 
     def split(settings: Mapping[str, Any], fallback: Mapping[str, Any]) -> bool:
         decay_all = settings.get("decay_all", fallback.get("decay_all", TrainConfig.decay_all))
         decay = settings.get("weight_decay", fallback.get("weight_decay", TrainConfig.weight_decay))
-        return not (decay_all or not decay)
+        return decay_split(decay_all, decay)
 
     if split(given, saved) != split(saved, {}):
         was = ("the weight decay split (1-D parameters in a second param group, without decay)"
