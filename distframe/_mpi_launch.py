@@ -167,7 +167,13 @@ class _Job:
             conn = connection.Connection(sock.detach())
             connection.deliver_challenge(conn, authkey)
             connection.answer_challenge(conn, authkey)
-            rank = conn.recv()
+            rank, failure = conn.recv()
+            if failure is not None:
+                raise _restore_exception(failure)
+            if rank in conns:
+                raise BackendUnavailableError(
+                    f"two of the {self.world_size} ranks that {self.process.args[0]} started are rank "
+                    f"{rank} of MPI_COMM_WORLD: its MPI is not the one mpi4py loaded")
             conns[rank] = conn
         return [conns[r] for r in range(self.world_size)]
 
@@ -289,17 +295,32 @@ def _restore_exception(state: Any) -> BaseException:
 
 
 # ---- the rank side ------------------------------------------------------------------------------
+def _wait_for_parent(conn: connection.Connection) -> None:
+    try:
+        while True:
+            conn.recv_bytes()
+    except (EOFError, OSError):
+        os._exit(1)
+
+
 def _serve(host: str, port: int) -> None:
     from distframe.backends.mpi import MPICommunicationBackend
     from distframe.backends.mpi_buffers import import_mpi
 
-    MPI = import_mpi()
-
     launcher = os.environ.pop(PID_ENV, None)
     watch_launcher(None if launcher is None else int(launcher))
-    rank = MPI.COMM_WORLD.Get_rank()
+    # MPI first: the parent handshakes with one rank at a time and then waits for its message, so
+    # a rank that connected before MPI_Init could wait there for a peer the parent has not let in.
+    try:
+        MPI = import_mpi()
+        rank, failure = MPI.COMM_WORLD.Get_rank(), None
+    except BaseException as exc:  # noqa: BLE001 - e.g. another MPI's mpiexec: the parent raises it
+        rank, failure = None, exc
     conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
-    conn.send(rank)
+    if failure is not None:
+        conn.send((None, _portable_exception(failure)))
+        _wait_for_parent(conn)  # which ends the job; exiting first could end it before the send lands
+    conn.send((rank, None))
     while True:
         try:
             payload = conn.recv_bytes()

@@ -60,10 +60,33 @@ def import_mpi() -> Any:
         for name, value in MPICH_DEFAULTS.items():
             os.environ.setdefault(name, value)
     try:
-        return importlib.import_module("mpi4py.MPI")
+        MPI = importlib.import_module("mpi4py.MPI")
     except ImportError as exc:
         raise BackendUnavailableError(f"the MPI backend needs mpi4py and an MPI library ({exc}); "
                                       f"{INSTALL_HINT}") from exc
+    _check_launcher(MPI)
+    return MPI
+
+
+# What MPICH's and Intel MPI's (Hydra) and Open MPI's launchers export as the number of ranks.
+_LAUNCHER_SIZES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _check_launcher(MPI: Any) -> None:
+    """A launcher that says it started several ranks, and a world of 1: mpi4py loaded another MPI
+    library than the launcher's, and every rank initialised as a singleton. Training would go on
+    as N unrelated copies, so it is an error here, naming both MPIs."""
+    if MPI.COMM_WORLD.Get_size() != 1:
+        return
+    for name in _LAUNCHER_SIZES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            library = MPI.Get_library_version().strip().splitlines()[0]
+            raise BackendUnavailableError(
+                f"the launcher set {name}={value} but MPI_COMM_WORLD is a world of 1: mpi4py loaded "
+                f"'{library}', not the MPI of the mpiexec that started this process. Start it with "
+                "that library's own mpiexec (for the mpich wheel, the one in the virtual environment's "
+                "bin/), or point MPI4PY_LIBMPI at the launcher's libmpi")
 
 
 def mpi_ops(MPI: Any) -> dict[tuple[ReduceOp, bool], Any]:
