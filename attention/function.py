@@ -20,7 +20,9 @@ all) get ``LSE = +inf`` so that their probabilities are zero.
 The kernels' backward is not itself differentiable. A backward with ``create_graph=True`` (a
 gradient penalty, a Hessian-vector product) therefore computes the gradients again as autograd
 ops over the same units (``attention/autograd_path.py``, O(seq * w / r) memory per branch), from
-the saved inputs, which keep their history, so the gradient of the gradient is exact. Before,
+the saved inputs as the caller passed them (contiguous copies made in forward would have no
+history), through one alias per role (a tensor passed as q, k and v then gets each role's
+gradient once, not the sum of all three per role), so the gradient of the gradient is exact. Before,
 ``once_differentiable`` was meant to refuse it, but it refuses only when the incoming gradient
 requires grad: with a constant one (``out.sum()``) the penalty's dependence on q, k and v was
 dropped without a word. The ring's key exchange has no such form: it raises.
@@ -91,6 +93,9 @@ class DilatedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, key_padding_mask, sources: Sequence[KeySource],
                 is_causal: bool, scale: float):
+        # The inputs as given are saved: backward(create_graph=True) differentiates through them,
+        # and copies made here (without grad) would carry no graph ([Note: double backward]).
+        inputs = (query, key, value)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         acc_dtype = accumulate_dtype(query.dtype)
         batch, local_len, heads, head_dim = query.shape
@@ -103,7 +108,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
                                                      key_mask=key_mask, scale=scale)
             _merge_unit(acc_out, acc_lse, out_c, lse_c, source.plan)
         out = acc_out.to(query.dtype)  # (B, T, H, D)
-        ctx.save_for_backward(query, key, value, out, acc_lse, key_padding_mask)
+        ctx.save_for_backward(*inputs, out, acc_lse, key_padding_mask)
         ctx.sources, ctx.is_causal, ctx.scale = sources, is_causal, scale
         lse = acc_lse.squeeze(-1)  # (B, T, H)
         ctx.mark_non_differentiable(lse)
@@ -118,6 +123,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
                  for t in (query, key, value)]
         # Rows no unit covers, or that see no key, must contribute nothing: +inf.
         lse_bwd = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         grad_out = grad_out.to(query.dtype).contiguous()
         for source in ctx.sources:
             _unit_backward(query, key, value, out, lse_bwd, grad_out, key_padding_mask,
@@ -152,6 +158,10 @@ def _differentiable_backward(ctx, query, key, value, key_padding_mask, grad_out)
             "create_graph=True, as for a gradient penalty): its key exchange between ranks has no "
             "gradient of its own; compute the penalty with DilatedAttention on one device")
     from attention.autograd_path import dilated_attention_autograd  # (it imports this module)
+    # One alias per role, joined to the saved input's graph: with a tensor in several roles (self-
+    # attention's x, x, x), the gradient with respect to the tensor itself would be every role's
+    # sum, returned once per role and summed again by autograd.
+    query, key, value = (t.view_as(t) for t in (query, key, value))
     inputs = (query, key, value)
     wanted = [t for t, needed in zip(inputs, ctx.needs_input_grad) if needed]
     out = dilated_attention_autograd(query, key, value, ctx.sources, is_causal=ctx.is_causal,

@@ -56,6 +56,38 @@ def test_gradient_penalty_is_exact_where_a_query_sees_no_key(is_causal, padded):
     assert max_error(ours, dense) < 1e-10
 
 
+def shared_input_penalty(attention, x, w, roles):
+    """A gradient penalty through attention(q, k, v) where the roles come from one tensor x as
+    ``roles(x)`` says (self-attention ``x, x, x``, or views of a fused projection)."""
+    out = attention(*roles(x))
+    grad_x, = torch.autograd.grad((out * w).sum(), x, create_graph=True)
+    return (grad_x, *torch.autograd.grad(grad_x.pow(2).sum(), (x, w)))
+
+
+FUSED = (2, 8, 2, 3, 3)  # (batch, seq, heads, head_dim, role): q, k and v of one projection
+
+
+@pytest.mark.parametrize("roles, shape", [
+    pytest.param(lambda x: (x, x, x), FUSED[:4], id="q-k-v-one-tensor"),
+    pytest.param(lambda x: (x[..., 0], *[x[..., 1]] * 2), FUSED, id="k-v-one-view"),
+    pytest.param(lambda x: x.unbind(-1), FUSED, id="fused-projection-views"),
+    pytest.param(lambda x: (x[..., 0].transpose(1, 2).contiguous().transpose(1, 2), x[..., 1], x[..., 2]),
+                 FUSED, id="transposed-query")])
+def test_gradient_penalty_when_inputs_share_a_tensor(roles, shape):
+    # The differentiable backward took the gradient with respect to the saved q, k and v: one
+    # tensor in three roles got the whole gradient three times (3x the first-order gradient
+    # under create_graph=True), and non-contiguous inputs, saved as contiguous copies made
+    # without grad, had no graph ("does not require grad").
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(*FUSED[:4], dtype=torch.float64, requires_grad=True)
+    module = DilatedAttention((4, 8), (1, 2))
+    ours = shared_input_penalty(lambda a, b, c: module(a, b, c, True), x, w, roles)
+    dense = shared_input_penalty(lambda a, b, c: dense_dilated_attention(
+        a, b, c, (4, 8), (1, 2), is_causal=True), x, w, roles)
+    assert max_error(ours, dense) < 1e-10
+
+
 def test_gradgradcheck_in_float64():
     q, k, v = random_qkv(1, 8, 2, 2)
     module = DilatedAttention((4, 8), (1, 2))
