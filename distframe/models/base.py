@@ -54,6 +54,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
     #: Whether ``find_unused_parameters`` can leave a parameter's gradient None (DDP: the
     #: optimizer sees each parameter; flat shards mix them, so one range cannot be skipped).
     skips_unused_parameters = False
+    skipping_alternative = "DDPModel"  #: where it does not: what the unused-parameter warning offers
     #: Whether every rank's ``local_parameter_shard()`` holds the same gradients once they are
     #: synchronised (DDP): a GradScaler's per-rank inf check then agrees without communication.
     replicates_gradients = False
@@ -94,8 +95,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
             fix = ("Pass find_unused_parameters=True (one small all_reduce per step) to leave "
                    ".grad None for them, as torch DDP does.")
         else:
-            fix = (f"{type(self).__name__}'s flat shards cannot skip one parameter; DDPModel with "
-                   "find_unused_parameters=True trains such a model as one process does.")
+            fix = (f"{type(self).__name__}'s flat shards cannot skip one parameter; "
+                   f"{self.skipping_alternative} with find_unused_parameters=True trains it as one process")
         return ParameterUsage(names, params, self.backend, owner=type(self).__name__, fix=fix,
                               find_unused=self.config.find_unused_parameters)
 

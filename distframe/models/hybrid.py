@@ -46,13 +46,14 @@ from distframe.models.inputs import call_with
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_output, sequence_slice
 from distframe.models.devices import module_device
-from distframe.models.hybrid_checks import check_arguments, check_find_unused
+from distframe.models.hybrid_checks import check_arguments, check_find_unused, check_not_dense
 from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
                                             stage_ranges)
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
                                            zero_counted_segments)
+from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
@@ -71,6 +72,7 @@ class HybridShardedModel(ShardedModelBase):
 
     accepts_plain_optimizer = True
     skips_unused_parameters = True  # False on an instance with ZeRO (check_find_unused)
+    skipping_alternative = "data_parallel='ddp'"
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  dims: ParallelDims, tp_plan: Mapping[str, str] | None = None, num_microbatches: int = 1,
@@ -130,6 +132,7 @@ class HybridShardedModel(ShardedModelBase):
         self.zero = None if data_parallel == "ddp" else ZeroShards(
             self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device)
         self._gradients_synchronized = False
+        self._usage: ParameterUsage | None = None  # built at the first synchronisation that needs it
         # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.
         self._wrapped_parameters = WrappedParameters(stage, None, [lp.name for lp in self.local_parameters])
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
@@ -255,22 +258,9 @@ class HybridShardedModel(ShardedModelBase):
                    max_grad_norm: float | None = None, accumulation_steps: int = 1) -> float:
         self.check_optimizer(optimizer)
         if not hasattr(optimizer, "wrapped_optimizer"):  # a plain torch.optim optimizer
-            self._check_not_dense(optimizer)
+            check_not_dense(optimizer, self._replaced_dense)
         return super().train_step(batch, loss_fn, optimizer, max_grad_norm=max_grad_norm,
                                   accumulation_steps=accumulation_steps)
-
-    def _check_not_dense(self, optimizer: torch.optim.Optimizer) -> None:
-        """ConfigError if ``optimizer`` holds a dense weight the tensor-parallel plan replaced (it
-        was built before wrapping): it would step that orphan, whose gradient stays None, and
-        leave the layer untrained."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                ref, name = self._replaced_dense.get(id(p), (None, ""))
-                if ref is not None and ref() is p:
-                    raise ConfigError(
-                        f"the optimizer holds the dense {name}, which tensor parallelism replaced by this "
-                        f"rank's slice, so it would never train; build the optimizer after wrapping, over "
-                        f"model.parameters(): torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
         # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
@@ -308,12 +298,22 @@ class HybridShardedModel(ShardedModelBase):
         if self._gradients_synchronized or not self._synchronize:
             return
         keep_unused = self.config.find_unused_parameters
+        if not keep_unused and (self.zero is not None or self.groups.replicas.world_size > 1):
+            self._warn_unused()
         self.tied_gradients.all_reduce(keep_unused)
         if self.zero is not None:
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
             all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG, keep_unused)
         self._gradients_synchronized = True
+
+    def _warn_unused(self) -> None:
+        """Once per rank: a trainable parameter without a gradient, which data parallelism is
+        about to average as zeros (see ParameterUsage)."""
+        if self._usage is None:
+            trainable = [lp for lp in self.local_parameters if lp.param.requires_grad]
+            self._usage = self._parameter_usage([lp.name for lp in trainable], [lp.param for lp in trainable])
+        self._usage.warn_unless_every_gradient_is_held()
 
     def before_plain_step(self) -> None:
         # A hand-written loop (loss.backward(); opt.step()) synchronises nothing by itself.

@@ -37,3 +37,17 @@ def check_find_unused(find_unused: bool, data_parallel: str) -> None:
     if find_unused and data_parallel != "ddp":
         raise ConfigError(f"find_unused_parameters needs data_parallel='ddp': with {data_parallel!r} the "
                           "optimizer updates a flat shard that mixes parameters and cannot skip one")
+
+
+def check_not_dense(optimizer: Any, replaced_dense: dict[int, tuple[Any, str]]) -> None:
+    """ConfigError if ``optimizer`` holds a dense weight the tensor-parallel plan replaced
+    (``replaced_dense``: id -> (weak reference, name); it was built before wrapping): it would
+    step that orphan, whose gradient stays None, and leave the layer untrained."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref, name = replaced_dense.get(id(p), (None, ""))
+            if ref is not None and ref() is p:
+                raise ConfigError(
+                    f"the optimizer holds the dense {name}, which tensor parallelism replaced by this "
+                    f"rank's slice, so it would never train; build the optimizer after wrapping, over "
+                    f"model.parameters(): torch.optim.{type(optimizer).__name__}(model.parameters(), ...)")

@@ -48,6 +48,12 @@ class ParameterUsage:
         flags = torch.tensor(self.has_gradient, dtype=torch.uint8, device=device)
         return self.backend.all_reduce(flags, ReduceOp.MAX, async_op=True), flags
 
+    def warn_unless_every_gradient_is_held(self) -> None:
+        """For a strategy without gradient hooks: reads which parameters hold a ``.grad`` now,
+        and warns once as ``finish`` does."""
+        self.has_gradient = [p.grad is not None for p in self.params]
+        self.finish(None)
+
     def finish(self, started: tuple[Work, torch.Tensor] | None) -> None:
         """After the buckets completed: clears ``.grad`` of parameters no rank gave a gradient
         (``find_unused``), else warns once if this rank has any."""
