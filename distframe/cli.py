@@ -1,9 +1,9 @@
 """The ``distframe`` command: ``distframe train`` and ``distframe generate``.
 
-Exit status: 0 done; 2 bad input (a ConfigError, an engine that cannot run here, a bad flag),
-reported as one line that says what to change; 1 another distframe error (one line); 130
-interrupted (Ctrl-C, or SIGTERM/SIGHUP to the console script: the last complete checkpoint stays
-loadable). ``--debug`` shows tracebacks.
+Exit status: 0 done; 2 bad input (a ConfigError, an engine that cannot run here, a bad flag, a
+file that is missing or cannot be read), reported as one line that says what to change; 1 another
+distframe error or an I/O error (one line); 130 interrupted (Ctrl-C, or SIGTERM/SIGHUP to the
+console script: the last complete checkpoint stays loadable). ``--debug`` shows tracebacks.
 """
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ndistframe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (ConfigError, BackendUnavailableError, FileNotFoundError) as exc:
+    except (ConfigError, BackendUnavailableError, FileNotFoundError, PermissionError, IsADirectoryError,
+            NotADirectoryError) as exc:
         # Bad input is found the same way on every rank a launcher started: rank 0 reports it.
         return _report(exc, debug, EXIT_BAD_INPUT, quiet=_launched_rank() > 0)
-    except DistFrameError as exc:
+    except (DistFrameError, OSError) as exc:  # OSError: a full disk, an I/O error
         return _report(exc, debug, 1)
 
 
@@ -90,12 +91,20 @@ def _report(exc: BaseException, debug: bool, status: int, quiet: bool = False) -
         return status
     if debug:
         traceback.print_exception(exc)
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = _one_line(str(exc)) or type(exc).__name__
     hint = " (--debug shows the traceback)" if status == 1 and not debug else ""
     rank = _launched_rank()
     where = f" [rank {rank}]" if rank > 0 else ""
     print(f"distframe: error{where}: {message}{hint}", file=sys.stderr)
     return status
+
+
+def _one_line(text: str) -> str:
+    """A message's lines joined (a failure on several ranks gives each reason a line of its own)."""
+    joined = ""
+    for line in filter(None, (line.strip() for line in text.splitlines())):
+        joined += line if not joined else (" " if joined.endswith(":") else "; ") + line
+    return joined
 
 
 def _launched_rank() -> int:
