@@ -110,7 +110,11 @@ class MPIPool:
     def __enter__(self) -> MPIPool:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
+        if exc_type is not None and self._job is not None:
+            # Ranks busy in a run (Ctrl-C) would not read close()'s shutdown message: end them now.
+            self._job.kill()
+            self._job = None
         self.close()
 
     def __del__(self) -> None:
