@@ -41,6 +41,10 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
         if config.optimizer == "elastic":
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
                               f"workers; run it without {launcher}")
+        if config.backend == "inmemory":  # else each process would train alone, into one --out
+            raise ConfigError(f"--backend inmemory starts its own ranks as threads of one process; under "
+                              f"{launcher} use --backend auto (or mpi, gloo, nccl), or run it without "
+                              f"{launcher}, with --world-size N")
         return _run_launched(config, launcher, start_notes)
     config, restart_notes = continue_after_restart(config)
     start_notes = (*start_notes, *restart_notes)

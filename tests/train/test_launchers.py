@@ -47,3 +47,20 @@ def test_spawned_gloo_world(tmp_path, corpus_file, reference):
     assert [m["train_loss"] for m in metrics] == pytest.approx(
         [m["train_loss"] for m in reference], abs=1e-6)
     assert (tmp_path / "checkpoints" / "step-3" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("launcher_env", [{"PMI_RANK": "0", "PMI_SIZE": "2"},
+                                          {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}])
+@pytest.mark.parametrize("flags", [("--backend", "inmemory"), ("--optimizer", "elastic")])
+def test_an_in_process_job_under_a_launcher_is_refused(tmp_path, corpus_file, monkeypatch, capsys,
+                                                       launcher_env, flags):
+    # `mpiexec -n 2 distframe train --backend inmemory` ran two unrelated one-rank jobs into one
+    # --out (120 metrics records for 60 steps, config.json saying world_size 1), exit 0.
+    from distframe.cli import main
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    assert main(["train", *TINY, *SHORT, "--data", corpus_file, "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "starts its own" in err and "without" in err, err
+    assert not out.exists()
