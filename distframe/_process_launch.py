@@ -41,6 +41,7 @@ from typing import Any
 
 from distframe._launcher_watch import watch_launcher
 from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.backends.validation import check_timeout
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
 from distframe.launch import (messages_unmatched, p2p_counts, raise_first_failure, rebuild_exception,
@@ -83,7 +84,7 @@ class ProcessPool:
         self.world_size = world_size
         self.start_method = start_method
         self.backend = backend
-        self.timeout = float(timeout)
+        self.timeout = check_timeout(timeout)  # before the store, which fails on one past 1e9 s
         self._backend_kwargs = backend_kwargs
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.timeout))

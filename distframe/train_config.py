@@ -14,6 +14,7 @@ from typing import Any
 
 from attention.model import DilatedTransformerConfig
 from distframe.backends.base import DEFAULT_TIMEOUT
+from distframe.backends.validation import MAX_TIMEOUT
 from distframe.errors import ConfigError
 from distframe.train_config_checks import (ModelShape, check_int, check_out, check_unused, csv_of,
                                            fitting_segments, flag, inferred_degree, int_tuple)
@@ -191,9 +192,10 @@ class TrainConfig:
             raise ConfigError(f"--max-grad-norm {norm!r}: use a positive number such as 1.0 (the "
                               "largest gradient norm a step takes), or 0 for no clipping")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(
-                self.timeout, (int, float)) or not 0 < self.timeout < math.inf):  # (NaN fails too)
-            raise ConfigError(f"--timeout {self.timeout!r}: use a positive number of seconds that a "
-                              f"collective may wait for the other ranks (default {DEFAULT_TIMEOUT:g})")
+                self.timeout, (int, float)) or not 0 < self.timeout <= MAX_TIMEOUT):  # (NaN fails too)
+            raise ConfigError(f"--timeout {self.timeout!r}: use a positive number of seconds, at most "
+                              f"{MAX_TIMEOUT:g} (about 3 years), that a collective may wait for the other "
+                              f"ranks (default {DEFAULT_TIMEOUT:g})")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
                 not 0 <= self.dropout < 1:  # (NaN fails the comparison too)
             raise ConfigError(f"--dropout {self.dropout!r}: use a probability with 0 <= P < 1, for "

@@ -53,8 +53,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                  debug: bool = False) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of world_size {world_size}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        validation.check_timeout(timeout)
         self._rank = rank
         self._world_size = world_size
         self.timeout = float(timeout)

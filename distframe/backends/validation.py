@@ -5,6 +5,17 @@ import operator
 
 import torch
 
+#: The longest timeout (seconds, about 3 years) an engine takes: torch's TCPStore fails past 1e9 s.
+MAX_TIMEOUT = 1e8
+
+
+def check_timeout(timeout: float) -> float:
+    """``timeout`` as a float, or ValueError unless 0 < timeout <= MAX_TIMEOUT (NaN included)."""
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:g}, "
+                         f"got {timeout!r}")
+    return float(timeout)
+
 
 def check_tensor(op: str, tensor: object) -> torch.Tensor:
     """``tensor`` as the engines see it (:func:`plain`), or TypeError."""

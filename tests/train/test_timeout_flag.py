@@ -21,6 +21,20 @@ def test_a_timeout_that_is_not_a_positive_number_is_one_line(capsys, value):
                 "positive number of seconds")
 
 
+@pytest.mark.parametrize("value", ["1e10", "1e300"])
+def test_a_timeout_past_any_engines_clock_is_one_line(capsys, value):
+    # Gloo's store failed at 1e10 s (DistNetworkError) and 1e300 overflowed a timedelta: tracebacks.
+    _fails_with(capsys, ["train", "--timeout", value, "--steps", "1"], f"--timeout {float(value)!r}",
+                "at most 1e+08")
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan"), float("inf"), 1e10])
+def test_an_engine_refuses_a_timeout_out_of_range(timeout):
+    from distframe.backends import InMemoryCommunicationBackend
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds up to 1e"):
+        InMemoryCommunicationBackend(0, 1, timeout=timeout)
+
+
 @pytest.mark.parametrize("given,want", [(None, {}), (7.5, {"timeout": 7.5})])
 def test_the_timeout_reaches_every_rank_of_a_spawned_run(monkeypatch, tmp_path, given, want):
     seen = {}
