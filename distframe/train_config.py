@@ -182,11 +182,12 @@ class TrainConfig:
             raise ConfigError(f"--seed {self.seed}: use an integer below 2**63")
         for name in ("lr", "weight_decay"):
             value = getattr(self, name)
-            # NaN passes every comparison below, and an infinite rate trains to NaN at once
+            # NaN passes every comparison below, and an infinite rate trains to NaN at once; past
+            # float32's range the optimizer's kernels fail to convert it ("without overflow")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+                    not 0 <= value < 3.4e38 or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
-                                  + (" or 0" if name == "weight_decay" else ""))
+                                  + (" or 0" if name == "weight_decay" else "") + " below 3.4e38")
         norm = self.max_grad_norm
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < math.inf:
             raise ConfigError(f"--max-grad-norm {norm!r}: use a positive number such as 1.0 (the "

@@ -256,6 +256,8 @@ class Job:
                 loss, seconds = self._train_step(step)
                 step_tokens, step_seconds = step_tokens + self.tokens_per_step, step_seconds + seconds
                 val_loss = self._validate() if self._due(step, self.config.eval_every) else None
+                if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
+                    self._diverged(f"the validation loss ({val_loss}) is not finite at step {step}")
                 last_val = val_loss if val_loss is not None else last_val
                 last = {"step": step, "train_loss": loss, "val_loss": val_loss,
                         "tokens_per_s": self.tokens_per_step / seconds,
@@ -265,6 +267,7 @@ class Job:
                     self.log.append(last)
                 bar.update(last)
                 if self._due(step, self.config.checkpoint_every):
+                    self._check_finite_parameters(step)  # a checkpoint of NaN would end every resume
                     checkpoint = train_checkpoint.save(self.config.out, step, self.model,
                                                        self.optimizer, self.rng, self.info)
         finally:
@@ -316,14 +319,34 @@ class Job:
         inputs, targets = self.train_data.slice(step, self.dp_rank, self.dp_size)
         batch = (inputs.to(self.device), targets.to(self.device))
         started = time.perf_counter()
-        loss = self.model.train_step(batch, next_token_loss, self.optimizer,
-                                     max_grad_norm=self.config.max_grad_norm or None,
-                                     accumulation_steps=self.config.grad_accum_steps)
+        try:
+            loss = self.model.train_step(batch, next_token_loss, self.optimizer,
+                                         max_grad_norm=self.config.max_grad_norm or None,
+                                         accumulation_steps=self.config.grad_accum_steps)
+        except RuntimeError as exc:  # e.g. Adam's lr / (1 - beta1 ** t) past float32's range
+            if "without overflow" not in str(exc):
+                raise
+            self._diverged(f"step {step}'s update overflowed ({exc})")
         seconds = time.perf_counter() - started
         if not math.isfinite(loss):
-            raise DistFrameError(f"the training loss became {loss} at step {step}; lower --lr "
-                                 f"(now {self.config.lr:g}) or use --dtype float32")
+            self._diverged(f"the training loss ({loss}) is not finite at step {step}")
         return loss, seconds
+
+    def _check_finite_parameters(self, step: int) -> None:
+        """DistFrameError on every rank if any rank's parameters hold inf or NaN (a step's loss
+        is computed before its update, so it can be finite while the update is not); collective."""
+        bad = any(not bool(torch.isfinite(t).all()) for t in self.model.local_parameter_shard()
+                  if t.is_floating_point())
+        flag = torch.tensor([float(bad)], dtype=torch.float64)
+        self.backend.all_reduce(flag, ReduceOp.MAX)
+        if flag.item():
+            self._diverged(f"the parameters are not finite after step {step}, so it is not saved")
+
+    def _diverged(self, what: str) -> None:
+        half = self.config.dtype in ("float16", "bfloat16")
+        raise DistFrameError(f"{what}; lower --lr (now {self.config.lr:g})"
+                             f"{' or use --dtype float32' if half else ''} and resume from an "
+                             "earlier checkpoint, or start again")
 
     def _validate(self) -> float:
         """Mean loss over the fixed validation batches (each rank its slice); collective."""
