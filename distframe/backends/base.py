@@ -53,10 +53,9 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                  debug: bool = False) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of world_size {world_size}")
-        validation.check_timeout(timeout)
+        self.timeout = validation.check_timeout(timeout)
         self._rank = rank
         self._world_size = world_size
-        self.timeout = float(timeout)
         self.debug = debug
         self.stats = CommStats()
         self._seq = 0
