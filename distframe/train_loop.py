@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -342,7 +342,7 @@ class Job:
         if flag.item():
             self._diverged(f"the parameters are not finite after step {step}, so it is not saved")
 
-    def _diverged(self, what: str) -> None:
+    def _diverged(self, what: str) -> NoReturn:
         half = self.config.dtype in ("float16", "bfloat16")
         raise DistFrameError(f"{what}; lower --lr (now {self.config.lr:g})"
                              f"{' or use --dtype float32' if half else ''} and resume from an "
