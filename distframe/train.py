@@ -20,6 +20,7 @@ import torch
 
 from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
+from distframe.checkpoint.format import CheckpointError
 from distframe.data import check_windows
 from distframe.errors import BackendUnavailableError, ConfigError
 from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
@@ -106,7 +107,7 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         # on the checkpoint and the verdict, or every rank raises the same ConfigError.
         if config.resume and train_checkpoint.agreed_resume_step(
                 config.out, config.steps, backend) == config.steps:
-            return _already_finished(config, rank=backend.rank)
+            return _already_finished(config, rank=backend.rank, backend=backend)
         corpus = load_run_corpus(config)
         if config.resume:  # each rank reads its own OUT/config.json: they agree on the verdict
             try:
@@ -188,8 +189,22 @@ def continue_after_restart(config: TrainConfig, backend: Any = None) -> tuple[Tr
     return dataclasses.replace(config, resume=resume), (note,)
 
 
-def _already_finished(config: TrainConfig, rank: int) -> TrainResult:
+def _already_finished(config: TrainConfig, rank: int, backend: Any = None) -> TrainResult:
+    """The result of ``--resume`` on a run that reached ``--steps``: nothing to train, if its last
+    checkpoint is intact (all of its files are read; every rank of ``backend`` checks its own
+    copy and they agree): else the run is not finished, and the error says how to redo the
+    steps after the latest intact checkpoint."""
     found = train_checkpoint.latest_checkpoint(config.out)
+    error = None
+    try:
+        if found is not None:
+            train_checkpoint.check_intact(found[0])
+    except CheckpointError as exc:
+        error = exc
+    if backend is not None:
+        agree(backend, error, "--resume")
+    elif error is not None:
+        raise error
     return TrainResult(step=config.steps, train_loss=None, val_loss=None, tokens_per_s=0.0,
                        peak_memory_bytes=0, wall_s=0.0, out=config.out,
                        checkpoint=found[0] if found else None, rank=rank, already_finished=True)

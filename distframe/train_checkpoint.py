@@ -149,6 +149,15 @@ def damaged(path: str) -> str | None:
     return None
 
 
+def check_intact(path: str) -> None:
+    """CheckpointError, the one line ``--resume`` stops with (what is wrong, the latest intact
+    checkpoint before it), if the files of checkpoint ``path`` are damaged. Reads every file."""
+    from distframe.checkpoint.format import CheckpointError
+    damage = damaged(path)
+    if damage is not None:
+        raise CheckpointError(_damaged_message(path, damage))
+
+
 def _intact_before(path: str) -> tuple[int, str] | None:
     """The step and path of the latest checkpoint before ``path`` (by step, in its directory)
     whose files are intact, or None."""

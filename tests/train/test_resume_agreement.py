@@ -80,3 +80,30 @@ def test_under_mpiexec_with_node_local_checkpoints(node_local_runs, corpus_file)
     assert "different latest checkpoints" in lines[0] and "step 1 on rank 1" in lines[0]
     assert sorted(p.name for p in (node_local_runs / "node1" / "run" / "checkpoints").iterdir()) == [
         "step-1"]
+
+
+def test_a_finished_run_damaged_on_one_node_stops_every_rank(node_local_runs, tmp_path):
+    """--resume --steps 2 where node 1's copy of step-2 is damaged: both ranks raise the same
+    error, naming the damage (before, rank 0 ended with "already reached step 2")."""
+    from types import SimpleNamespace
+
+    from distframe import train
+    from distframe.checkpoint.format import CheckpointError
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for node in dirs:
+        shutil.copytree(node_local_runs / "node0" / "run", node)
+    shard = sorted((dirs[1] / "checkpoints" / "step-2").glob("shard-*"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8])
+
+    def rank(backend):
+        config = SimpleNamespace(out=str(dirs[backend.rank]), steps=2)
+        try:
+            return train._already_finished(config, rank=backend.rank, backend=backend)
+        except CheckpointError as exc:
+            return str(exc).replace(str(dirs[1]), "OUT")
+    verdicts = spawn(rank, 2)
+    assert verdicts[0] == verdicts[1], verdicts
+    assert "rank 1 of 2" in verdicts[0] and "step-2 is damaged" in verdicts[0]
+    intact = spawn(lambda backend: train._already_finished(
+        SimpleNamespace(out=str(dirs[0]), steps=2), rank=backend.rank, backend=backend), 2)
+    assert [r.already_finished for r in intact] == [True, True]

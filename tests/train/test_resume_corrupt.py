@@ -67,3 +67,22 @@ def test_no_intact_checkpoint_is_said_too(run, tmp_path, corpus_file, capsys):
                  "--steps", "8"]) == 1
     err = capsys.readouterr().err
     assert "is damaged" in err and "no earlier checkpoint in" in err and "is intact" in err
+
+
+def test_a_finished_run_whose_last_checkpoint_is_damaged_is_not_called_finished(run, tmp_path, corpus_file,
+                                                                                 capsys):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    DAMAGE["truncated shard"](out / "checkpoints" / "step-6")
+    capsys.readouterr()
+    argv = ["train", *TINY, "--data", corpus_file, "--out", str(out), "--resume", *FLAGS]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(err) == 1 and "already reached" not in captured.out, (captured.out, err)
+    assert f"{out / 'checkpoints' / 'step-6'} is damaged" in err[0]
+    assert f"{out / 'checkpoints' / 'step-4'} is the latest intact" in err[0]
+    shutil.move(out / "checkpoints" / "step-6", out / "step-6.damaged")
+    assert main(argv) == 0  # steps 5 and 6 again, and a new, intact step-6
+    assert [r["step"] for r in read_metrics(out)][-2:] == [5, 6]
+    assert main(argv) == 0 and "already reached step 6" in capsys.readouterr().out
