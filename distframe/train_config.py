@@ -287,12 +287,12 @@ class TrainConfig:
         tp, pp = self.tp or 1, self.pp or 1
         if self.strategy == "pipeline":
             dp = self.dp or 1
-            pp = self.pp or inferred_degree(world, dp * tp, "pp")
+            pp = self.pp or inferred_degree(world, "pp", dp=dp, tp=tp)
         elif self.strategy == "tensor":
             dp = self.dp or 1
-            tp = self.tp or inferred_degree(world, dp * pp, "tp")
+            tp = self.tp or inferred_degree(world, "tp", dp=dp, pp=pp)
         else:
-            dp = self.dp or inferred_degree(world, tp * pp * self.cp, "dp")
+            dp = self.dp or inferred_degree(world, "dp", tp=tp, pp=pp, cp=self.cp)
         return dp, tp, pp
 
     def elastic_schedule_steps(self) -> dict[int, int]:

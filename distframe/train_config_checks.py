@@ -3,6 +3,7 @@ raises a ConfigError that names the flag and says what to change."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -59,10 +60,16 @@ def check_out(out: Any) -> None:
                           "(created if missing)")
 
 
-def inferred_degree(world: int, divisor: int, axis: str) -> int:
+def inferred_degree(world: int, axis: str, **others: int) -> int:
+    """The degree of ``axis`` that makes its product with ``others`` (the other degrees, by
+    flag name) the world size; ConfigError if their product does not divide it (no value of
+    ``--axis`` would then fit)."""
+    divisor = math.prod(others.values())
     if world % divisor:
-        raise ConfigError(f"cannot infer --{axis}: the world size {world} is not divisible by "
-                          f"{divisor} (the other degrees); pass --{axis} explicitly")
+        given = " x ".join(f"--{name} {degree}" for name, degree in others.items())
+        raise ConfigError(f"cannot infer --{axis}: {given} = {divisor} does not divide the world "
+                          f"size {world}; choose degrees whose product divides {world}, or a world "
+                          f"size that is a multiple of {divisor}")
     return world // divisor
 
 
