@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 from distframe.backends.protocol import ICommunicationBackend
@@ -59,6 +60,19 @@ class ParallelGroups:
     @property
     def pp_index(self) -> int:
         return self.pp.rank
+
+
+def inferred_degree(world: int, axis: str, **others: int) -> int:
+    """The degree of ``axis`` that makes its product with ``others`` (the other degrees, by
+    flag name) the world size; ConfigError if their product does not divide it (no value of
+    ``--axis`` would then fit)."""
+    divisor = math.prod(others.values())
+    if world % divisor:
+        given = " x ".join(f"--{name} {degree}" for name, degree in others.items())
+        raise ConfigError(f"cannot infer --{axis}: {given} = {divisor} does not divide the world "
+                          f"size {world}; choose degrees whose product divides {world}, or a world "
+                          f"size that is a multiple of {divisor}")
+    return world // divisor
 
 
 @dataclasses.dataclass(frozen=True)

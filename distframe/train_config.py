@@ -16,8 +16,9 @@ from attention.model import DilatedTransformerConfig
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.validation import MAX_TIMEOUT
 from distframe.errors import ConfigError
+from distframe.mesh import inferred_degree
 from distframe.train_config_checks import (ModelShape, check_int, check_out, check_unused, csv_of,
-                                           fitting_segments, flag, inferred_degree, int_tuple)
+                                           fitting_segments, flag, int_tuple)
 from distframe.train_parallel import (check_accumulation, check_divides, check_model_parallel,
                                       check_schedule)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES

@@ -3,7 +3,6 @@ raises a ConfigError that names the flag and says what to change."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -58,19 +57,6 @@ def check_out(out: Any) -> None:
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
                           "(created if missing)")
-
-
-def inferred_degree(world: int, axis: str, **others: int) -> int:
-    """The degree of ``axis`` that makes its product with ``others`` (the other degrees, by
-    flag name) the world size; ConfigError if their product does not divide it (no value of
-    ``--axis`` would then fit)."""
-    divisor = math.prod(others.values())
-    if world % divisor:
-        given = " x ".join(f"--{name} {degree}" for name, degree in others.items())
-        raise ConfigError(f"cannot infer --{axis}: {given} = {divisor} does not divide the world "
-                          f"size {world}; choose degrees whose product divides {world}, or a world "
-                          f"size that is a multiple of {divisor}")
-    return world // divisor
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -8,7 +8,7 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
-from distframe.mesh import ParallelDims
+from distframe.mesh import ParallelDims, inferred_degree
 from distframe.models.hybrid import HybridShardedModel
 from distframe.models.pipeline import PipelineParallelModel
 from distframe.models.tensor_parallel_model import TensorParallelModel
@@ -46,15 +46,15 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
         if tp not in (None, 1):
             raise ConfigError("--strategy pipeline runs without tensor parallelism; use --strategy hybrid with --tp")
         dp = dp or 1
-        dims = ParallelDims(dp=dp, tp=1, pp=pp or _quotient(world, dp, "pp"))
+        dims = ParallelDims(dp=dp, tp=1, pp=pp or inferred_degree(world, "pp", dp=dp, tp=1))
     elif strategy == "tensor":
         if pp not in (None, 1):
             raise ConfigError("--strategy tensor runs without pipelining; use --strategy hybrid with --pp")
         dp = dp or 1
-        dims = ParallelDims(dp=dp, tp=tp or _quotient(world, dp, "tp"), pp=1)
+        dims = ParallelDims(dp=dp, tp=tp or inferred_degree(world, "tp", dp=dp, pp=1), pp=1)
     else:
         tp, pp = tp or 1, pp or 1
-        dims = ParallelDims(dp=dp or _quotient(world, tp * pp * cp, "dp"), tp=tp, pp=pp, cp=cp)
+        dims = ParallelDims(dp=dp or inferred_degree(world, "dp", tp=tp, pp=pp, cp=cp), tp=tp, pp=pp, cp=cp)
     dims.validate(world)
     if dims.dp == 1 and data_parallel == "ddp" and strategy == "pipeline":
         return PipelineParallelModel(model, backend, num_microbatches=micro_batches, schedule=schedule,
@@ -66,9 +66,3 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
                               schedule=schedule, data_parallel=data_parallel, split_points=split_points,
                               virtual_stages=virtual_stages, dropout_seed=dropout_seed)
 
-
-def _quotient(world: int, divisor: int, axis: str) -> int:
-    if divisor < 1 or world % divisor:
-        raise ConfigError(f"cannot infer --{axis}: the world size {world} is not divisible by {divisor}; "
-                          f"pass --{axis} explicitly")
-    return world // divisor

@@ -341,6 +341,8 @@ def test_factory_picks_the_model_class():
         spawn(lambda b: run(b, "pipeline", cp=2), 4)
     with pytest.raises(ConfigError, match="product is 4"):
         spawn(lambda b: run(b, "hybrid", dp=1, tp=2, pp=1), 4)
+    with pytest.raises(ConfigError, match="--tp 1 x --pp 1 x --cp 3 = 3 does not divide the world size 2"):
+        spawn(lambda b: run(b, "hybrid", cp=3), 2)
     with pytest.raises(ConfigError, match="strategy"):
         spawn(lambda b: run(b, "diagonal"), 1)
     # A degree of 0 was taken for "not given" and inferred (tp=0 ran with tp=2).
