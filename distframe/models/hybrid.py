@@ -137,7 +137,7 @@ class HybridShardedModel(ShardedModelBase):
         self._wrapped_parameters = WrappedParameters(stage, None, [lp.name for lp in self.local_parameters])
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
         self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
-                                      schedule=schedule) if dims.pp_enabled else None)
+                                      schedule=schedule, dense=model) if dims.pp_enabled else None)
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ gradients accumulate in ``.grad`` over the micro-batches. Collectives: none besi
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,12 +60,37 @@ def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[An
     return list(tensor.chunk(num_microbatches, dim=0))
 
 
+def warn_batch_norm_per_microbatch(chunks: Sequence[nn.Module], dense: nn.Module | None,
+                                   num_microbatches: int) -> None:
+    """Warns once (per stage) if ``chunks`` hold a BatchNorm and the batch is cut into micro-batches.
+
+    Such a BatchNorm normalises each micro-batch by that micro-batch's mean and variance, and
+    moves its running statistics once per micro-batch, so training differs from one process on
+    the whole batch. GPipe and torch.distributed.pipelining do the same; exact whole-batch
+    statistics would need every micro-batch's forward before any could go on, which is no
+    pipeline. ``dense``, the model before it was cut, names the modules."""
+    if num_microbatches == 1:
+        return
+    held = {id(m): m for c in chunks for m in c.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not held:
+        return
+    named = {id(m): name for name, m in (dense.named_modules() if dense is not None else ())}
+    shown = ", ".join(f"{named.get(key, '?')!r} ({type(m).__name__})" for key, m in list(held.items())[:5])
+    warnings.warn(
+        f"num_microbatches={num_microbatches}: this pipeline stage's BatchNorm modules ({shown}"
+        f"{', ...' if len(held) > 5 else ''}) normalise each micro-batch by its own statistics and "
+        f"update their running statistics once per micro-batch, so training differs from one process "
+        f"on the whole batch. Use num_microbatches=1 for whole-batch statistics, or a normalisation "
+        f"that is per sample (LayerNorm, GroupNorm)", UserWarning, stacklevel=4)
+
+
 class PipelineRunner:
     """Rank ``backend.rank`` of a pipeline over ``backend``, holding ``chunks`` (its model chunks,
     in chunk order; global stage of chunk c is ``c * p + rank``)."""
 
     def __init__(self, chunks: Sequence[nn.Module], backend: ICommunicationBackend, *, num_microbatches: int,
-                 schedule: str) -> None:
+                 schedule: str, dense: nn.Module | None = None) -> None:
+        warn_batch_norm_per_microbatch(chunks, dense, num_microbatches)
         self.chunks, self.backend = list(chunks), backend
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.ranks = backend.world_size
