@@ -8,8 +8,10 @@ process, so there it covers all of them).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -111,6 +113,11 @@ class ProgressBar:
         self._bar = None
         if enabled:
             from tqdm import tqdm
+            if multiprocessing.parent_process() is not None:
+                # A rank process distframe started (spawn or forkserver): tqdm's default lock
+                # there is a named semaphore registered with the parent's resource tracker, which
+                # reports it "leaked" when Ctrl-C stops the rank. One thread writes this bar.
+                tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr)
 
