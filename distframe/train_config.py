@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any
 
+import torch
+
 from attention.model import DilatedTransformerConfig
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.validation import MAX_TIMEOUT
@@ -22,6 +24,8 @@ from distframe.train_config_checks import (ModelShape, check_int, check_out, che
 from distframe.train_parallel import (check_accumulation, check_divides, check_model_parallel,
                                       check_schedule)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS, STRATEGIES
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 BACKENDS = ("auto", "inmemory", "gloo", "mpi", "nccl")
 PRESETS = ("tiny", "small")
@@ -186,9 +190,10 @@ class TrainConfig:
             # NaN passes every comparison below, and an infinite rate trains to NaN at once; past
             # float32's range the optimizer's kernels fail to convert it ("without overflow")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    not 0 <= value < 3.4e38 or (name == "lr" and value == 0):
+                    not 0 <= value <= FLOAT32_MAX or (name == "lr" and value == 0):
                 raise ConfigError(f"{flag(name)} {value!r}: use a positive number"
-                                  + (" or 0" if name == "weight_decay" else "") + " below 3.4e38")
+                                  + (" or 0" if name == "weight_decay" else "")
+                                  + f" up to {FLOAT32_MAX:.4g} (float32's largest)")
         norm = self.max_grad_norm
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < math.inf:
             raise ConfigError(f"--max-grad-norm {norm!r}: use a positive number such as 1.0 (the "

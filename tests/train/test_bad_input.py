@@ -48,6 +48,8 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--lr", "nan"], ["--lr nan", "positive number"]),
     (["--lr", "inf"], ["--lr inf", "positive number"]),
     (["--weight-decay", "nan"], ["--weight-decay nan"]),
+    (["--lr", "3.5e38"], ["--lr 3.5e+38", "up to 3.403e+38 (float32's largest)"]),
+    (["--weight-decay", "1e39"], ["--weight-decay 1e+39", "or 0 up to 3.403e+38"]),
     (["--seed", str(2 ** 64)], ["--seed", "2**63"]),
     (["--dropout", "1"], ["--dropout 1.0", "0 <= P < 1"]),
     (["--dropout", "-0.1"], ["--dropout -0.1", "0 <= P < 1"]),
