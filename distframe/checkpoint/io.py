@@ -3,13 +3,15 @@
 save (collective): rank 0 picks a temporary directory name and broadcasts it; every rank records
 itself there as a writer (``temporary``), then writes its safetensors file there and hashes
 it; one all_gather of each rank's file table (as JSON bytes, or the rank's error) brings them to
-every rank, which all raise if any rank failed to write (rank 0 removes the temporary directory).
-Otherwise rank 0 writes metadata.json last and renames the directory into place (an existing
+every rank, which all raise if any rank failed to write (each removes its temporary directory).
+Otherwise rank 0 checks that it sees every rank's file (``tables``: the ranks may not have saved
+to one directory), writes metadata.json last and renames the directory into place (an existing
 checkpoint at the same path is moved aside first and deleted after, or moved back if the rename
 fails), and one ``agree`` (one all_gather, where a barrier would otherwise be) tells every rank
-whether that worked. A save that fails or dies midway leaves the previous checkpoint intact,
-under its own name or, if the save died between its two renames, under the name it was moved
-aside to, where ``load`` and ``complete_checkpoints`` still find it. Rank 0 of a save that
+whether that worked (each rank removes its temporary directory if not). A save that fails or
+dies midway leaves the previous checkpoint intact, under its own name or, if the save died
+between its two renames, under the name it was moved aside to, where ``load`` and
+``complete_checkpoints`` still find it. Rank 0 of a save that
 completes then removes the temporary directories that saves of any name which died left in the
 same parent directory, but not one whose save another process may still be writing
 (``temporary``'s note says which).
@@ -37,7 +39,7 @@ import torch
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
-from distframe.checkpoint import dropout_rng, temporary
+from distframe.checkpoint import dropout_rng, tables, temporary
 from distframe.checkpoint.matching import check_parameters
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, CheckpointError,
                                          fsync_path, open_reader, read_metadata, sha256_of,
@@ -48,8 +50,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, numel_of, piece_key
 from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_pieces,
                                                 optimizer_pieces)
-
-RANK_STATE = "rank_state"
+from distframe.checkpoint.tables import RANK_STATE
 
 
 def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, step: int | None = None,
@@ -72,21 +73,24 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
     try:
         if backend.rank == 0:  # the rank that replaces what is at ``path``
             _check_target(path)
-        table, opt_state = _write_shard(tmp, model, optimizer, rank_state or {})
+        table, opt_state = _write_shard(tmp, path, model, optimizer, rank_state or {})
     except Exception as exc:  # noqa: BLE001 - every rank raises it, below
         error = exc
     # The file tables' all_gather tells every rank whether every rank wrote its file.
-    tables = _all_gather_json(backend, table if error is None else
-                              {"error": describe_error(error), "setting": isinstance(error, ConfigError)})
-    reasons = {rank: t["error"] for rank, t in enumerate(tables) if "error" in t}
+    if error is not None:
+        table = {"error": describe_error(error), "setting": isinstance(error, ConfigError)}
+    file_tables = _all_gather_json(backend, table)
+    reasons = {rank: t["error"] for rank, t in enumerate(file_tables) if "error" in t}
     if reasons:
-        if backend.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # every rank is done writing
-        setting = all(tables[rank]["setting"] for rank in reasons)
+        # Every rank is done writing; each removes its own directory (ranks may not share one).
+        shutil.rmtree(tmp, ignore_errors=True)
+        setting = all(file_tables[rank]["setting"] for rank in reasons)
         raise failure(f"saving checkpoint {path}", reasons, backend.world_size, setting=setting) from error
     try:
         if backend.rank == 0:
-            meta = _metadata(model, optimizer, opt_state, tables, step)
+            tables.check_shared_directory(tmp, file_tables)  # [Note: one directory for every rank]
+            tables.check_rank_state(file_tables)
+            meta = _metadata(model, optimizer, opt_state, file_tables, step)
             meta["rank_state"] = rank_state_info
             if info is not None:
                 meta["info"] = dict(info)
@@ -94,8 +98,11 @@ def save(path: str | Path, model: ShardedModelBase, optimizer: Any = None, *, st
             _rename_into_place(tmp, path)
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
-        shutil.rmtree(tmp, ignore_errors=True)
-    agree(backend, error, f"saving checkpoint {path}")  # in place of a barrier: no more cost
+    try:
+        agree(backend, error, f"saving checkpoint {path}")  # in place of a barrier: no more cost
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)  # each rank its own: nothing was committed from it
+        raise
     return path
 
 
@@ -118,10 +125,11 @@ def _check_target(path: Path) -> None:
                           "delete it: choose another path")
 
 
-def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
+def _write_shard(tmp: Path, path: Path, model: ShardedModelBase, optimizer: Any,
                  rank_state: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's safetensors file in ``tmp`` (made by whichever rank comes first); its file
-    table for the metadata, and the optimizer state the metadata takes from rank 0's."""
+    table for the metadata (with what ``tables`` takes out of it first: its optimizer's param
+    groups, and the path it saves to), and the optimizer state the metadata takes from rank 0's."""
     tensors = dict(model.state_dict())
     opt_state = _optimizer_state(model, optimizer)
     tensors.update(opt_state.pop("tensors", {}))
@@ -134,7 +142,8 @@ def _write_shard(tmp: Path, model: ShardedModelBase, optimizer: Any,
     fsync_path(file)
     table = {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_of(file),
              "tensors": {k: v.numel() for k, v in tensors.items()},
-             "scalars": opt_state.pop("scalars", {})}
+             "scalars": opt_state.pop("scalars", {}), "param_groups": opt_state.pop("param_groups", None),
+             "path": os.path.abspath(path)}
     return table, opt_state
 
 
@@ -281,32 +290,34 @@ def _all_gather_json(backend: ICommunicationBackend, obj: Any) -> list[Any]:
 
 
 def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any],
-              tables: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
+              file_tables: list[dict[str, Any]], step: int | None) -> dict[str, Any]:
     scalars: dict[str, Any] = {}
-    for table in tables:
+    for table in file_tables:
         scalars.update(table.pop("scalars"))
+        table.pop("path")
+    param_groups = tables.merged_param_groups(file_tables)  # [Note: every stage's param groups]
     return {
         "format_version": FORMAT_VERSION, "strategy": type(model).__name__,
         "world_size": model.backend.world_size, "step": step,
         "parameters": model.parameter_metadata(),
         # What the ranks stored (a pipeline's stages each store their own buffers).
-        "replicated": sorted({k.removeprefix("buffer/") for t in tables for k in t["tensors"]
+        "replicated": sorted({k.removeprefix("buffer/") for t in file_tables for k in t["tensors"]
                               if k.startswith("buffer/")}),
         "aliases": model.state_aliases(),
-        "files": tables,
+        "files": file_tables,
         "dropout_rng": dropout_rng.layout(model),
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
-            "param_groups": opt_state.get("param_groups", []), "scalars": scalars,
+            "param_groups": param_groups, "scalars": scalars,
             # What else the optimizer's state_dict holds (JSON, the same on every rank: an
             # ElasticOptimizer's scheduler state and step count), handed back to its load.
-            "extra": {k: v for k, v in opt_state.items() if k != "param_groups"}},
+            "extra": opt_state},
     }
 
 
 def _rename_into_place(tmp: Path, path: Path) -> None:
     old = None
-    if path.exists():
+    if path.exists() or path.is_symlink():  # a link, even to nothing, is replaced as a checkpoint is
         old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
         path.rename(old)
     try:
@@ -319,8 +330,8 @@ def _rename_into_place(tmp: Path, path: Path) -> None:
     # Also what saves that died left: had one over ``path`` died between the two renames, the
     # checkpoint it had moved aside, and the temporary directories of any name no one writes.
     for stale in list(path.parent.iterdir()):
-        if stale.name.startswith(f".{path.name}.old-"):
-            shutil.rmtree(stale, ignore_errors=True)
+        if stale.name.startswith(f".{path.name}.old-"):  # a checkpoint, or a link to one
+            tables.remove(stale)
     temporary.remove_abandoned(path.parent)
 
 
