@@ -89,3 +89,27 @@ def test_every_stage_resumes_with_its_own_param_groups(tmp_path, kind):
     # Every stage's groups are in the metadata, once each (not once per data-parallel replica).
     meta = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
     assert [g["initial_lr"] for g in meta["optimizer"]["param_groups"]] == [0.1, 0.05, 0.025, 0.0125]
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_shards_of_one_group_are_one_entry_naming_every_parameter(tmp_path, strategy):
+    """ZeRO's and FSDP's ranks each train the parameters of their own shard: their groups are one
+    group of the metadata, not one per rank, and it names every parameter."""
+    from distframe.models import FSDPModel, ZeRO2Model
+    from distframe.optimizers import FSDPOptimizer, ZeRO2Optimizer
+    model_cls, opt_cls = {"zero2": (ZeRO2Model, ZeRO2Optimizer), "fsdp": (FSDPModel, FSDPOptimizer)}[strategy]
+
+    def run(backend):
+        with SEED_LOCK:
+            torch.manual_seed(0)
+            module = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).double()
+        model = model_cls(module, backend)
+        opt = opt_cls(model, torch.optim.AdamW, lr=0.1)
+        x = _batches(1)[0]
+        model.train_step((x, x[:, :2]), nn.functional.mse_loss, opt)
+        checkpoint.save(tmp_path / "ckpt", model, opt, step=1)
+
+    spawn(run, 3, timeout=60)
+    groups = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())["optimizer"]["param_groups"]
+    assert len(groups) == 1, groups
+    assert groups[0]["parameters_trained"] == ["0.bias", "0.weight", "1.bias", "1.weight"]
