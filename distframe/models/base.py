@@ -215,7 +215,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         ``max_grad_norm``: clip gradients by the whole model's norm first (``clip_grad_norm_``).
         ``accumulation_steps``: run the slice in that many equal pieces, one at a time (see
         accumulation.py): the same step, with one piece's activations alive at a time."""
-        self.check_optimizer(optimizer)
+        self.check_optimizer(optimizer, stepping=True)
         loss = accumulated_backward(self, batch, loss_fn, accumulation_steps)
         self.synchronize_gradients()
         if max_grad_norm is not None:
@@ -244,20 +244,20 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self.backend.all_reduce(total, ReduceOp.AVG)
         return float(total)
 
-    def check_optimizer(self, optimizer: Any) -> None:
-        """ConfigError unless ``optimizer`` belongs with this model."""
-        owner = getattr(optimizer, "model", None)
-        if hasattr(optimizer, "wrapped_optimizer"):
-            if owner is not self:
-                raise ConfigError(f"{type(optimizer).__name__} was built for a different model; "
-                                  f"build it with {type(optimizer).__name__}(this_model, ...)")
-            return
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a ShardedOptimizer, "
-                              f"got {type(optimizer).__name__}")
-        if not self.accepts_plain_optimizer:
+    def check_optimizer(self, optimizer: Any, *, stepping: bool = False) -> None:
+        """ConfigError unless ``optimizer`` belongs with this model and, ``stepping`` (train_step),
+        steps every rank together: train_step all-reduces the loss, which no parameter server joins."""
+        name, sharded = type(optimizer).__name__, hasattr(optimizer, "wrapped_optimizer")
+        if sharded and getattr(optimizer, "model", None) is not self:
+            raise ConfigError(f"{name} was built for a different model; build it as {name}(this_model, ...)")
+        if sharded and stepping and getattr(optimizer, "steps_independently", False):
+            raise ConfigError(f"{name}'s ranks step on their own, and model.train_step all-reduces the loss: "
+                              "call optimizer.train_step(batch, loss_fn) (on its server: optimizer.serve())")
+        if not sharded and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a ShardedOptimizer, got {name}")
+        if not sharded and not self.accepts_plain_optimizer:
             raise ConfigError(f"{type(self).__name__} shards optimizer state: wrap the optimizer as "
-                              f"{self.optimizer_name}(model, torch.optim.{type(optimizer).__name__}, **kwargs)")
+                              f"{self.optimizer_name}(model, torch.optim.{name}, **kwargs)")
 
     def attach_optimizer(self, optimizer: Any) -> None:
         """Called by ShardedOptimizerBase so memory_footprint can count optimizer state."""
