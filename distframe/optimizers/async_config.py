@@ -1,13 +1,17 @@
-"""AsyncConfig: the settings of AsyncSGDOptimizer (async_sgd.py), validated when built."""
+"""AsyncConfig: the settings of AsyncSGDOptimizer (async_sgd.py), validated when built, and
+compared across ranks at construction (``check_same_config``)."""
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
+from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.optimizers.agreed_settings import check_same_settings, optimizer_settings
 
 FAILURE_POLICIES = ("continue", "stop")
-__all__ = ["FAILURE_POLICIES", "AsyncConfig"]
+__all__ = ["FAILURE_POLICIES", "AsyncConfig", "check_same_config"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,3 +53,14 @@ class AsyncConfig:
                                     or not 0 < timeout < math.inf):
             raise ConfigError(f"AsyncSGDOptimizer worker_timeout={self.worker_timeout!r}: use a "
                               "positive number of seconds, or None for the backend's timeout")
+
+
+def check_same_config(backend: ICommunicationBackend, optimizer: Any, config: AsyncConfig) -> None:
+    """ConfigError on every rank unless every rank built its optimizer (class, param groups) and
+    ``config`` alike; one all_gather. A worker's rate is never applied and its staleness bound
+    never enforced, so a worker built unlike its server would run as if they were (a server
+    that is to run at another rate has it set by hand after construction, before serve())."""
+    check_same_settings(backend, {**optimizer_settings(optimizer), **dataclasses.asdict(config)},
+                        "AsyncSGDOptimizer",
+                        "build every rank's AsyncSGDOptimizer with the same settings (to give the "
+                        "server another rate, set it there after construction, before serve())")

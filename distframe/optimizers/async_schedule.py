@@ -69,6 +69,12 @@ class ServerSchedule:
         self._rates = _rates(param_groups)
         self.replicated = True
 
+    def settings_loaded(self, param_groups: list[dict[str, Any]]) -> None:
+        """The server's group settings were copied here (``synchronize_parameters``): its rates
+        are this rank's own from now on, not a change made by hand (the scheduler's state is not
+        replicated by that)."""
+        self._rates = _rates(param_groups)
+
     def saved(self, is_server: bool) -> dict[str, Any]:
         """What ``state_dict()`` adds: ``{"lr_scheduler": state}``, or nothing without a scheduler;
         ConfigError on a worker whose copy fell behind the server's (rank 0 writes the

@@ -19,7 +19,7 @@ from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.ddp import DDPModel
 from distframe.models.sharded_state import RangeReader
-from distframe.optimizers.async_config import AsyncConfig
+from distframe.optimizers.async_config import AsyncConfig, check_same_config
 from distframe.optimizers.async_protocol import (
     BODY_TAG,
     HEADER_TAG,
@@ -33,7 +33,7 @@ from distframe.optimizers.async_protocol import (
 )
 from distframe.optimizers.async_schedule import ServerSchedule, refuse_unstepped_scheduler
 from distframe.optimizers.async_server import AsyncReport, ParameterServer
-from distframe.optimizers.async_state import decode_state, encode_state
+from distframe.optimizers.async_state import decode_state, encode_state, replicate_settings
 from distframe.optimizers.base import ShardedOptimizerBase
 from distframe.optimizers.sharded_state import hyperparameters, optimizer_pieces
 
@@ -90,9 +90,9 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     collective, on a model that has some.) ``state_dict()`` on the server holds all of the
     optimizer state, on a worker none. Once ``serve()`` has returned and the workers have called
     ``finish()``, every rank calls ``synchronize_parameters()`` (broadcasts from the server of
-    its parameters and buffers), then ``distframe.checkpoint.save``; a worker's ``state_dict()``
-    refuses before that, as the checkpoint would hold part of its stale parameters (each rank
-    writes a slice).
+    its parameters, buffers and param groups' settings), then ``distframe.checkpoint.save``; a
+    worker's ``state_dict()`` refuses before that, as the checkpoint would hold part of its stale
+    parameters (each rank writes a slice) and, from rank 0, its settings, not the server's.
     ``synchronize_optimizer_state()`` gives every rank the server's optimizer state too.
 
     Learning-rate schedule: the server's (``async_schedule.py``). ``lr_scheduler``: a function
@@ -104,6 +104,9 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     otherwise (a scheduler built on a worker's optimizer, a worker's lr set by hand) raises
     ConfigError at that worker's next push, as one built on the server's does at ``serve()``;
     so does, when built, a scheduler whose ``step()`` needs a metric (ReduceLROnPlateau).
+
+    Construction (collective: one all_gather) refuses ranks built with different settings
+    (optimizer, param groups, ``AsyncConfig``), naming them, on every rank alike.
 
     Loss scaling: workers step on their own, so each keeps a plain ``torch.amp.GradScaler`` (a
     step it skips pushes nothing); ``distframe.ShardedGradScaler``, a collective, is refused.
@@ -129,6 +132,7 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
         if self.config.server_rank >= backend.world_size:
             raise ConfigError(f"AsyncSGDOptimizer server_rank={self.config.server_rank} is not a rank "
                               f"of this world of {backend.world_size}; use 0..{backend.world_size - 1}")
+        check_same_config(backend, self.wrapped_optimizer, self.config)
         self._no_sync = model.no_sync()
         self._no_sync.__enter__()  # gradients stay local: the server, not an all_reduce, combines them
         self.flat = FlatParameters(list(model.local_parameter_shard()))
@@ -322,15 +326,20 @@ class AsyncSGDOptimizer(ShardedOptimizerBase):
     # ---- replicas and checkpoints -----------------------------------------------------------------
     def synchronize_parameters(self) -> None:
         """Every rank gets the server's parameters and buffers (one broadcast, one more per
-        buffer vector); collective, after training."""
+        buffer vector) and its param groups' settings (two small broadcasts: a checkpoint takes
+        rank 0's, and the run's are the server's, whose rate may have been set by hand);
+        collective, after training."""
         self._require_session_over("synchronize_parameters")
+        backend, server = self.model.backend, self.config.server_rank
         values = self.flat.values() if self.is_server else self.flat.empty()
-        self.model.backend.broadcast(values, self.config.server_rank)
+        backend.broadcast(values, server)
         self.flat.load_values(values)
         buffers = self.buffers.values() if self.is_server else self.buffers.empty()
         for vector in buffers:
-            self.model.backend.broadcast(vector, self.config.server_rank)
+            backend.broadcast(vector, server)
         self.buffers.load(buffers)
+        if not replicate_settings(backend, self.wrapped_optimizer, server):
+            self._schedule.settings_loaded(self.param_groups)
         self._parameters_replicated = True
 
     def synchronize_optimizer_state(self) -> None:

@@ -1,5 +1,7 @@
 """The parameter server's optimizer state as bytes, so AsyncSGDOptimizer can replicate it from the
-server onto the workers (whose own optimizers never step) before a checkpoint.
+server onto the workers (whose own optimizers never step) before a checkpoint; and its param
+groups' settings alone (``replicate_settings``), which ``synchronize_parameters`` replicates: a
+checkpoint takes rank 0's, and the run's are the server's (a rate set there by hand).
 
 The state is the range-keyed pieces of ``sharded_state`` for every segment (the server holds it
 all), their per-parameter scalars, the hyperparameters and the server's lr scheduler state, in
@@ -13,6 +15,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from distframe.backends.objects import broadcast_bytes
+from distframe.backends.protocol import ICommunicationBackend
 from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.optimizers.sharded_state import hyperparameters, load_optimizer_pieces, optimizer_pieces
 
@@ -38,3 +42,30 @@ def decode_state(layout: ShardLayout, optimizer: torch.optim.Optimizer, blob: by
     load_optimizer_pieces(layout, optimizer, RangeReader.from_tensors(tensors), meta["scalars"],
                           meta["param_groups"])
     return meta.get("lr_scheduler")
+
+
+def replicate_settings(backend: ICommunicationBackend, optimizer: torch.optim.Optimizer, server: int) -> bool:
+    """Gives every rank's param groups the settings (lr, momentum, betas, ...) of the server's
+    (two small broadcasts); returns whether this rank is the server, whose stay as they are.
+    The groups are the same on every rank (construction checks it). A tensor setting is
+    written in place, as a capturable optimizer and an lr scheduler hold on to it; a tuple
+    (betas) stays a tuple."""
+    is_server = backend.rank == server
+    blob = json.dumps(hyperparameters(optimizer)).encode() if is_server else b""
+    blob = broadcast_bytes(backend, blob, server)
+    if is_server:
+        return True
+    for group, settings in zip(optimizer.param_groups, json.loads(blob), strict=True):
+        for key, value in settings.items():
+            group[key] = _merged(group.get(key), value)
+    return False
+
+
+def _merged(current: Any, value: Any) -> Any:
+    if isinstance(current, torch.Tensor):
+        with torch.no_grad():
+            current.fill_(value)
+        return current
+    if isinstance(current, (tuple, list)) and isinstance(value, list) and len(current) == len(value):
+        return type(current)(_merged(c, v) for c, v in zip(current, value))
+    return value

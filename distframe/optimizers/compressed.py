@@ -47,7 +47,6 @@ scale 1, it refused a resume with the right scaler and let one at another scale 
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +66,7 @@ from distframe.optimizers.compression_residuals import (ResidualScale, add_resid
                                                         residual_dtype)
 from distframe.optimizers.compression_state import (compression_pieces, load_compressor_state,
                                                     saved_iteration)
+from distframe.optimizers.compressor_checks import check_compress_signature, check_same_compression
 
 
 class _Then(Work):
@@ -105,16 +105,6 @@ def _claim(compressor: Compressor, backend: ICommunicationBackend) -> None:
     compressor._holder = weakref.ref(backend)
 
 
-def _check_compress_signature(compressor: Compressor) -> None:
-    """ConfigError unless ``compressor.compress`` takes the ``key`` keyword it is called with."""
-    parameters = inspect.signature(compressor.compress).parameters.values()
-    if not any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        raise ConfigError(
-            f"{type(compressor).__name__}.compress takes no key= argument; define it as "
-            "compress(self, tensor, *, key=None) -> (payload, ctx): key names the parameter, so a "
-            "compressor with state (a warm start) keeps it per parameter (ignore it otherwise)")
-
-
 def _describe(result: Any) -> str:
     if isinstance(result, tuple):
         return "(" + ", ".join(type(part).__name__ for part in result) + ")"
@@ -133,6 +123,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     memory of one more copy of the parameters, in float32 for fp16 and bf16 parameters (twice
     their bytes; see [Note: residual dtype] in ``compression_residuals.py``).
 
+    Construction (collective: one all_gather) compares every rank's settings (optimizer, param
+    groups, compressor, error feedback) and raises ConfigError on every rank, naming what differs.
     Collectives per gradient bucket (each rank ends with the same averaged gradient):
     identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
     fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one
@@ -162,7 +154,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
                               f"distframe.optimizers.compression (e.g. FP16Compressor()), got {compressor!r:.60}")
         if not isinstance(error_feedback, bool):
             raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
-        _check_compress_signature(compressor)
+        check_compress_signature(compressor)
         _claim(compressor, model.backend)
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.compressor = compressor
@@ -175,6 +167,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         self._staged_warm: dict[str, torch.Tensor] = {}
         self._residual_scale = ResidualScale()
         self._scaler_scale: torch.Tensor | None = None  # see gradients_scaled_by
+        # Before the hook: ranks built unlike would exchange payloads that do not fit together.
+        check_same_compression(model.backend, self.wrapped_optimizer, compressor, self.error_feedback,
+                               type(self).__name__)
         model.register_comm_hook(self._communicate)
 
     @property

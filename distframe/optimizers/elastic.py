@@ -30,6 +30,7 @@ from distframe.backends.objects import all_gather_bytes, broadcast_bytes
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader
+from distframe.optimizers.agreed_settings import check_same_settings, optimizer_settings
 from distframe.optimizers.base import ShardedOptimizerBase
 from distframe.optimizers.elastic_commit import Commit
 from distframe.optimizers.elastic_grad_scaler import CommittedGradScaler, refuse_unregistered
@@ -105,7 +106,9 @@ class ElasticOptimizer(ShardedOptimizerBase):
     or commit.
 
     Collectives: ``commit()`` two all_gathers (sizes, then the serialised pieces); construction
-    one all_gather (each member's committed step, the run's newest step, any load not yet
+    one all_gather of a digest of the settings (ConfigError on every rank, naming what differs,
+    for ranks built with other param groups, commit_every, checkpointing or scheduler), one
+    all_gather (each member's committed step, the run's newest step, any load not yet
     committed, allow_rollback) and, when a member's commit is restored, two broadcasts; a
     checkpoint restored is loaded (distframe.checkpoint.load), then committed; the first
     ``step()`` after a load by hand commits it first.
@@ -135,6 +138,12 @@ class ElasticOptimizer(ShardedOptimizerBase):
             raise ConfigError(f"ElasticOptimizer allow_rollback={allow_rollback!r}: use True or False")
         scaler = CommittedGradScaler(grad_scaler, model)
         super().__init__(model, optimizer, **optimizer_kwargs)
+        # Before the restore: a commit would give every rank rank 0's groups, but a fresh start
+        # keeps each rank's own, and the replicas would drift apart.
+        check_same_settings(model.backend, {
+            **optimizer_settings(self.wrapped_optimizer), "commit_every": commit_every,
+            "checkpoint_every": checkpoint_every, "checkpoint_dir_given": checkpoint_dir is not None,
+            "lr_scheduler_given": lr_scheduler is not None}, "ElasticOptimizer")
         self._scaler = scaler
         self.commit_every = commit_every
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)

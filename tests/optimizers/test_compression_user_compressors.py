@@ -3,6 +3,7 @@ without key=) failed with a TypeError inside backward, one returning a bare tens
 with a size error from the wire split; both are ConfigErrors saying what to write. A deepcopy of a
 compressor in use was refused as "already serves rank 0": the copy carried the original's rank."""
 import copy
+import time
 
 import pytest
 import torch
@@ -53,9 +54,14 @@ def test_a_copy_of_a_compressor_in_use_serves_another_rank():
         model = STRATEGIES["ddp"][0](build_model(), backend)
         build = lambda compressor: GradientCompressionOptimizer(   # noqa: E731
             model, torch.optim.SGD, compressor=compressor, lr=0.1)
-        opt = build(shared) if backend.rank == 0 else None
-        backend.barrier()   # rank 0 holds the original now
-        opt = opt or build(copy.deepcopy(shared))
+        if backend.rank == 0:
+            opt = build(shared)
+        else:  # a copy once rank 0 holds the original (construction is collective: no barrier)
+            deadline = time.monotonic() + 30
+            while "_holder" not in shared.__dict__:
+                assert time.monotonic() < deadline, "rank 0 never claimed the compressor"
+                time.sleep(0.001)
+            opt = build(copy.deepcopy(shared))
         model.train_step(rank_slice(global_batches(1, 4)[0], backend.rank, 2), loss_fn, opt)
         return True
 
