@@ -146,23 +146,27 @@ class DilatedTransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.activation_checkpointing = config.activation_checkpointing
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, E)
+    def forward(self, x: torch.Tensor, *,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, E)
+        """``key_padding_mask``: ``(B, T)`` bool, True = a key the attention ignores. Keyword-only
+        and optional, so pipeline stages keep calling ``block(x)``."""
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False,
+            return checkpoint(self._forward, x, key_padding_mask, use_reentrant=False,
                               context_fn=functools.partial(same_dropout_masks, self, x.device))
-        return self._forward(x)
+        return self._forward(x, key_padding_mask)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.ln_attn(x)
-        attended, _ = self.attn(h, h, h, is_causal=True)
+        attended, _ = self.attn(h, h, h, is_causal=True, key_padding_mask=key_padding_mask)
         x = x + self.dropout(attended)
         return x + self.mlp(self.ln_mlp(x))
 
 
 def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
     """Token ids are int64 or int32 (else ValueError) in ``[0, vocab_size)`` (else IndexError),
-    where nn.Embedding failed in torch's words. The range is checked on CPU only: on a GPU it would cost a synchronisation per forward
-    (there an id out of range is a device-side assertion)."""
+    where nn.Embedding failed in torch's words. The range is checked on CPU only: on a GPU it
+    would cost a synchronisation per forward (there an id out of range is a device-side
+    assertion)."""
     if tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"tokens must hold int64 or int32 token ids, got {tokens.dtype}: convert them "
                          "with .long()")
@@ -171,6 +175,26 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
         if low < 0 or high >= vocab_size:  # IndexError, as nn.Embedding's and VocabParallelEmbedding's
             raise IndexError(f"DilatedTransformerLM got token ids in [{int(low)}, {int(high)}], outside "
                              f"its vocabulary [0, {vocab_size}) (the config's vocab_size)")
+
+
+def check_key_padding_mask(mask: object, tokens: torch.Tensor) -> None:
+    """ValueError unless ``mask`` is a bool tensor shaped as ``tokens`` on their device. Checked
+    here, in the LM's words: the attention layers would refuse it too, but name the attention's
+    shapes, and an integer mask is most likely a Hugging Face ``attention_mask`` (1 = keep), the
+    inverse of this one."""
+    expected = (f"key_padding_mask must be a bool tensor of shape (batch, seq) = {tuple(tokens.shape)}, "
+                "True marking padding")
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{expected}; got {type(mask).__name__}: convert it with torch.as_tensor(...)")
+    if mask.dtype != torch.bool:
+        hint = (" (an additive 0/-inf mask: pass mask == -inf)" if mask.is_floating_point() else
+                " (a Hugging Face attention_mask, 1 = keep, is the inverse: pass attention_mask == 0)")
+        raise ValueError(f"{expected}; got {mask.dtype}{hint}")
+    if mask.shape != tokens.shape:
+        raise ValueError(f"{expected}; got shape {tuple(mask.shape)}")
+    if mask.device != tokens.device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but the tokens are on {tokens.device}: "
+                         "move it with .to(tokens.device)")
 
 
 class DilatedTransformerLM(nn.Module):
@@ -201,8 +225,27 @@ class DilatedTransformerLM(nn.Module):
         positions = shard_positions(tokens, self.sequence_shard, self.config.seq_len)
         return self.tok_embedding(tokens) + self.pos_embedding(positions)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *,
+                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens (B, T)`` -> logits ``(B, T, vocab)``, causal.
+
+        ``key_padding_mask``: ``(B, T)`` bool, True marking a padding token (as
+        ``nn.MultiheadAttention``'s; the inverse of a Hugging Face ``attention_mask``), or None
+        for no padding. Every attention layer ignores the keys it marks. It hides keys only:
+        positions stay ``0 .. T-1`` whatever the padding, and padded positions still get logits,
+        which mean nothing (leave them out of the loss). Right padding, what training uses, gives
+        each sequence the logits it gets run alone (equal to rounding); there, causal attention never
+        reads a later key, so the mask changes nothing for unpadded positions. Left padding (or
+        padding anywhere) needs the mask: with it no unpadded position reads a padded token, but
+        each token keeps its padded position, and so its segments: its logits are those of the
+        sequence placed at that offset, not those of the sequence run alone. A query that sees
+        only padded keys (a fully padded row, left padding's pads) attends to nothing and gets a
+        zero attention output, finite. The strategies that run the LM's layers themselves
+        (pipeline stages, through ``pipeline_layers``) take no mask.
+        """
         x = self.embed(tokens)  # (B, T, E)
+        if key_padding_mask is not None:
+            check_key_padding_mask(key_padding_mask, tokens)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, key_padding_mask=key_padding_mask)
         return self.head(self.final_norm(x))  # (B, T, V)
