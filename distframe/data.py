@@ -64,15 +64,16 @@ def load_corpus(path: str | None, *, token_dtype: str = "uint8", exclude: str | 
     """The corpus at ``path`` (see the module docstring); ConfigError if it cannot be used.
     ``exclude``: a directory a directory's walk leaves out (the run's --out); ``window``: the
     tokens of one training window (seq_len + 1), which each split of a directory must hold."""
+    own = None  # a directory's tokens without the separators between its files
     if path is None:
         root = sysconfig.get_paths()["stdlib"]
         files = _python_sources(root)
-        corpus = _split_files(root, files, f"Python {sysconfig.get_python_version()} standard "
-                                            f"library sources ({len(files)} files)", window)
+        corpus, own = _split_files(root, files, f"Python {sysconfig.get_python_version()} standard "
+                                                 f"library sources ({len(files)} files)", window)
     elif os.path.isdir(path):
         excluded = _inside(exclude, path)
         description = f"text files under {path}" + (f" (without --out {exclude})" if excluded else "")
-        corpus = _split_files(path, _text_files(path, excluded), description, window)
+        corpus, own = _split_files(path, _text_files(path, excluded), description, window)
     elif not os.path.exists(path):
         raise ConfigError(f"--data {path}: no such file or directory")
     elif not os.path.isfile(path):  # a device such as /dev/null, a pipe, a socket
@@ -84,8 +85,9 @@ def load_corpus(path: str | None, *, token_dtype: str = "uint8", exclude: str | 
         with open(path, "rb") as f:
             corpus = _tail_split(np.frombuffer(f.read(), dtype=np.uint8), 256, f"text file {path}")
     if len(corpus.train) < 2 or len(corpus.validation) < 2:
-        raise ConfigError(f"--data {path or '(default corpus)'}: too little text "
-                          f"({len(corpus.train) + len(corpus.validation)} tokens) to train on")
+        count = len(corpus.train) + len(corpus.validation) if own is None else own
+        raise ConfigError(f"--data {path or '(default corpus)'}: too little text ({count} tokens) "
+                          "to train on; add text or pass a larger --data")
     return corpus
 
 
@@ -127,11 +129,16 @@ def _looks_binary(path: str) -> bool:
 
 def in_validation_split(relative_path: str) -> bool:
     """Whether a file belongs to the validation split: a hash of its path, stable everywhere."""
-    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode()).digest()
+    # A name that is not UTF-8 (a file unpacked from a latin-1 zip) reaches Python as surrogate
+    # escapes (PEP 383): hash its bytes. Every UTF-8 name encodes as before, so splits stay.
+    digest = hashlib.sha256(relative_path.replace(os.sep, "/").encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") % 100 < VALIDATION_PERCENT
 
 
-def _split_files(root: str, files: list[str], description: str, window: int = 0) -> TokenCorpus:
+def _split_files(root: str, files: list[str], description: str, window: int = 0
+                 ) -> tuple[TokenCorpus, int]:
+    """The files' corpus, and how many tokens the files themselves hold (the corpus also holds
+    the separators joined between them)."""
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     for full in files:
         with open(full, "rb") as f:
@@ -140,16 +147,19 @@ def _split_files(root: str, files: list[str], description: str, window: int = 0)
                          for v in (False, True))
     # Too few files for a split by path, or a side too short for one window (a tiny file hashed
     # into validation): the data may still be plenty, so split its tail off instead.
+    own = sum(len(text) for text in parts[False] + parts[True])
     if not parts[False] or not parts[True] or min(len(train), len(validation)) < window:
         joined = np.frombuffer(_SEPARATOR.join(parts[False] + parts[True]), dtype=np.uint8)
-        return _tail_split(joined, 256, description)
-    return TokenCorpus(train, validation, 256, description)
+        return _tail_split(joined, 256, description), own
+    return TokenCorpus(train, validation, 256, description), own
 
 
 def _token_file(path: str, token_dtype: str) -> TokenCorpus:
     dtype = np.dtype(token_dtype)
     size = os.path.getsize(path)
-    if size % dtype.itemsize or size == 0:
+    if size == 0:  # (np.memmap refuses an empty file; no --token-dtype would help)
+        raise ConfigError(f"--data {path} is empty: pass a file with tokens")
+    if size % dtype.itemsize:
         raise ConfigError(f"--data {path}: {size} bytes is not a whole number of {token_dtype} "
                           "tokens; pass --token-dtype uint8 or uint16 to match the file")
     tokens = np.memmap(path, dtype=dtype, mode="r")
