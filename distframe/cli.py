@@ -1,9 +1,10 @@
 """The ``distframe`` command: ``distframe train`` and ``distframe generate``.
 
-Exit status: 0 done; 2 bad input (a ConfigError, an engine that cannot run here, a bad flag, a
-file that is missing or cannot be read), reported as one line that says what to change; 1 another
-distframe error or an I/O error (one line); 130 interrupted (Ctrl-C, or SIGTERM/SIGHUP to the
-console script: the last complete checkpoint stays loadable). ``--debug`` shows tracebacks.
+Exit status: 0 done (also when the reader of stdout has gone, as after ``| head``: quietly); 2 bad
+input (a ConfigError, an engine that cannot run here, a bad flag, a file that is missing or cannot
+be read), reported as one line that says what to change; 1 another distframe error or an I/O
+error (one line); 130 interrupted (Ctrl-C, or SIGTERM/SIGHUP to the console script: the last
+complete checkpoint stays loadable). ``--debug`` shows tracebacks.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import BinaryIO
 
 from distframe.errors import BackendUnavailableError, ConfigError, DistFrameError
 
@@ -61,8 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parse(build_parser(), argv)
     except SystemExit as exc:  # --help (0) or a bad flag (2, already reported in one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    status = 0
     try:
-        return args.handler(args)
+        status = args.handler(args)
+        write_stdout("")  # flushed here: a reader gone shows now, not as the interpreter exits
+        return status
+    except StdoutClosed:
+        return _stdout_closed(status)
     except KeyboardInterrupt:
         print("\ndistframe: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -72,6 +79,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(exc, debug, EXIT_BAD_INPUT, quiet=_launched_rank() > 0)
     except (DistFrameError, OSError) as exc:  # OSError: a full disk, an I/O error
         return _report(exc, debug, 1)
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout has gone (``distframe generate | head -c 20``)."""
+
+
+def write_stdout(data: str | bytes) -> None:
+    """``data`` to stdout, flushed; StdoutClosed where the reader has gone (a BrokenPipeError
+    elsewhere, a socket between ranks, stays an error). Bytes go to a stdout that is a file (a
+    terminal, a pipe, a file) as they are, after any text printed before; a stream in memory in
+    its place (an io.StringIO, a test's capture, which reads back strict UTF-8) takes them as
+    text, invalid bytes replaced."""
+    try:
+        buffer = _file_buffer(sys.stdout)
+        if isinstance(data, bytes) and buffer is not None:
+            sys.stdout.flush()
+            buffer.write(data)
+            buffer.flush()
+        else:
+            sys.stdout.write(data if isinstance(data, str) else data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
+def _file_buffer(stream: object) -> BinaryIO | None:
+    """``stream``'s byte stream where it writes to a file descriptor, else None."""
+    try:
+        stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+        return None
+    return getattr(stream, "buffer", None)
+
+
+def _stdout_closed(status: int) -> int:
+    """The command's ``status`` (0 where it had not returned), quietly, as ``head``-style
+    pipelines expect: the reader took what it wanted and the command's work is done (141,
+    128 + SIGPIPE, would fail a ``set -o pipefail`` script that cut the output short on purpose).
+    Stdout then goes to os.devnull, so that the interpreter's own flush at exit does not fail on
+    the pipe again ("Exception ignored ... BrokenPipeError", status 120)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # a stdout without a file descriptor
+        pass
+    return status
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -2,8 +2,8 @@
 
 The checkpoint is consolidated into a plain state dict (any strategy, any world size) and loaded
 into a single-process DilatedTransformerLM whose shape comes from the model configuration saved
-in the checkpoint (older checkpoints: their run's OUT/config.json). Tokens are bytes; the output
-is decoded as UTF-8 (invalid bytes replaced).
+in the checkpoint (older checkpoints: their run's OUT/config.json). Tokens are bytes: the command
+writes them to stdout as they are; ``generate_text`` decodes them as UTF-8 (invalid bytes replaced).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from attention.model import DilatedTransformerConfig, DilatedTransformerLM
 from distframe import train_checkpoint
 from distframe.errors import ConfigError
+from distframe.train_config_checks import check_utf8_path
 
 
 _RESTORE = "restore it from the run that wrote the checkpoint"
@@ -95,6 +96,7 @@ def _check_shapes(model: DilatedTransformerLM, state: dict[str, torch.Tensor], p
 
 
 def resolve_checkpoint(path: str) -> str:
+    check_utf8_path("--checkpoint", path)
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path
     found = train_checkpoint.latest_checkpoint(path)
@@ -137,10 +139,10 @@ def sample(model: DilatedTransformerLM, prompt: bytes, *, max_new_tokens: int,
     return bytes(t % 256 for t in tokens[seed_tokens:])
 
 
-def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int = 40, seed: int = 0) -> str:
-    """The prompt and its continuation sampled from the checkpoint at ``path`` (an empty prompt:
-    the continuation only, see :func:`sample`)."""
+def generate_bytes(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+                   top_k: int = 40, seed: int = 0) -> bytes:
+    """The prompt's bytes and their continuation sampled from the checkpoint at ``path`` (an
+    empty prompt: the continuation only, see :func:`sample`)."""
     model = load_model(path)
     if model.config.vocab_size != 256:
         raise ConfigError("this checkpoint was trained on a uint16 token file; generate samples "
@@ -148,6 +150,13 @@ def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperat
     # A command-line byte that is not UTF-8 reaches Python as a surrogate escape (PEP 383):
     # hand the model that byte, as it is a byte-level model.
     prompt_bytes = prompt.encode("utf-8", errors="surrogateescape")
-    out = sample(model, prompt_bytes, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_k=top_k, seed=seed)
+    return sample(model, prompt_bytes, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_k=top_k, seed=seed)
+
+
+def generate_text(path: str, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int = 40, seed: int = 0) -> str:
+    """:func:`generate_bytes` decoded as UTF-8, bytes that are not UTF-8 replaced (U+FFFD)."""
+    out = generate_bytes(path, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                         top_k=top_k, seed=seed)
     return out.decode("utf-8", errors="replace")

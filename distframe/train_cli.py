@@ -168,6 +168,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from distframe import train, train_checkpoint
+    from distframe.cli import write_stdout
     from distframe.train_metrics import format_bytes, format_duration
     flags = {k: v for k, v in vars(args).items() if k not in ("handler", "command", "debug", "config")}
     # Said by rank 0 once the run has started (before its first step): a run refused for bad
@@ -185,23 +186,27 @@ def train_command(args: argparse.Namespace) -> int:
     if result.rank != 0:  # under mpiexec or torchrun every rank gets here; rank 0 reports
         return 0
     if result.already_finished:
-        print(f"distframe train: the run in {config.out} already reached step {config.steps}; "
-              f"nothing to train (pass --steps above {config.steps} to train it further)")
+        write_stdout(f"distframe train: the run in {config.out} already reached step {config.steps}; "
+                     f"nothing to train (pass --steps above {config.steps} to train it further)\n")
         return 0
     for note in result.notes:
         print(note, file=sys.stderr)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     train_loss = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
-    print(f"distframe train: step {result.step}/{config.steps}, train loss {train_loss}, "
-          f"validation loss {val}, {result.tokens_per_s:,.0f} tokens/s, peak memory "
-          f"{format_bytes(result.peak_memory_bytes)}, {format_duration(result.wall_s)}; "
-          f"outputs in {result.out}" + (f" (checkpoint {result.checkpoint})" if result.checkpoint else ""))
+    write_stdout(f"distframe train: step {result.step}/{config.steps}, train loss {train_loss}, "
+                 f"validation loss {val}, {result.tokens_per_s:,.0f} tokens/s, peak memory "
+                 f"{format_bytes(result.peak_memory_bytes)}, {format_duration(result.wall_s)}; "
+                 f"outputs in {result.out}"
+                 + (f" (checkpoint {result.checkpoint})" if result.checkpoint else "") + "\n")
     return 0
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from distframe.generate import generate_text
-    text = generate_text(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
+    from distframe.cli import write_stdout
+    from distframe.generate import generate_bytes
+    out = generate_bytes(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                          temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    print(text)
+    # The model is byte-level: its bytes go out as they are, which no stdout encoding can refuse
+    # (print raised UnicodeEncodeError on a latin-1 one) and which loses none that is not UTF-8.
+    write_stdout(out + b"\n")
     return 0

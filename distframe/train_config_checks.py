@@ -51,12 +51,23 @@ def check_out(out: Any) -> None:
     starts, which would otherwise fail inside ``os.makedirs`` with a traceback)."""
     if not isinstance(out, str) or not out:
         raise ConfigError(f"--out {out!r}: use the path of a directory (created if missing)")
+    check_utf8_path("--out", out)
     existing = os.path.abspath(out)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ConfigError(f"--out {out}: {existing} is not a directory; pass a directory path "
                           "(created if missing)")
+
+
+def check_utf8_path(name: str, path: str) -> None:
+    """ConfigError unless ``path`` is valid UTF-8: safetensors cannot open a checkpoint file at any
+    other path, so a run there trained, then wrote checkpoints that nothing could load."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:  # a name that is not UTF-8 (PEP 383's surrogate escapes)
+        raise ConfigError(f"{name} {path}: use a path that is valid UTF-8 (safetensors cannot "
+                          "open others)") from None
 
 
 def check_int(name: str, value: Any, *, minimum: int) -> None:

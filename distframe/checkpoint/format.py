@@ -182,7 +182,7 @@ def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None
     def stored(key: str) -> tuple[Any, str]:
         name, stored_key = where[key]
         if name not in handles:
-            handles[name] = safe_open(str(path / name), framework="pt")
+            handles[name] = _open_shard(path / name)
         return handles[name], stored_key
 
     def fetch(key: str, lo: int, hi: int | None) -> torch.Tensor:
@@ -195,6 +195,17 @@ def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None
         handle, stored_key = stored(key)
         return handle.get_slice(stored_key).get_shape()
     return RangeReader(pieces, fetch, shape_of)
+
+
+def _open_shard(file: Path) -> Any:
+    """``safe_open`` of ``file``; CheckpointError naming it where its path is not UTF-8, which
+    safetensors refuses (a SafetensorError traceback), as after a move into such a directory."""
+    try:
+        os.fsencode(file).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file}: the path is not valid UTF-8, which safetensors cannot open; "
+                              "move or rename the checkpoint to a UTF-8 path") from None
+    return safe_open(str(file), framework="pt")
 
 
 def _alias_keys(key: str, by_target: dict[str, list[str]]) -> list[str]:
