@@ -8,20 +8,9 @@ import os
 
 import pytest
 
-from distframe.cli import main
 from distframe.data import VALIDATION_PERCENT, in_validation_split, load_corpus
 from tests.train.conftest import TINY, train
-
-
-def _fails_with(capsys, argv: list[str], *needles: str) -> str:
-    status = main(argv)
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert status == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+from tests.train.test_bad_input import _fails_with
 
 
 @pytest.fixture
