@@ -335,7 +335,8 @@ class Job:
     def _check_finite_parameters(self, step: int) -> None:
         """DistFrameError on every rank if any rank's parameters hold inf or NaN (a step's loss
         is computed before its update, so it can be finite while the update is not); collective."""
-        finite = [torch.isfinite(t).all() for t in self.model.local_parameter_shard() if t.is_floating_point()]
+        finite = [torch.isfinite(t).all() for t in self.model.local_parameter_shard()
+                  if t.is_floating_point()]
         bad = bool(finite) and not bool(torch.stack(finite).all())  # one device sync, not one per tensor
         flag = torch.tensor([float(bad)], dtype=torch.float64)
         self.backend.all_reduce(flag, ReduceOp.MAX)

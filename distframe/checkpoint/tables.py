@@ -19,8 +19,9 @@ groups (layer-wise learning rates). The metadata used to hold rank 0's groups on
 stages' groups then named none of their parameters, and took rank 0's settings by position.
 Every rank's groups go into the metadata now, in rank order: one entry per position and
 settings, naming every parameter that groups of that position and settings trained on any rank
-(the replicas of one stage have the same settings; under ZeRO each names its shard's parameters). A load picks each group's
-settings by the parameters it trains (``optimizers.sharded_state``); rank 0's groups come first,
+(the replicas of one stage have the same settings; under ZeRO each names its shard's
+parameters). A load picks each group's settings by the parameters it trains
+(``optimizers.sharded_state``); rank 0's groups come first,
 so where it falls back to a group's position, that is rank 0's group at that position, as before
 (and a checkpoint saved before this loads as it did). A parameter several stages hold (a tied
 embedding) that their groups trained with different settings is refused at load, naming them.

@@ -19,7 +19,8 @@ from tests.train.test_bad_input import _fails_with
      ["cannot infer --dp", "--tp 3 x --pp 1 x --cp 1 = 3 does not divide the world size 4"]),
     (["--strategy", "hybrid", "--world-size", "2", "--cp", "3"],  # no --dp fits: none is suggested
      ["cannot infer --dp", "--cp 3 = 3 does not divide", "product divides 2"]),
-    (["--strategy", "pipeline", "--world-size", "2", "--dp", "3"], ["cannot infer --pp", "--dp 3 x --tp 1 = 3"]),
+    (["--strategy", "pipeline", "--world-size", "2", "--dp", "3"],
+     ["cannot infer --pp", "--dp 3 x --tp 1 = 3"]),
     (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "3"],
      ["--micro-batches 3", "--batch-size 8"]),
     (["--strategy", "tensor", "--world-size", "4", "--batch-size", "8"],
