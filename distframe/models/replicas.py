@@ -64,8 +64,9 @@ def describe_entries(module: nn.Module) -> list[str]:
     return entries
 
 
-def _fingerprint(text: str) -> int:
-    # A stable hash: Python's hash() is salted per process, which breaks multi-process engines.
+def fingerprint(text: str) -> int:
+    """56 bits of ``text``'s hash, the same in every process (Python's hash() is salted per
+    process, which breaks multi-process engines); fits an int64 tensor."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
@@ -77,7 +78,7 @@ def check_same_structure(module: nn.Module, backend: ICommunicationBackend) -> N
     counts = backend.all_gather(count)
     longest = int(counts.max())
     prints = torch.full((longest + 1,), -1, dtype=torch.int64)
-    prints[:len(entries)] = torch.tensor([_fingerprint(e) for e in entries], dtype=torch.int64)
+    prints[:len(entries)] = torch.tensor([fingerprint(e) for e in entries], dtype=torch.int64)
     table = backend.all_gather(prints).view(backend.world_size, -1)
     differs = (table != table[0]).any(dim=0)
     if not bool(differs.any()):

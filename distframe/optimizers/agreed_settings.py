@@ -13,7 +13,6 @@ Tensor settings (a tensor lr, as capturable optimizers take) are compared by val
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.replicas import fingerprint
 from distframe.optimizers.sharded_state import hyperparameters
 
 __all__ = ["check_same_settings", "optimizer_settings"]
@@ -40,8 +40,7 @@ def check_same_settings(backend: ICommunicationBackend, settings: dict[str, Any]
     """ConfigError on every rank of ``backend`` unless every rank passed the same ``settings``
     (nested dicts and lists of dicts, as param groups, are compared entry by entry); collective."""
     text = json.dumps(_flattened(settings), sort_keys=True, default=repr)
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
-    digests = backend.all_gather(torch.tensor([digest], dtype=torch.int64))
+    digests = backend.all_gather(torch.tensor([fingerprint(text)], dtype=torch.int64))
     if bool((digests == digests[0]).all()):
         return
     every = [json.loads(blob) for blob in all_gather_bytes(backend, text.encode())]
