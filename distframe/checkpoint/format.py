@@ -140,8 +140,10 @@ def _schema_problem(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def verify_files(path: Path, meta: dict[str, Any]) -> None:
-    """Every listed file exists with the recorded size and sha256, else CheckpointError naming it."""
+def verify_files(path: Path, meta: dict[str, Any], *, checksums: bool = True) -> None:
+    """Every listed file exists with the recorded size and (unless ``checksums`` is False) sha256,
+    else CheckpointError naming it. Without checksums it only stats the files: ``open_reader``
+    with ``verify=True`` then hashes each file as the reader first opens it."""
     for entry in meta["files"]:
         file = path / entry["file"]
         if not file.is_file():
@@ -149,8 +151,13 @@ def verify_files(path: Path, meta: dict[str, Any]) -> None:
         if file.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the metadata says "
                                   f"{entry['bytes']}: the file is truncated or was replaced")
-        if sha256_of(file) != entry["sha256"]:
-            raise CheckpointError(f"{file} does not match its sha256 checksum: the file is corrupt")
+        if checksums:
+            _check_sha256(file, entry)
+
+
+def _check_sha256(file: Path, entry: dict[str, Any]) -> None:
+    if sha256_of(file) != entry["sha256"]:
+        raise CheckpointError(f"{file} does not match its sha256 checksum: the file is corrupt")
 
 
 def untied_aliases(meta: dict[str, Any], names: set[str]) -> dict[str, str]:
@@ -163,15 +170,21 @@ def untied_aliases(meta: dict[str, Any], names: set[str]) -> dict[str, str]:
             if alias in names and alias not in stored and name in stored}
 
 
-def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None = None) -> RangeReader:
+def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None = None, *,
+                verify: bool = False) -> RangeReader:
     """A RangeReader over every file's pieces (files are opened lazily, read by slice).
     ``aliases`` (name -> stored name): further names under which the reader also serves a
-    stored tensor's pieces (a tied weight loaded into a model that unties it)."""
+    stored tensor's pieces (a tied weight loaded into a model that unties it). ``verify``: each
+    file is checked against its sha256 when first opened, so a rank hashes only the files it
+    reads (with sharded state, its own and few others) rather than the whole checkpoint; a
+    corrupt file is still found by every rank that reads from it, before any of its data is
+    used."""
     by_target: dict[str, list[str]] = {}
     for alias, target in (aliases or {}).items():
         by_target.setdefault(target, []).append(alias)
     where: dict[str, tuple[str, str]] = {}  # key served -> (file, key stored)
     pieces: list[tuple[str, int]] = []
+    entries = {entry["file"]: entry for entry in meta["files"]}
     for entry in meta["files"]:
         for key, numel in entry["tensors"].items():
             for served in (key, *_alias_keys(key, by_target)):
@@ -182,6 +195,8 @@ def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None
     def stored(key: str) -> tuple[Any, str]:
         name, stored_key = where[key]
         if name not in handles:
+            if verify:
+                _check_sha256(path / name, entries[name])
             handles[name] = _open_shard(path / name)
         return handles[name], stored_key
 

@@ -177,10 +177,10 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
     """Every step of ``load`` that needs no communication: checks, then this rank's reads."""
     path = _existing(path)
     meta = read_metadata(path)
-    verify_files(path, meta)
+    verify_files(path, meta, checksums=False)  # sizes here; each file's sha256 when first read
     ours = set(model.parameter_metadata()) | {name for name, _ in model.replicated_tensors()}
     untied = untied_aliases(meta, ours)
-    reader = open_reader(path, meta, untied)
+    reader = open_reader(path, meta, untied, verify=True)
     check_parameters(meta, model, untied, reader)
     try:
         model.read_shards(reader)
