@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.inmemory import InMemoryCommunicationBackend
+from distframe.backends.validation import check_timeout
 from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
 
 T = TypeVar("T")
@@ -43,6 +44,7 @@ def spawn(fn: Callable[..., T], world_size: int, backend: str = "inmemory", *,
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+    timeout = check_timeout(timeout)  # here, not once per rank (and before any process starts)
     if backend == "inmemory":
         return _spawn_threads(fn, world_size, timeout=timeout, **backend_kwargs)
     if backend in ("gloo", "nccl"):

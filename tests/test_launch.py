@@ -1,4 +1,7 @@
 """spawn / init_backend dispatch that needs no second process."""
+import datetime
+import re
+
 import pytest
 import torch
 
@@ -21,6 +24,20 @@ def test_spawn_refuses_a_world_size_that_is_not_a_positive_int(world_size):
 
 def test_spawn_passes_timeout_to_backends():
     assert spawn(lambda b: b.timeout, 2, timeout=7.5) == [7.5, 7.5]
+
+
+@pytest.mark.parametrize("timeout,says", [
+    (None, "NoneType None"), ("5", "str '5'"), (True, "bool True"),
+    (datetime.timedelta(seconds=5), "total_seconds()"),
+])
+def test_spawn_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout, says):
+    # A string or None gave a bare TypeError from a comparison inside each rank's backend, and
+    # True ran with a timeout of 1 s.
+    ran = []
+    for backend in ("inmemory", "gloo"):
+        with pytest.raises(ValueError, match=r"timeout must be a number of seconds .*" + re.escape(says)):
+            spawn(ran.append, 2, backend, timeout=timeout)
+    assert ran == []
 
 
 @pytest.mark.parametrize("env,expected", [

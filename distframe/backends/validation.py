@@ -1,6 +1,7 @@
 """Argument checks shared by every engine: each error says what to change."""
 from __future__ import annotations
 
+import numbers
 import operator
 
 import torch
@@ -10,7 +11,12 @@ MAX_TIMEOUT = 1e8
 
 
 def check_timeout(timeout: float) -> float:
-    """``timeout`` as a float, or ValueError unless 0 < timeout <= MAX_TIMEOUT (NaN included)."""
+    """``timeout`` as a float, or ValueError unless it is a real number (not a bool, a string or a
+    timedelta) with 0 < timeout <= MAX_TIMEOUT (NaN included)."""
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
+        hint = "; for a timedelta pass its .total_seconds()" if hasattr(timeout, "total_seconds") else ""
+        raise ValueError(f"timeout must be a number of seconds (an int or a float), got "
+                         f"{type(timeout).__name__} {timeout!r}{hint}")
     if not 0 < timeout <= MAX_TIMEOUT:
         raise ValueError(f"timeout must be a positive number of seconds up to {MAX_TIMEOUT:g}, "
                          f"got {timeout!r}")
