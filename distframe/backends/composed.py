@@ -3,7 +3,10 @@ broadcast, point to point), used where an engine has no native version of its ow
 ``scattered_to``, where the engines with a scatter of their own place its result."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -15,21 +18,48 @@ from distframe.errors import CollectiveMismatchError
 RESERVED_TAG = 2**20
 
 
+_CALL_TAG: contextvars.ContextVar[tuple[tuple[str, object], ...]] = contextvars.ContextVar(
+    "distframe_call_tag", default=())
+
+
+@contextlib.contextmanager
+def tagged_calls(*args: tuple[str, object]) -> Iterator[None]:
+    """Adds ``args`` (name, value pairs) to the signature of every call this thread makes inside
+    the block, so that a call made under another tag, or none, on some rank is a mismatch where
+    signatures are compared (in-memory always, same-node Gloo and MPI ranks, ``debug=True``).
+    The differentiable collectives tag their calls with the autograd pass they belong to."""
+    token = _CALL_TAG.set(_CALL_TAG.get() + args)
+    try:
+        yield
+    finally:
+        _CALL_TAG.reset(token)
+
+
+def call_tag() -> tuple[tuple[str, object], ...]:
+    """The arguments ``tagged_calls`` adds to calls made now on this thread."""
+    return _CALL_TAG.get()
+
+
 class Call:
     """One numbered call on one group, handed to the engine's raw method. The signature is built
-    only when asked for (the in-memory engine and ``debug`` mode), keeping the hot path short."""
+    only when asked for (the in-memory engine and ``debug`` mode), keeping the hot path short;
+    it takes the ``tagged_calls`` arguments in force where the call was made."""
 
-    __slots__ = ("op", "seq", "timeout", "_make_signature", "_signature")
+    __slots__ = ("op", "seq", "timeout", "_make_signature", "_signature", "_tag")
 
     def __init__(self, op: str, seq: int, make_signature: Callable[[], Signature], timeout: float) -> None:
         self.op, self.seq, self.timeout = op, seq, timeout
         self._make_signature = make_signature
         self._signature: Signature | None = None
+        self._tag = _CALL_TAG.get()
 
     @property
     def signature(self) -> Signature:
         if self._signature is None:
-            self._signature = self._make_signature()
+            signature = self._make_signature()
+            if self._tag:
+                signature = dataclasses.replace(signature, args=signature.args + self._tag)
+            self._signature = signature
         return self._signature
 
 
@@ -42,13 +72,16 @@ class ComposedCollectives:
     def _check_signature(self, call: Call) -> None:
         """``debug=True``: every rank's signature of ``call``, all-gathered, must be the same."""
         mine = call.signature.encode(call.seq)
-        check = Call("all_gather", call.seq, lambda: Signature("all_gather", tuple(mine.shape), mine.dtype),
+        # Named as the call it checks: a peer that never arrives times out naming that call.
+        check = Call(call.op, call.seq, lambda: Signature("all_gather", tuple(mine.shape), mine.dtype),
                      call.timeout)
         everyone = self._all_gather(mine, check).view(self._world_size, -1)
         if not bool((everyone == mine).all()):
+            # Every rank's text decoded alike, this rank's own too, so that equal calls group
+            # together; then this rank's call in full, which the encoding abbreviates.
             texts = {r: Signature.decode(everyone[r]) for r in range(self._world_size)}
-            texts[self._rank] = f"{call.signature.describe()} at sequence number {call.seq}"
-            raise CollectiveMismatchError(call.op, call.seq, describe_mismatch(texts))
+            raise CollectiveMismatchError(call.op, call.seq, f"{describe_mismatch(texts)}; this rank "
+                                          f"(rank {self._rank}) called {call.signature.describe()}")
 
     def _reduce_scatter(self, tensor: torch.Tensor, op: ReduceOp, call: Call,
                         out: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,11 +102,11 @@ class ComposedCollectives:
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
         meta = scatter_header(chunks, 8)
         self._broadcast(meta, src, call)
-        shape, dtype, _ = read_scatter_header(meta, src)
+        shape, dtype, on_cpu = read_scatter_header(meta, src)
         full = (torch.stack(chunks) if chunks is not None
-                else torch.empty((self._world_size, *shape), dtype=dtype))
+                else torch.empty((self._world_size, *shape), dtype=dtype, device="cpu" if on_cpu else "cuda"))
         self._broadcast(full, src, call)
-        return full[self._rank].clone()
+        return scattered_to(full[self._rank].clone(), on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
         sizes = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
@@ -85,7 +118,7 @@ class ComposedCollectives:
             if j == self._rank:
                 out.append(chunks[j].clone())
                 continue
-            buf = torch.empty((int(all_sizes[j, self._rank]), *chunks[0].shape[1:]), dtype=chunks[0].dtype)
+            buf = chunks[0].new_empty((int(all_sizes[j, self._rank]), *chunks[0].shape[1:]))
             out.append(buf)
             recvs.append(self._irecv(buf, j, RESERVED_TAG))
         for w in sends + recvs:

@@ -1,6 +1,6 @@
 """Differentiable collectives over any backend, and the Megatron conjugate regions.
 
-Each function is an autograd Function whose backward runs the adjoint collective on the same
+The collectives are autograd Functions whose backward runs the adjoint collective on the same
 backend: all_gather <-> reduce_scatter, all_reduce(SUM) <-> all_reduce(SUM), all_to_all <->
 all_to_all in reverse. Every rank of the group must run the backward (they communicate), as
 with torch.distributed.nn.functional. The backward runs the adjoint through these Functions, not
@@ -8,7 +8,20 @@ the backend's plain call, so it is differentiable in turn: second derivatives (a
 penalty, a Hessian-vector product) are exact with ``create_graph=True``; a plain call there
 dropped the collective's part of them without a word.
 
-Megatron's tensor-parallel regions (Shoeybi et al., 2019), named by what they do to activations:
+[Note: ranks that disagree about autograd] A rank whose input does not require grad (a frozen
+tensor, ``torch.no_grad``) records no backward, so the others' backward collective paired with
+whatever it called next: a plain all_reduce of the same shape, and both ranks' gradients came
+out wrong without a word. Every call these functions make is therefore tagged
+(``composed.tagged_calls``) with its pass: the forward of which function, where a backward is
+to come (one that records nothing is a plain call), or the backward of which function (and
+whether it records for a second derivative). Where an engine compares signatures (in-memory
+always, Gloo and MPI ranks on one node, every rank with ``debug=True``) ranks that disagree
+raise CollectiveMismatchError at the forward, and a backward's collective never pairs with a
+plain call; elsewhere the rule stands unchecked.
+
+Megatron's tensor-parallel regions (Shoeybi et al., 2019), named by what they do to activations
+(their backward is the adjoint only when the cotangent is the same on every rank of the group,
+as it is inside a tensor-parallel layer, whose output every rank holds whole):
 ``copy_to_parallel_region`` (forward identity, backward all-reduce: the f operator),
 ``reduce_from_parallel_region`` (forward all-reduce, backward identity: g),
 ``scatter_to_parallel_region`` (forward keep this rank's slice of the last dim, backward
@@ -17,10 +30,12 @@ keep this rank's slice).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 
+from distframe.backends.composed import tagged_calls
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 
@@ -38,7 +53,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ReduceScatter.apply(grad, ctx.backend), None
+        with _pass("backward of all_gather", grad):
+            return _ReduceScatter.apply(grad, ctx.backend), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -49,7 +65,8 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _AllGather.apply(grad, ctx.backend), None
+        with _pass("backward of reduce_scatter", grad):
+            return _AllGather.apply(grad, ctx.backend), None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -62,19 +79,25 @@ class _AllReduce(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # d/dx_r of sum_k x_k is the identity for every r, so the gradient is the sum of the
         # cotangents of every rank's output (divided by n for AVG).
-        return _AllReduce.apply(grad, ctx.backend, ctx.op), None, None
+        with _pass("backward of all_reduce", grad):
+            return _AllReduce.apply(grad, ctx.backend, ctx.op), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: ICommunicationBackend, *chunks: torch.Tensor):
         ctx.backend = backend
-        return tuple(backend.all_to_all([c.contiguous() for c in chunks]))
+        # Gloo and MPI return views of one receive buffer: autograd refuses an in-place op on
+        # one view of a Function's several outputs, which the in-memory engine's separate
+        # tensors allowed. Separate them, so code behaves the same on every engine.
+        return tuple(o.clone() if o._base is not None else o
+                     for o in backend.all_to_all([c.contiguous() for c in chunks]))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         # Output j came from rank j's chunk for us, so its cotangent goes back to rank j.
-        return (None, *_AllToAll.apply(ctx.backend, *grads))
+        with _pass("backward of all_to_all", *grads):
+            return (None, *_AllToAll.apply(ctx.backend, *grads))
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -85,7 +108,8 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _ReduceFromParallel.apply(grad, ctx.backend), None
+        with _pass("backward of copy_to_parallel_region", grad):
+            return _ReduceFromParallel.apply(grad, ctx.backend), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -108,7 +132,8 @@ class _ScatterToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _GatherFromParallel.apply(grad, ctx.backend), None
+        with _pass("backward of scatter_to_parallel_region", grad):
+            return _GatherFromParallel.apply(grad, ctx.backend), None
 
 
 class _GatherFromParallel(torch.autograd.Function):
@@ -122,7 +147,20 @@ class _GatherFromParallel(torch.autograd.Function):
         return _ScatterToParallel.apply(grad, ctx.backend), None
 
 
+def _pass(name: str, *tensors: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """Tags the calls made inside with the autograd pass ``name`` (a function's name: its forward;
+    "backward of ...") and whether it records a backward of its own ([Note: ranks that disagree
+    about autograd]). A forward that records nothing is a plain call and goes untagged."""
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not records and not name.startswith("backward"):
+        return contextlib.nullcontext()
+    return tagged_calls(("autograd", f"{name}{', recording a backward' if records else ''}"))
+
+
 def _last_dim_slice(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
+    if tensor.dim() == 0:
+        raise ValueError("scatter_to_parallel_region splits the last dim: pass a tensor with at least "
+                         "one dim, not a 0-dim one")
     size = tensor.shape[-1]
     if size % backend.world_size:
         raise ValueError(f"the last dim ({size}) must be divisible by the group size {backend.world_size}")
@@ -137,12 +175,14 @@ def _gather_last_dim(tensor: torch.Tensor, backend: ICommunicationBackend) -> to
 
 def all_gather(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Concatenation of every rank's tensor along dim 0; backward reduce-scatters the gradient."""
-    return _AllGather.apply(tensor, backend)
+    with _pass("all_gather", tensor):
+        return _AllGather.apply(tensor, backend)
 
 
 def reduce_scatter(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Sum over ranks, chunk ``rank`` of dim 0; backward all-gathers the gradient."""
-    return _ReduceScatter.apply(tensor, backend)
+    with _pass("reduce_scatter", tensor):
+        return _ReduceScatter.apply(tensor, backend)
 
 
 def all_reduce(tensor: torch.Tensor, backend: ICommunicationBackend,
@@ -151,29 +191,35 @@ def all_reduce(tensor: torch.Tensor, backend: ICommunicationBackend,
     op = ReduceOp.parse(op)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"differentiable all_reduce supports SUM and AVG, not {op.name}")
-    return _AllReduce.apply(tensor, backend, op)
+    with _pass("all_reduce", tensor):
+        return _AllReduce.apply(tensor, backend, op)
 
 
 def all_to_all(chunks: Sequence[torch.Tensor], backend: ICommunicationBackend) -> list[torch.Tensor]:
     """Chunk j goes to rank j; backward sends each gradient back where its chunk came from."""
-    return list(_AllToAll.apply(backend, *chunks))
+    with _pass("all_to_all", *chunks):
+        return list(_AllToAll.apply(backend, *chunks))
 
 
 def copy_to_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce backward (before a column-parallel layer)."""
-    return _CopyToParallel.apply(tensor, backend)
+    with _pass("copy_to_parallel_region", tensor):
+        return _CopyToParallel.apply(tensor, backend)
 
 
 def reduce_from_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Megatron g: all-reduce forward, identity backward (after a row-parallel layer)."""
-    return _ReduceFromParallel.apply(tensor, backend)
+    with _pass("reduce_from_parallel_region", tensor):
+        return _ReduceFromParallel.apply(tensor, backend)
 
 
 def scatter_to_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
-    return _ScatterToParallel.apply(tensor, backend)
+    with _pass("scatter_to_parallel_region", tensor):
+        return _ScatterToParallel.apply(tensor, backend)
 
 
 def gather_from_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """All-gather along the last dim; backward keeps this rank's slice of the gradient."""
-    return _GatherFromParallel.apply(tensor, backend)
+    with _pass("gather_from_parallel_region", tensor):
+        return _GatherFromParallel.apply(tensor, backend)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from distframe.backends.call_slots import CallSlots
+from distframe.backends.composed import call_tag
 from distframe.backends.types import CommStats, ReduceOp
 
 
@@ -31,6 +32,9 @@ class PostedCollectives:
     """Mixed into CommunicationBackendBase; engines override the hooks and ``_wait_posted``."""
 
     _posts_first = False
+    #: The engine compares every call's full signature itself (the in-memory rendezvous), so
+    #: ``debug`` adds no exchange of its own.
+    _compares_signatures = False
     _lock: threading.Lock
     _seq: int
     _pending: list
@@ -68,7 +72,7 @@ class PostedCollectives:
         """Compares ``call`` with the peers' before the engine issues it (general path, either
         way a call is run), raising CollectiveMismatchError: in ``debug`` mode the all-gathered
         signature, then the same-node call slots (``distframe.backends.call_slots``)."""
-        if self.debug:
+        if self.debug and not self._compares_signatures:
             self._check_signature(call)
         if self._slots is not None:
             signature = call.signature
@@ -84,7 +88,8 @@ class PostedCollectives:
                 # The hot path numbers its call after posting: this is the number it will get
                 # (no other call can be numbered in between: no asynchronous call is pending).
                 # A call the hook declines is announced again, the same, on the general path.
-                self._slots.announce(op, self._seq + 1, *described)
+                shape, dtype, call_args = described
+                self._slots.announce(op, self._seq + 1, shape, dtype, call_args + call_tag())
             handle = post(*args)
         except BaseException:
             self._count(op, nbytes)  # the peers may have posted theirs: keep the numbering in step

@@ -83,5 +83,11 @@ def describe_mismatch(signatures: dict[int, str]) -> str:
     groups: dict[str, list[int]] = {}
     for rank, text in sorted(signatures.items()):
         groups.setdefault(text, []).append(rank)
-    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {r if len(r) > 1 else r[0]} called {text}"
+    text = "; ".join(f"rank{'s' if len(r) > 1 else ''} {r if len(r) > 1 else r[0]} called {text}"
                      for text, r in groups.items())
+    if "args#" in text:  # another process's arguments, known here only by their digest
+        text += (" (args#...: arguments this process has not used itself, such as another root "
+                 "or reduce op, or the autograd pass of a distframe.backends.functional call: a rank "
+                 "whose input required grad where the others' did not, or that ran a backward the "
+                 "others did not)")
+    return text

@@ -182,6 +182,8 @@ def test_debug_mismatch_raises_on_every_rank(debug_pool, kind, words):
     messages = debug_pool.run(rank_mismatch, kind)
     for text in messages:
         assert "ranks disagree" in text and words in text, text
+        # Ranks 0 and 2 made the same call: grouped on every rank, this rank's own included.
+        assert "ranks [0, 2] called" in text and f"this rank (rank {messages.index(text)})" in text, text
     # The signature check runs before any data moves: the same group goes on working.
     assert debug_pool.run(rank_pid_and_sum) == [(pid, 3.0) for pid in pids]
 

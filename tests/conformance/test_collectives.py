@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from tests.conformance import checks, checks_dtypes, checks_groups
+from tests.conformance import checks, checks_dtypes, checks_functional, checks_groups
 from tests.conformance.oracle import DTYPES, FLOAT_NAMES
 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
@@ -145,3 +145,7 @@ def test_lazy_views_move_their_values(runner):
 
 def test_zero_dim_all_to_all_chunks_are_named(runner):
     runner.run(checks_dtypes.check_zero_dim_all_to_all_chunks_are_named)
+
+
+def test_functional_all_to_all_outputs_take_in_place_ops(runner):
+    runner.run(checks_functional.check_functional_all_to_all_outputs_take_in_place_ops)
