@@ -15,6 +15,7 @@ asynchronous call fails).
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -83,13 +84,9 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        if exc_type is None:
+        # With an exception leaving the block, that one is the one to see.
+        with contextlib.suppress(Exception) if exc_type is not None else contextlib.nullcontext():
             self.shutdown()
-            return
-        try:
-            self.shutdown()
-        except Exception:  # noqa: BLE001 - the exception leaving the block is the one to see
-            pass
 
     def shutdown(self) -> None:
         """Waits for pending asynchronous work, then releases the engine's resources. Idempotent.
@@ -285,21 +282,25 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
     # ---- point to point --------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Sends ``tensor`` to rank ``dst``; matched by a ``recv`` with the same tag."""
-        self.isend(tensor, dst, tag).wait()
+        self._p2p("send", "send", tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Fills ``tensor`` with what rank ``src`` sent with ``tag``; its shape and dtype must match."""
-        return self.irecv(tensor, src, tag).wait()
+        return self._p2p("recv", "recv", tensor, src, tag).wait()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        data, dst, tag = self._check_p2p("isend", tensor, dst, tag)
-        self.stats.record("send", tensor.nbytes)
-        return self._isend(validation.dense(data), dst, tag)
+        return self._p2p("isend", "send", tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        data, src, tag = self._check_p2p("irecv", tensor, src, tag)
-        self.stats.record("recv", tensor.nbytes)
-        return self._irecv(data, src, tag)
+        return self._p2p("irecv", "recv", tensor, src, tag)
+
+    def _p2p(self, op: str, direction: str, tensor: torch.Tensor, peer: int, tag: int) -> Work:
+        # ``op``: the method the user called, which its errors name.
+        data, peer, tag = self._check_p2p(op, tensor, peer, tag)
+        self.stats.record(direction, tensor.nbytes)
+        if direction == "send":
+            return self._isend(validation.dense(data), peer, tag)
+        return self._irecv(data, peer, tag)
 
     def _next_p2p_seq(self, direction: str, peer: int, tag: int) -> int:
         """Number of this message on its (direction, peer, tag) channel, for error messages."""
