@@ -33,10 +33,12 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     """One rank of a group of threads. Build a whole group with :meth:`create_group` (or let
     ``distframe.launch.spawn`` do it); every collective checks that all ranks made the same call
     and raises ``CollectiveMismatchError`` otherwise; a rank that fails inside ``spawn`` makes
-    the others raise ``RankFailedError`` at once, and one whose function returns makes those that
-    wait for it raise ``CollectiveTimeoutError`` at once."""
+    the others raise ``RankFailedError`` at once, and one whose function returns, or that shuts
+    its backend down, makes those that wait for it there raise ``CollectiveTimeoutError`` at once
+    (``distframe.backends.departures``)."""
 
     engine = "inmemory"
+    _compares_signatures = True  # every rendezvous compares full signatures; debug adds nothing
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous | None = None, *,
                  timeout: float = DEFAULT_TIMEOUT, debug: bool = False) -> None:
@@ -206,6 +208,9 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         sent, received = ({(peer, tag): n for (way, peer, tag), n in self._p2p_seq.items()
                            if way == direction} for direction in ("send", "recv"))
         self._rdv.departures.setdefault(self._rank, Departure(self._seq, failed, sent, received))
+        # Peers waiting here for a call this rank never issued, or a message it never sent, stop
+        # at once (Rendezvous._departed_error) rather than at their next one-second look.
+        self._rdv.wake_all()
 
     def departures(self) -> dict[int, Departure]:
         return {r: d for r, d in list(self._rdv.departures.items()) if r != self._rank}

@@ -4,9 +4,12 @@ A collective call is a *slot* keyed by the group's sequence number, so a fast ra
 already moved on to call n+1 can never mix its buffers into call n. A slot has two meeting points:
 ``arrive`` (every rank has posted its input and its signature, which must agree) and ``depart``
 (every rank has finished reading the others' inputs, so each may return and reuse its buffers).
+A rank that will make no further call here (its function under ``spawn`` returned, or it shut
+its backend down) is not waited for: peers stop at once (``distframe.backends.departures``).
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -14,7 +17,8 @@ from typing import Any
 
 import torch
 
-from distframe.backends.departures import Departure, gave_up_error
+from distframe.backends.departures import (Departure, departure_error, gave_up_error,
+                                           receive_departure_error)
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 
@@ -60,6 +64,9 @@ class World:
         self.failure: BaseException | None = None
         self.gpus: dict[int, set[int]] = {}  # global rank -> CUDA devices it has communicated on
         self.finished: set[int] = set()  # global ranks that can never make another call
+        # Global ranks whose function has ended and whose backends ``finish`` shuts down: their
+        # departures are named as a return (``Rendezvous._finished_error``) once it is done.
+        self.leaving: set[int] = set()
         self._groups: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
         self._backends: dict[int, weakref.WeakSet] = {}  # global rank -> its backends, any group
         self._lock = threading.Lock()
@@ -95,6 +102,7 @@ class World:
         make a call again; peers waiting for it then stop at once (``Rendezvous._wait``). Raises
         the first failure a shutdown raised (an asynchronous call whose failure was not seen)."""
         with self._lock:
+            self.leaving.add(global_rank)
             backends = list(self._backends.pop(global_rank, ()))
         failure: BaseException | None = None
         for backend in backends:
@@ -126,8 +134,8 @@ class Slot:
         self.signatures: dict[int, Signature] = {}
         self.inputs: dict[int, Any] = {}
         self.shared: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self.departed: set[int] = set()
+        self.error: CollectiveMismatchError | None = None
+        self.departed: set[int] = set()  # ranks done with it: they left the call or raised its error
 
 
 class Rendezvous:
@@ -170,14 +178,23 @@ class Rendezvous:
                     texts = {r: s.describe() for r, s in slot.signatures.items()}
                     texts[rank] = signature.describe()
                     slot.error = CollectiveMismatchError(signature.op, seq, describe_mismatch(texts))
+                    # No rank reads the inputs of a failed call: let go of them now, not when
+                    # the last rank (which may be late, or never come) has seen the error.
+                    slot.inputs.clear()
             slot.signatures[rank] = signature
-            slot.inputs[rank] = payload
+            if slot.error is None:
+                slot.inputs[rank] = payload
             self.cond.notify_all()
-            self._wait(lambda: len(slot.inputs) == self.size or slot.error is not None, deadline,
-                       timeout, signature.op, seq, lambda: set(range(self.size)) - set(slot.inputs),
+            self._wait(lambda: len(slot.signatures) == self.size or slot.error is not None, deadline,
+                       timeout, signature.op, seq, lambda: set(range(self.size)) - set(slot.signatures),
                        rank=rank)
             if slot.error is not None:
-                raise slot.error
+                slot.departed.add(rank)
+                if len(slot.departed) == self.size:  # every rank has seen the error
+                    self._free(seq)
+                # A copy each: raising one object on every thread chained each raise's traceback
+                # onto it, so each rank's error kept the frames (and inputs) of those before it.
+                raise copy.copy(slot.error)
             return slot
 
     def depart(self, rank: int, seq: int, slot: Slot, op: str, timeout: float) -> None:
@@ -186,12 +203,16 @@ class Rendezvous:
         with self.cond:
             slot.departed.add(rank)
             if len(slot.departed) == self.size:
-                self._slots.pop(seq, None)
-                self._freed_through = max(self._freed_through, seq)
-                self.cond.notify_all()
+                self._free(seq)
                 return
             self._wait(lambda: len(slot.departed) == self.size, deadline, timeout, op, seq,
                        lambda: set(range(self.size)) - slot.departed, rank=rank)
+
+    def _free(self, seq: int) -> None:
+        """Forgets collective ``seq`` (the lock held): every rank is done with it."""
+        self._slots.pop(seq, None)
+        self._freed_through = max(self._freed_through, seq)
+        self.cond.notify_all()
 
     def compute_once(self, slot: Slot, key: str, make: Any) -> Any:
         """The first rank to ask computes ``make()``; every rank gets the same object."""
@@ -215,13 +236,34 @@ class Rendezvous:
             return seq in self._mailboxes.get((src, dst, tag), ())
 
     def take(self, src: int, dst: int, tag: int, seq: int, timeout: float) -> Any:
-        """Message ``seq`` of the channel, once it has been posted."""
+        """Message ``seq`` of the channel, once it has been posted. A receive that stops without
+        it says what ``src`` did send ``dst`` under other tags (``_other_tags_note``)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             box = self._mailboxes.setdefault((src, dst, tag), {})
-            self._wait(lambda: seq in box, deadline, timeout, "recv", seq, lambda: {src},
-                       self._inboxes[dst])
+            try:
+                self._wait(lambda: seq in box, deadline, timeout, "recv", seq, lambda: {src},
+                           channel=(src, dst, tag))
+            except CollectiveTimeoutError as exc:
+                note = self._other_tags_note(src, dst, tag)
+                if not note:
+                    raise
+                *named, detail, early = exc._args  # op, seq, missing ranks, seconds waited
+                raise CollectiveTimeoutError(*named, f"{detail}; {note}" if detail else note,
+                                             early) from None
             return box.pop(seq)
+
+    def _other_tags_note(self, src: int, dst: int, tag: int) -> str:
+        """The messages from ``src`` to ``dst`` waiting under tags other than ``tag`` (the lock
+        held), as a hint that the receive asked for the wrong tag; "" when there are none."""
+        waiting = {t: len(box) for (s, d, t), box in self._mailboxes.items()
+                   if s == src and d == dst and t != tag and box}
+        if not waiting:
+            return ""
+        counts = " and ".join(f"{n} message{'s' if n > 1 else ''} with tag {t}"
+                              for t, n in sorted(waiting.items()))
+        tags = " or ".join(f"tag {t}" for t in sorted(waiting))
+        return f"rank {src} sent this rank {counts} that no receive has taken yet: did you mean {tags}?"
 
     # ---- waiting -----------------------------------------------------------------------------
     def wake_all(self) -> None:
@@ -231,10 +273,12 @@ class Rendezvous:
                 cond.notify_all()
 
     def _wait(self, ready, deadline: float, timeout: float, op: str, seq: int, missing,
-              cond: threading.Condition | None = None, rank: int | None = None) -> None:
+              channel: tuple[int, int, int] | None = None, rank: int | None = None) -> None:
         """Waits on the condition (held) until ``ready()``; raises on timeout or a peer's failure,
-        or at once when the missing ranks cannot arrive (``[Note: ranks sharing a GPU, ...]``) or,
-        in a collective (``rank`` given: the waiting rank), once a rank has given up on it."""
+        or at once when the missing ranks cannot arrive (they left the group, or ``[Note: ranks
+        sharing a GPU, ...]``) or, in a collective (``rank`` given: the waiting rank), once a
+        rank has given up on it. A receive gives its ``channel``: (source, receiver, tag)."""
+        cond = self.cond if channel is None else self._inboxes[channel[1]]
         start = time.monotonic()
         while not ready():
             self.world.check()
@@ -251,16 +295,16 @@ class Rendezvous:
                     self.gave_up.setdefault(rank, (op, seq, absent, timeout))
                     self.wake_all()
                 raise CollectiveTimeoutError(op, seq, absent, timeout, self._global_note(absent))
-            if self.world.finished:
-                gone = self._finished_error(op, seq, missing(), now - start)
-                if gone is not None:  # a rank that finished is missing: it can never arrive
+            if self.world.finished or self.departures:
+                gone = self._departed_error(op, seq, missing(), now - start, channel)
+                if gone is not None:  # a rank that left is missing: it can never arrive
                     raise gone
             if now - start >= STALL_GRACE:
                 stalled = self.stall_error(op, seq, missing(), now - start)
                 if stalled is not None:  # the missing ranks can never arrive: stop now
                     raise stalled
             # Wake at least once a second: a peer failure notifies us, this is only a backstop.
-            (cond or self.cond).wait(min(remaining, 1.0))
+            cond.wait(min(remaining, 1.0))
         # No failure check once ready: a call that completed is not undone by a peer failing
         # afterwards; this rank learns of the failure at its next wait.
 
@@ -286,6 +330,22 @@ class Rendezvous:
         return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1),
                                       shared_gpu_note(op, device, stuck), early=True)
 
+    def _departed_error(self, op: str, seq: int, absent, waited: float,
+                        channel: tuple[int, int, int] | None) -> Exception | None:
+        """The error for a wait whose ``absent`` ranks include one that can never make this call:
+        its function under ``spawn`` returned (``_finished_error``), or it shut its backend here
+        down having issued fewer calls (for a receive on ``channel``, sent fewer messages on it),
+        worded as on Gloo and MPI (``distframe.backends.departures``); None if every one may come."""
+        gone = self._finished_error(op, seq, absent, waited)
+        if gone is not None or not self.departures:
+            return gone
+        left = {r: d for r, d in list(self.departures.items())
+                if self.global_ranks[r] not in self.world.leaving}  # named by _finished_error
+        if channel is None:
+            return departure_error(left, op, seq, waited)
+        src, dst, tag = channel
+        return receive_departure_error(left.get(src), src, dst, tag, seq, waited)
+
     def _finished_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
         """The error for a wait whose ``absent`` (local) ranks include some whose function under
         ``spawn`` has returned, naming those (the others may still come); None if there are none."""
@@ -305,8 +365,8 @@ class Rendezvous:
             slot = self._slots.get(seq)
             if slot is None:  # done and freed, or no rank has reached it yet
                 return set() if seq <= self._freed_through else set(range(self.size))
-            if len(slot.inputs) < self.size:
-                return set(range(self.size)) - set(slot.inputs)
+            if len(slot.signatures) < self.size:
+                return set(range(self.size)) - set(slot.signatures)
             return set(range(self.size)) - slot.departed
 
     def _global_note(self, absent) -> str:
