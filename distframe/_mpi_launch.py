@@ -12,7 +12,11 @@ at once when a rank fails and never depends on the MPI state that a failure may 
 If a rank fails and its peers have not reported within ``FAILURE_GRACE_SECONDS`` (typically
 they wait inside a collective for the failed rank), or a rank dies, the parent kills the whole
 job (its own process group), raises the first failure with a note naming its rank, and starts a
-fresh job on the next ``run``.
+fresh job on the next ``run``. A job whose ranks have all answered is ended normally, even when
+the run failed, so that MPI removes its shared memory; after a kill the parent removes it
+([Note: MPICH's segments after a kill] in ``_mpi_segments``). A run whose ranks all returned
+still fails if some rank completed a collective that a peer never made
+([Note: calls a peer never made] in ``distframe.backends.mpi``).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from multiprocessing import connection
 from typing import Any
 
 from distframe._launcher_watch import PID_ENV, watch_launcher
+from distframe._mpi_segments import mapped_segments, remove_segments
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
 
@@ -95,7 +100,7 @@ class MPIPool:
         payload = _dumps_for_ranks((fn, args, kwargs, self.timeout, self.backend_kwargs), fn)
         if self._job is None or not self._job.usable:
             if self._job is not None:
-                self._job.kill()
+                self._job.close()  # idle, or ended already: close() kills it if it does not exit
             self._job = _Job(self._mpiexec, self.world_size)
         return self._job.run(payload, self.run_timeout)
 
@@ -111,8 +116,11 @@ class MPIPool:
         return self
 
     def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
-        if exc_type is not None and self._job is not None:
-            # Ranks busy in a run (Ctrl-C) would not read close()'s shutdown message: end them now.
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        if self._job is not None and (interrupted or self._job.busy):
+            # Ranks busy in a run would not read close()'s shutdown message, and Ctrl-C should not
+            # wait for them to finalize: end them now. Otherwise (a rank raised, run() refused the
+            # function) the ranks are idle: close() ends them normally, and MPI cleans up.
             self._job.kill()
             self._job = None
         self.close()
@@ -128,6 +136,9 @@ class _Job:
     def __init__(self, mpiexec: str, world_size: int) -> None:
         self.world_size = world_size
         self.usable = False
+        self.busy = False  # a run was sent and not every rank has answered
+        self.rank_pids: list[int] = []
+        self.segments: set[str] = set()  # MPICH's shared memory, removed after a kill
         authkey = secrets.token_bytes(32)
         server = socket.create_server(("127.0.0.1", 0))
         env = dict(os.environ)
@@ -171,7 +182,9 @@ class _Job:
             conn = connection.Connection(sock.detach())
             connection.deliver_challenge(conn, authkey)
             connection.answer_challenge(conn, authkey)
-            rank, failure = conn.recv()
+            rank, failure, (pid, segments) = conn.recv()
+            self.rank_pids.append(pid)
+            self.segments.update(segments)
             if failure is not None:
                 raise _restore_exception(failure)
             if rank in conns:
@@ -183,6 +196,7 @@ class _Job:
 
     def run(self, payload: bytes, run_timeout: float | None) -> list[Any]:
         self.usable = False  # until every rank has answered
+        self.busy = True
         for conn in self.conns:
             conn.send_bytes(payload)
         results: dict[int, Any] = {}
@@ -191,6 +205,7 @@ class _Job:
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
         dead: list[int] = []
         counts: list[dict | None] = [None] * self.world_size
+        calls: list[tuple | None] = [None] * self.world_size
         while waiting:
             if errors:
                 grace = time.monotonic() + FAILURE_GRACE_SECONDS
@@ -202,7 +217,7 @@ class _Job:
             for conn in ready:
                 rank = waiting.pop(conn)
                 try:
-                    ok, value, counts[rank] = pickle.loads(conn.recv_bytes())
+                    ok, value, counts[rank], calls[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     # mpiexec ends every rank once one dies: only the first to go is the cause.
                     if not dead:
@@ -213,18 +228,23 @@ class _Job:
                     results[rank] = value
                 else:
                     errors[rank] = _restore_exception(value)
-        if waiting:
-            self.kill()
-            if not errors:
+        self.busy = False
+        if waiting or dead:
+            self.kill()  # unresponsive, or being ended by mpiexec (a rank died)
+            if waiting and not errors:
                 raise TimeoutError(f"MPIPool.run did not finish within {run_timeout:g} s; ranks "
                                    f"{sorted(waiting.values())} were still running (job killed)")
-        elif not dead:
+        else:
             # A run in which a rank raised may leave a message unreceived (or a receive posted):
             # it would reach the next run's receive on that channel, even over a fresh Dup of
             # COMM_WORLD (seen with MPICH; likely its reuse of a freed communicator's context id),
             # so a fresh job then.
             from distframe.launch import messages_unmatched
             self.usable = not (errors and messages_unmatched(counts))
+            # A rank may have completed a rooted collective that a peer, which returned, never made
+            # ([Note: calls a peer never made] in distframe.backends.mpi): that is its error.
+            from distframe.backends.departures import skipped_call_errors
+            errors.update(skipped_call_errors(calls, errors))
         if errors:
             from distframe.launch import raise_first_failure
             raise_first_failure(errors)
@@ -241,9 +261,12 @@ class _Job:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.kill()
+            return
+        if self.process.returncode != 0:  # mpiexec ended the ranks (one died): nothing finalized
+            remove_segments(self.segments, self.rank_pids)
 
     def kill(self) -> None:
-        self.usable = False
+        self.usable = self.busy = False
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -252,6 +275,7 @@ class _Job:
         self.process.wait()
         for conn in getattr(self, "conns", []):
             conn.close()
+        remove_segments(self.segments, self.rank_pids)
 
 
 def _dumps_for_ranks(task: Any, fn: Callable[..., Any]) -> bytes:
@@ -322,9 +346,9 @@ def _serve(host: str, port: int) -> None:
         rank, failure = None, exc
     conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
     if failure is not None:
-        conn.send((None, _portable_exception(failure)))
+        conn.send((None, _portable_exception(failure), (os.getpid(), [])))
         _wait_for_parent(conn)  # which ends the job; exiting first could end it before the send lands
-    conn.send((rank, None))
+    conn.send((rank, None, (os.getpid(), sorted(mapped_segments()))))  # after MPI_Init made them
     while True:
         try:
             payload = conn.recv_bytes()
@@ -349,16 +373,19 @@ def _serve(host: str, port: int) -> None:
                     raise
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             reply = (False, _portable_exception(exc))
-        # The parent compares every rank's message counts after a failed run (see _Job.run).
+        # The parent compares every rank's message counts after a failed run, and the calls they
+        # made after every run (see _Job.run).
         from distframe.launch import p2p_counts
-        reply = (*reply, None if backend is None else p2p_counts(backend))
+        reply = (*reply, *((None, None) if backend is None
+                           else (p2p_counts(backend), backend.calls_not_seen_made())))
         # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's
         # pickler that pass tensors as shared file descriptors, which this channel cannot carry.
         try:
             data = pickle.dumps(reply)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that does not pickle
             from distframe.launch import unpicklable_result
-            data = pickle.dumps((False, _portable_exception(unpicklable_result(fn, reply[1], exc)), reply[2]))
+            failure = _portable_exception(unpicklable_result(fn, reply[1], exc))
+            data = pickle.dumps((False, failure, *reply[2:]))
         conn.send_bytes(data)
 
 

@@ -19,6 +19,10 @@ whether a peer of the group has departed:
 * a peer that left after issuing this call is waited for as usual: its call runs (perhaps still
   on its communication thread). So ranks that end at slightly different times, or a peer still
   in its last call when another leaves, see no error.
+* an MPI rank that only sends in a rooted call completes it without waiting, peer or no peer: it
+  reads the departures once the call is done, and a call some peer has not been seen making is
+  compared with the peers' call counts when an ``MPIPool`` run ends (``skipped_call_errors``;
+  [Note: calls a peer never made] in ``mpi``).
 
 A receive works the same way, counted per channel (sender, receiver, tag): a departure also
 records how many messages the rank had sent on each channel (``sent``), so a receive of message
@@ -61,7 +65,7 @@ abandoned cannot be cancelled. Where the engines differ:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from distframe.errors import CollectiveTimeoutError, RankFailedError
 
@@ -86,16 +90,54 @@ def departure_error(departed: dict[int, Departure], op: str, seq: int,
     failed = sorted(rank for rank, d in departed.items() if d.failed)
     if failed:
         return RankFailedError(failed[0], f"{op} (sequence number {seq}): it raised and left the group")
-    gone = sorted(rank for rank, d in departed.items() if d.issued < seq)
+    gone = {rank: d for rank, d in departed.items() if d.issued < seq}
     if not gone:
         return None
-    who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {gone}"
-    calls = " and ".join(str(departed[rank].issued) for rank in gone)
+    return _left_without_error(gone, op, seq, waited, "so this rank stopped at once instead of waiting "
+                               "for the timeout; the group is unusable now, shut it down")
+
+
+def skipped_call_errors(calls: list[tuple[int, list[tuple[int, str]]] | None],
+                        failed: Collection[int]) -> dict[int, Exception]:
+    """At the end of a run: the error for each rank that did not fail and completed a call that some
+    peer never made, which MPI allows on a rank that only sends in a rooted collective
+    ([Note: calls a peer never made] in ``mpi``). ``calls[rank]``: how many calls the rank issued
+    on the group, and (sequence number, op) of those that completed before it saw every peer
+    make them; None when unknown (then nothing is said). ``failed``: the ranks that raised. The
+    error names the rank's first such call: RankFailedError if a rank that never made it failed
+    (its own error is the one to report), else CollectiveTimeoutError naming the ranks that left."""
+    if any(record is None for record in calls):
+        return {}
+    issued = [record[0] for record in calls]
+    errors: dict[int, Exception] = {}
+    for rank, (_, unconfirmed) in enumerate(calls):
+        if rank in failed:
+            continue
+        for seq, op in sorted(unconfirmed):
+            gone = {peer: Departure(n, peer in failed) for peer, n in enumerate(issued) if n < seq}
+            broken = sorted(peer for peer, d in gone.items() if d.failed)
+            if broken:
+                errors[rank] = RankFailedError(broken[0], f"{op} (sequence number {seq}): it raised and "
+                                                          "left the group without making this call")
+            elif gone:
+                errors[rank] = _left_without_error(
+                    gone, op, seq, 0.0, "though this rank's part completed without it (MPI sends small "
+                    "messages at once), so the launcher raised this when the run ended")
+            if rank in errors:
+                break
+    return errors
+
+
+def _left_without_error(gone: dict[int, Departure], op: str, seq: int, waited: float,
+                        consequence: str) -> CollectiveTimeoutError:
+    """Call ``seq`` (``op``) cannot complete: the ranks ``gone`` left the group before making it."""
+    ranks = sorted(gone)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    calls = " and ".join(str(gone[rank].issued) for rank in ranks)
     return CollectiveTimeoutError(
-        op, seq, gone, round(waited, 1),
+        op, seq, ranks, round(waited, 1),
         f"{who} left the group after {calls} calls, without making this one (its function returned "
-        "or it shut the backend down), so this rank stopped at once instead of waiting for the "
-        "timeout; the group is unusable now, shut it down", early=True)
+        f"or it shut the backend down), {consequence}", early=True)
 
 
 def receive_departure_error(departed: Departure | None, src: int, receiver: int, tag: int, seq: int,

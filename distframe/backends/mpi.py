@@ -24,11 +24,25 @@ timed out is not fit for further collectives: shut it down and build a new one. 
 keeps the communicator while a request is left pending, and never synchronises with peers: it
 frees the communicator once every peer has shut it down too and nothing sent on it was left
 unreceived ([Note: freeing a communicator] in ``mpi_retire``).
+
+[Note: calls a peer never made] A rank that only sends in a rooted collective (the root of a
+broadcast or scatter, a non-root of a reduce or gather, a rank at the edge of MPI's tree) completes
+its part at once, as MPI sends small messages eagerly, even if a peer never makes the call; the
+other engines raise there. So after such a call (``_confirm_rooted``) the rank reads its peers'
+progress: if a peer that has left without making the call is already seen, the call raises what
+a wait would have; if some peer has not yet been seen making it, the call is noted
+(``calls_not_seen_made``) and ``MPIPool`` compares every rank's notes and call counts when the
+run ends (``departures.skipped_call_errors``). The collectives that every rank must join
+(all_reduce, all_gather, ...) never complete without every peer and pay nothing for this.
+Not covered: a rank started by mpiexec directly (``init_backend``) whose peer leaves after its
+call completed, subgroups' calls under ``MPIPool`` (only the run's own group is compared), and
+peers on other nodes, whose progress and departures are not seen (MPIPool's ranks share a node).
 """
 from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -47,6 +61,10 @@ from distframe.backends.validation import is_dense
 from distframe.errors import CollectiveTimeoutError
 
 _MAX_SCATTER_DIMS = 32
+# Calls not yet seen made by every peer ([Note: calls a peer never made]); those seen made since are
+# dropped, so the bound (the newest kept) matters only to a rank making over a thousand rooted
+# calls after a peer stopped: the launcher reports the first call a peer skipped.
+_MAX_NOTED_CALLS = 1024
 # What the post-first path reduces as it is: not float16/bfloat16 (reduced in float32) or bool
 # (moved as bytes; the base class turns its SUM and PRODUCT into MAX and MIN).
 _POSTABLE = frozenset({torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -90,6 +108,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
         self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
+        self._not_seen_made: deque[tuple[int, str]] = deque(maxlen=_MAX_NOTED_CALLS)
         # A backend that is garbage (a group made inside a function that has returned, say) can
         # make no further call: it departs, even if shutdown() never ran.
         weakref.finalize(self, self._board.depart_after_entered, self._p2p_seq)
@@ -111,6 +130,28 @@ class MPICommunicationBackend(CommunicationBackendBase):
         if not request.Test():
             wait_request(request, time.monotonic() + call.timeout,
                          lambda waited, timed_out: self._stuck(call, request, keep, waited, timed_out))
+
+    def _confirm_rooted(self, call: Call) -> None:
+        """After a rooted call has completed here, which it may have without some peer: raises if a
+        peer is seen to have left without making it, else notes it until every peer is seen
+        making it ([Note: calls a peer never made])."""
+        seen = self._board.read()
+        floor = min(seen.values()) if len(seen) == self._world_size else None
+        if floor is not None and floor >= call.seq:
+            return
+        gone = {rank: d for rank, d in self._board.departures().items() if d.issued < call.seq}
+        if gone:
+            raise departure_error(gone, call.op, call.seq, 0.0)
+        noted = self._not_seen_made
+        while floor is not None and noted and noted[0][0] <= floor:
+            noted.popleft()  # every peer has made it since
+        noted.append((call.seq, call.op))
+
+    def calls_not_seen_made(self) -> tuple[int, list[tuple[int, str]]]:
+        """How many calls this rank has issued on this group, and (sequence number, op) of the
+        rooted calls that completed here before it saw every peer make them (the newest
+        ``_MAX_NOTED_CALLS``), for the launcher to compare when the run ends."""
+        return self._seq, list(self._not_seen_made)
 
     def _missing_ranks(self, seq: int) -> list[int] | None:
         missing, unknown = missing_ranks(self._board.read(), seq, self._world_size)
@@ -209,6 +250,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         host = stage_in(tensor, stage)
         buf = wire(host)
         self._complete(call, lambda: self._comm.Ibcast(buf, root=src), buf)
+        self._confirm_rooted(call)
         write_back(tensor, host)
 
     def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, call: Call) -> None:
@@ -220,6 +262,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         send = self._MPI.IN_PLACE if root else buf
         self._complete(call, lambda: self._comm.Ireduce(
             send, buf if root else None, self._op(op, work), root=dst), buf)
+        self._confirm_rooted(call)
         if root:
             write_back(host, work)
             write_back(tensor, host)
@@ -230,6 +273,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         out = host.new_empty((self._world_size, *host.shape)) if self._rank == dst else None
         send, recv = wire(host), None if out is None else wire(out)
         self._complete(call, lambda: self._comm.Igather(send, recv, root=dst), (send, recv))
+        self._confirm_rooted(call)
         return None if out is None else list(stage_back(out, tensor, stage).unbind(0))
 
     def _scatter(self, chunks: list[torch.Tensor] | None, src: int, call: Call) -> torch.Tensor:
@@ -244,6 +288,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         out = torch.empty(shape, dtype=dtype, device=device)
         send, recv = (None if full is None else wire(full)), wire(out)
         self._complete(call, lambda: self._comm.Iscatter(send, recv, root=src), (send, recv))
+        self._confirm_rooted(call)
         return scattered_to(out, source_on_cpu)
 
     def _all_to_all(self, chunks: list[torch.Tensor], call: Call) -> list[torch.Tensor]:
@@ -324,11 +369,12 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self.depart()
         self._board.close()
         # A receive whose Work.wait(timeout=...) expired is among them, though a later wait
-        # may have completed it: only a request still pending keeps the communicator for good.
-        # Otherwise it is freed once the peers' counts show nothing can outlive it
+        # may have completed it: only a request still pending keeps the communicator for good,
+        # and its buffers, which MPI may still write after this backend is gone. Otherwise it is
+        # freed once the peers' counts show nothing can outlive it
         # ([Note: freeing a communicator] in mpi_retire).
         retire(self._comm, self._MPI, self._seq, dict(self._p2p_seq),
-               safe=all(self._settled(request) for request, _ in self._abandoned))
+               [entry for entry in self._abandoned if not self._settled(entry[0])])
 
     def _settled(self, request: Any) -> bool:
         try:

@@ -32,7 +32,7 @@ import numpy as np
 RETIRE_TAG = 2 ** 28
 
 # Per process, as MPI itself is: communicators waiting for their peers' numbers, and those kept
-# to the end (referenced so that nothing frees them).
+# to the end with their pending requests and buffers (referenced so that nothing frees them).
 _retiring: list[_Retiring] = []
 _kept: list[Any] = []
 _exit_hook = False
@@ -75,12 +75,14 @@ class _Retiring:
 
 
 def retire(comm: Any, MPI: Any, collectives: int, p2p_counts: dict[tuple[str, int, int], int],
-           safe: bool) -> None:
+           pending: list[Any]) -> None:
     """Frees ``comm`` once its peers' numbers show that nothing sent on it can outlive it (see the
-    module's notes); ``safe`` False (a request of this rank is still pending) keeps it for good."""
+    module's notes). ``pending``: this rank's requests on it that have not completed, with the
+    buffers MPI may still write; if there are any, they and ``comm`` are kept for good (freed
+    with the backend, a receive's buffer took a late message into memory in other use)."""
     global _exit_hook
-    if not safe or comm.Get_attr(MPI.TAG_UB) < RETIRE_TAG:
-        _kept.append(comm)
+    if pending or comm.Get_attr(MPI.TAG_UB) < RETIRE_TAG:
+        _kept.append((comm, pending))
         return
     if comm.Get_size() == 1:
         comm.Free()
@@ -102,7 +104,7 @@ def free_retired() -> None:
         if outcome == "free":
             retiring.comm.Free()
         else:
-            _kept.append(retiring.comm)
+            _kept.append((retiring.comm, []))
 
 
 def _cancel_at_exit() -> None:

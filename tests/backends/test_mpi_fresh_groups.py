@@ -14,6 +14,7 @@ pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4
 
 from distframe._mpi_launch import MPIPool  # noqa: E402
 from distframe.backends import mpi_retire  # noqa: E402
+from distframe.errors import CollectiveTimeoutError  # noqa: E402
 from distframe.launch import init_backend  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -60,7 +61,10 @@ def init_backend_twice(b):
     then a broadcast on a new one."""
     first = init_backend("mpi", timeout=30)
     if first.rank == 0:
-        first.broadcast(torch.ones(2), 0)
+        try:
+            first.broadcast(torch.ones(2), 0)
+        except CollectiveTimeoutError:
+            pass  # sent, but rank 1 was seen leaving without it ([Note: calls a peer never made])
     first.shutdown()
     with init_backend("mpi", timeout=30) as second:
         return broadcast_sevens(second)
