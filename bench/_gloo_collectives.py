@@ -30,7 +30,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
             repeats: int | dict[int, int] = 20) -> list[dict]:
-    """One dict per (op, size): engine="gloo", op, size_bytes, world_size, median_s (engine call),
+    """One dict per (op, size): engine="gloo", op, size_bytes (moved: rounded down
+    to a multiple of the world size), requested_bytes, world_size, median_s (engine call),
     raw_median_s (the raw torch.distributed call)."""
     from distframe._process_launch import ProcessPool
     unknown = set(ops) - set(OPS)
@@ -54,7 +55,8 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
         for size in sizes_bytes:
             elements = max(n, size // 4 // n * n)  # divisible by n for reduce_scatter
             engine_call, raw_call = _calls(op, backend, elements)
-            rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4, "world_size": n,
+            rows.append({"engine": "gloo", "op": op, "size_bytes": elements * 4,
+                         "requested_bytes": size, "world_size": n,
                          **time_alternately(barrier, max_over_ranks, engine_call, raw_call,
                                             repeats if isinstance(repeats, int) else repeats[size])})
     return rows
@@ -95,6 +97,12 @@ def _calls(op: str, backend, elements: int):
 
 
 if __name__ == "__main__":
+    # Run as a script, this folder comes first on sys.path, where bench/attention.py would shadow
+    # the attention package that distframe imports: the repository goes first, this folder last.
+    import os
+    _BENCH = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = ([os.path.dirname(_BENCH)]
+                   + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH] + [_BENCH])
     import _gloo_collectives  # the ranks import the per-rank function by this name, not __main__
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 30

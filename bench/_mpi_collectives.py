@@ -21,7 +21,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 def measure(world_size: int, sizes_bytes: Sequence[int], ops: Sequence[str] = OPS,
             repeats: int | dict[int, int] = 20) -> list[dict]:
-    """One dict per (op, size): engine="mpi", op, size_bytes, world_size, median_s (engine call),
+    """One dict per (op, size): engine="mpi", op, size_bytes (moved: rounded down
+    to a multiple of the world size), requested_bytes, world_size, median_s (engine call),
     raw_median_s (the raw mpi4py call)."""
     from distframe._mpi_launch import MPIPool
     unknown = set(ops) - set(OPS)
@@ -46,7 +47,8 @@ def _measure_on_rank(backend, sizes_bytes: list[int], ops: list[str],
         for op in ops:
             engine_call, raw_call = _calls(op, backend, raw, MPI, elements)
             count = repeats if isinstance(repeats, int) else repeats[size]
-            rows.append({"engine": "mpi", "op": op, "size_bytes": elements * 4, "world_size": n,
+            rows.append({"engine": "mpi", "op": op, "size_bytes": elements * 4,
+                         "requested_bytes": size, "world_size": n,
                          **time_alternately(raw.Barrier, max_over_ranks, engine_call, raw_call, count)})
     raw.Free()
     return rows
@@ -72,6 +74,12 @@ def _calls(op: str, backend, raw, MPI, elements: int):
             (lambda: raw.Reduce_scatter_block(buf, out_buf)))
 
 if __name__ == "__main__":
+    # Run as a script, this folder comes first on sys.path, where bench/attention.py would shadow
+    # the attention package that distframe imports: the repository goes first, this folder last.
+    import os
+    _BENCH = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = ([os.path.dirname(_BENCH)]
+                   + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH] + [_BENCH])
     import _mpi_collectives  # the ranks import the per-rank function by this name, not __main__
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     print(f"{'op':<15}{'bytes':>10}{'engine us':>12}{'raw us':>10}{'ratio':>8}")

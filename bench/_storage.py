@@ -42,6 +42,14 @@ class PeakStorage(TorchDispatchMode):
             self.peak = self.current
         return super().__enter__()
 
+    def count(self, *tensors: torch.Tensor) -> None:
+        """Counts these tensors' storages as live from now (tensors made before the mode was
+        entered, such as a rank's inputs, which ``include_existing`` cannot single out when
+        every rank is a thread of one process)."""
+        for tensor in tensors:
+            self._add(tensor)
+        self.peak = max(self.peak, self.current)
+
     def _add(self, tensor: torch.Tensor) -> None:
         if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
             for name in tensor.__tensor_flatten__()[0]:  # a wrapper subclass (DTensor): no storage

@@ -5,10 +5,13 @@ the same model keeping its activations, in the same run.
 Run: python bench/activation_checkpointing.py [--seq-len 1024 2048 4096] [--steps 5]
 Peak memory is real tensor storage (``_storage.PeakStorage``: every op's outputs, weak references
 to their storages); scratch memory of a kernel that never becomes a tensor is not counted. It is
-printed twice: the storage the step creates (excluding the parameters and the batch, which exist
-before it), and everything live over the step (parameters included), each variant measured with
-only its own model alive. Step times alternate the two variants step by step (since the nineteenth
-session; before, each variant's steps ran in a block of their own).
+printed twice: "op outputs", the storage the step's ops output (which is not the step's own
+storage alone: ops make views of the parameters and the batch, and a view's storage is counted,
+so most of the parameters come in through them), and "all live", everything live over the step
+(parameters, the batch, every reachable tensor), each variant measured with only its own model
+alive. Before the twenty-fourth session the two were labelled "excl. / incl. params". Step times
+alternate the two variants step by step (since the nineteenth session; before, each variant's
+steps ran in a block of their own).
 """
 from __future__ import annotations
 
@@ -49,8 +52,9 @@ def build(seq_len: int, checkpointing: bool, batch: int):
 
 
 def peaks(seq_len: int, checkpointing: bool, batch: int) -> tuple[int, int]:
-    """(peak bytes of the storage one step creates, peak of everything live over a step:
-    parameters, the batch, and anything else reachable included), with only this model alive."""
+    """(peak bytes of the storage one step's ops output, views of the parameters and the batch
+    among them; peak of everything live over a step: parameters, the batch, and anything else
+    reachable included), with only this model alive."""
     step = build(seq_len, checkpointing, batch)
     step()  # warm-up
     with PeakStorage() as created:
@@ -77,16 +81,17 @@ def times(seq_len: int, steps: int, batch: int) -> tuple[list[float], list[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; small preset, batch {args.batch}; "
           f"step s = median of {args.steps} steps, the two variants alternating")
-    print("| seq | kept: step s | kept: peak MiB excl. / incl. params | checkpointed: step s "
-          "| checkpointed: peak MiB excl. / incl. params | time ratio (medians / paired) "
-          "| memory ratio excl. / incl. params |")
+    print("| seq | kept: step s | kept: peak MiB, op outputs / all live | checkpointed: step s "
+          "| checkpointed: peak MiB, op outputs / all live | time ratio (medians / paired) "
+          "| memory ratio, op outputs / all live |")
     print("|---|---|---|---|---|---|---|")
     for seq_len in args.seq_len:
         kept_new, kept_all = peaks(seq_len, False, args.batch)
@@ -98,6 +103,7 @@ def main() -> None:
               f"| {ckpt_s:.3f} | {ckpt_new / 2**20:.1f} / {ckpt_all / 2**20:.1f} "
               f"| {ckpt_s / kept_s:.2f} / {paired:.2f} | "
               f"{ckpt_new / kept_new:.2f} / {ckpt_all / kept_all:.2f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

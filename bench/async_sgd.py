@@ -99,7 +99,8 @@ def run_async(backend, deadline, slow_delay, max_staleness):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default="inmemory", choices=["inmemory", "gloo"])
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--max-staleness", type=int, default=4)

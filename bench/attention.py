@@ -5,13 +5,20 @@ Times: each side gets the same untimed warm-up run and the same number of timed 
 (3 up to 8k, 2 above); the rows print the minimum and the median of the timed runs (the targets use
 the minimum). Before the nineteenth session dense SDPA got one cold run at 32k against dilated's
 best of 3.
-Peak memory is real tensor storage: a TorchDispatchMode sees every tensor any op (forward or
-backward) produces and holds a weak reference to its storage; the peak of the live storage bytes
-is reported (kernel-internal scratch buffers that never become tensors are not counted).
+Peak memory is real tensor storage (``_storage.PeakStorage``): a TorchDispatchMode sees every
+tensor any op (forward or backward) produces and holds a weak reference to its storage; kernel
+scratch buffers that never become tensors are not counted. Each row prints two peaks: "all live"
+(every storage live when the run starts, q, k and v among them, plus what the ops make) and
+"beyond inputs" (that less the storages of q, k and v). Before the twenty-fourth session one
+figure was printed, said to exclude the inputs; it counted them (the ops make views of q, k and
+v, and a view is an op output), and its "memory ratio" was dense / dilated. The ratios now say
+their direction: dilated / dense. The ring part's per-rank peaks count each rank's inputs
+(``PeakStorage.count``) and what its ops make, set against the single device's all-live peak.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -39,8 +46,8 @@ def dense_sdpa(q, k, v):
 
 
 def measure(fn, seq, backward, repeats, warmup=1):
-    """(min, median) wall time of ``repeats`` timed runs after ``warmup`` untimed ones, and peak
-    tensor bytes (inputs excluded) of one more run."""
+    """(min, median) wall time of ``repeats`` timed runs after ``warmup`` untimed ones, and of one
+    more run: (peak storage beyond the inputs, peak of everything live) in bytes."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, seq, HEADS, HEAD_DIM, requires_grad=backward) for _ in range(3))
     times = []
@@ -53,12 +60,25 @@ def measure(fn, seq, backward, repeats, warmup=1):
             times.append(time.perf_counter() - start)
         del out
         q.grad = k.grad = v.grad = None
-    with PeakStorage() as mode:
-        out = fn(q, k, v)
+    return min(times), statistics.median(times), *peaks(fn, (q, k, v), backward)
+
+
+def peaks(fn, inputs, backward):
+    """(peak storage beyond the inputs, peak of everything live), bytes, over one run of ``fn``.
+    Everything live: every storage reachable when the run starts (the inputs, and whatever else
+    the process holds: nothing else in this script) and every storage an op makes during it.
+    Beyond the inputs: that less what was live at the start, the inputs' storages among it (a
+    view of an input is an op output, so counting op outputs alone counts the inputs)."""
+    gc.collect()
+    with PeakStorage(include_existing=True) as mode:
+        at_start = mode.current
+        out = fn(*inputs)
         if backward:
             out.sum().backward()
         del out
-    return min(times), statistics.median(times), mode.peak
+    for t in inputs:
+        t.grad = None
+    return mode.peak - at_start, mode.peak
 
 
 def repeats_at(seq, repeats):
@@ -82,14 +102,17 @@ def compare(dense_seqs, dilated_seqs, repeats, passes=(False, True)):
 
 def print_row(rows, seq, backward, reps):
     kind = "fwd+bwd" if backward else "fwd"
-    t, med, mem = rows[(seq, backward, "dilated")]
+    t, med, mem, mem_all = rows[(seq, backward, "dilated")]
     line = (f"seq {seq:>6} {kind:>7} (min / median of {reps} after 1 warm-up, each side): "
-            f"dilated {t * 1e3:9.1f} / {med * 1e3:9.1f} ms {mem / 2**20:8.1f} MiB")
+            f"dilated {t * 1e3:9.1f} / {med * 1e3:9.1f} ms, "
+            f"MiB beyond inputs / all live {mem / 2**20:7.1f} / {mem_all / 2**20:7.1f}")
     if (seq, backward, "dense") in rows:
-        dt, dmed, dmem = rows[(seq, backward, "dense")]
-        line += (f" | dense SDPA {dt * 1e3:10.1f} / {dmed * 1e3:10.1f} ms {dmem / 2**20:8.1f} MiB"
-                 f" | speed-up (mins) x{dt / t:6.1f}, (medians) x{dmed / med:6.1f},"
-                 f" memory ratio {dmem / max(mem, 1):5.2f}")
+        dt, dmed, dmem, dmem_all = rows[(seq, backward, "dense")]
+        line += (f" | dense SDPA {dt * 1e3:10.1f} / {dmed * 1e3:10.1f} ms, "
+                 f"MiB {dmem / 2**20:7.1f} / {dmem_all / 2**20:7.1f}"
+                 f" | speed-up (mins) x{dt / t:6.1f}, (medians) x{dmed / med:6.1f}"
+                 f" | dilated / dense memory: beyond inputs {mem / max(dmem, 1):5.2f},"
+                 f" all live {mem_all / max(dmem_all, 1):5.2f}")
     print(line, flush=True)
 
 
@@ -102,6 +125,7 @@ def ring_rank(config):
         q, k, v = (torch.randn(1, local, HEADS, HEAD_DIM, requires_grad=True) for _ in range(3))
         module = RingDilatedAttention(segments, rates, backend=backend)
         with PeakStorage() as mode:
+            mode.count(q, k, v)
             out = module(q, k, v, is_causal=True)
             out.sum().backward()
             del out
@@ -116,7 +140,7 @@ def ring_memory(seq):
     for name, config in configs.items():
         _, segments, rates = config
         *_, single = measure(lambda q, k, v: DilatedAttention(segments, rates)(q, k, v, True),
-                             seq, True, 1, warmup=0)
+                             seq, True, 1, warmup=0)  # everything live: inputs counted, as below
         print(f"ring, {name}, seq {seq}, causal fwd+bwd: single device {single / 2**20:.1f} MiB",
               flush=True)
         for world in (2, 4):
@@ -129,7 +153,8 @@ def ring_memory(seq):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes only (smoke test)")
     parser.add_argument("--seq", type=int, help="one size only, both sides (dense too), no ring part")
     parser.add_argument("--fwd-bwd-only", action="store_true", help="forward+backward only")

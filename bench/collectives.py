@@ -7,10 +7,14 @@ buffer, all_gather's output, reduce_scatter's input) and world size n, prints th
 repeated calls, algbw = S / time and busbw (nccl-tests convention: all_reduce x 2(n-1)/n, the
 others x (n-1)/n). Beside each engine: the raw library call it wraps, measured in the same run
 (mpi4py in place on NumPy buffers; torch.distributed gloo), and memcpy of S bytes on one thread.
-"engine / raw time" divides the two medians; "paired time ratio" is the median over repeats of the
+S is rounded down to a multiple of the world size (4 bytes per element), and the size column
+prints what was moved. "paired time ratio", the lead figure, is the median over repeats of the
 engine's time over the raw call's timed next to it, which drift of the machine between calls
 moves less (at 1 MB on 2 shared cores a call's time spans 5x between its 10th and 90th
-percentiles). Those two time single calls after a barrier; "back to back" is the ratio of
+percentiles); "ratio of medians" divides the two medians, and prints '-' where it differs from
+the paired ratio by more than 1.5x (call times in two modes, as at 1 KB, where the two pointed
+opposite ways: 0.60 against 1.09; before the twenty-fourth session that column came first and
+printed regardless). Those two time single calls after a barrier; "back to back" is the ratio of
 per-call medians over blocks of 10 calls in a row (nccl-tests' way; see bench/_alternate.py).
 all_gather and reduce_scatter write into preallocated outputs (``out=``) on both sides.
 
@@ -91,9 +95,9 @@ def _inmemory_rank(backend, sizes, ops):
     out = []
     for op in ops:
         for size in sizes:
-            elems = size // 4
             n = backend.world_size
-            x = torch.ones(elems // n if op == "all_gather" else elems)
+            elems = max(n, size // 4 // n * n)  # divisible by n, as the process engines do
+            x = torch.zeros(elems // n if op == "all_gather" else elems)  # sums stay finite
             buffer = {"all_gather": torch.empty(elems), "reduce_scatter": torch.empty(elems // n)}.get(op)
             kwargs = {} if buffer is None else {"out": buffer}
             src, dst = torch.ones(elems), torch.empty(elems)
@@ -112,19 +116,20 @@ def _inmemory_rank(backend, sizes, ops):
                     elif backend.rank == 0:
                         memcpy = _timed_memcpy(src, dst)
                 times.append((engine, memcpy))
-            out.append((op, size, times))
+            out.append((op, size, elems * 4, times))
     return out
 
 
 def measure_inmemory(world_size: int, sizes, ops) -> list[dict]:
     per_rank = spawn(lambda b: _inmemory_rank(b, sizes, ops), world_size)
     rows = []
-    for k, (op, size, times) in enumerate(per_rank[0]):
+    for k, (op, size, nbytes, times) in enumerate(per_rank[0]):
         # a repeat lasts until its slowest rank is done; memcpy was timed on rank 0
-        engine = [max(r[k][2][i][0] for r in per_rank) for i in range(len(times))]
+        engine = [max(r[k][3][i][0] for r in per_rank) for i in range(len(times))]
         memcpy = [t[1] for t in times]
         factor = busbw_factor(op, world_size)
-        rows.append(dict(engine="inmemory", op=op, size_bytes=size, world_size=world_size,
+        rows.append(dict(engine="inmemory", op=op, size_bytes=nbytes, requested_bytes=size,
+                         world_size=world_size,
                          median_s=statistics.median(engine), raw_median_s=None,
                          memcpy_median_s=statistics.median(memcpy),
                          memcpy_ratio=statistics.median(factor * m / e for e, m in zip(engine, memcpy))))
@@ -132,12 +137,33 @@ def measure_inmemory(world_size: int, sizes, ops) -> list[dict]:
 
 
 def fmt_size(size: int) -> str:
-    return f"{size // 2**20} MB" if size >= 2**20 else f"{size // 2**10} KB"
+    """Whole MB or KB where the size is one, else bytes (a size rounded down to a multiple of the
+    world size is not a whole KB)."""
+    for unit, name in ((2**20, "MB"), (2**10, "KB")):
+        if size >= unit and size % unit == 0:
+            return f"{size // unit} {name}"
+    return f"{size:,} B"
+
+
+def _ratio_of_medians(engine_s: float, raw_s: float, paired: float) -> str:
+    """The ratio of medians, or '-' where it and the paired ratio differ by more than 1.5x (a
+    bimodal spread of call times, where a median can land in either mode: at 1 KB the two have
+    pointed opposite ways, 0.60 against 1.09)."""
+    ratio = engine_s / raw_s
+    return "-" if max(ratio, paired) > 1.5 * min(ratio, paired) else f"{ratio:.3f}"
+
+
+LEGEND = ("time ratios are engine / raw (below 1: the engine is faster). paired = median over repeats"
+          " of the engine's time over the raw call's in the same repeat (the lead figure); ratio of"
+          " medians = '-' where it differs from the paired ratio by more than 1.5x (bimodal call"
+          " times); back to back = per-call medians over blocks of 10 calls. size = bytes moved"
+          " (rounded down to a multiple of the world size); * = busbw over memcpy timed apart.")
 
 
 def print_table(rows: list[dict], memcpy: dict[int, float]) -> None:
+    print(LEGEND)
     print("| engine | op | world | size | median ms | algbw GB/s | busbw GB/s | raw call busbw GB/s "
-          "| engine / raw time | paired time ratio | back to back time ratio "
+          "| paired time ratio | ratio of medians | back to back time ratio "
           "| busbw / memcpy bw (memcpy GB/s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -146,21 +172,23 @@ def print_table(rows: list[dict], memcpy: dict[int, float]) -> None:
         bus = alg * busbw_factor(r["op"], n)
         raw = r.get("raw_median_s")
         raw_bus = f"{size / raw / 1e9 * busbw_factor(r['op'], n):.2f}" if raw else "-"
-        ratio = f"{t / raw:.3f}" if raw else "-"
+        ratio = _ratio_of_medians(t, raw, r["paired_ratio"]) if raw else "-"
         paired = f"{r['paired_ratio']:.3f}" if raw else "-"
         block = f"{r['block_median_s'] / r['block_raw_median_s']:.3f}" if raw else "-"
         if "memcpy_ratio" in r:  # interleaved with the engine's calls: median of per-repeat ratios
             mem = f"{r['memcpy_ratio']:.2f} ({size / r['memcpy_median_s'] / 1e9:.2f})"
-        else:  # the separate memcpy timing before the engines ran
-            mem = f"{bus / (size / memcpy[size] / 1e9):.2f}*"
+        else:  # the separate memcpy timing before the engines ran, of the size asked for
+            requested = r.get("requested_bytes", size)
+            mem = f"{bus / (requested / memcpy[requested] / 1e9):.2f}*"
         print(f"| {r['engine']} | {r['op']} | {n} | {fmt_size(size)} | {t * 1e3:.3f} | {alg:.2f} | "
-              f"{bus:.2f} | {raw_bus} | {ratio} | {paired} | {block} | {mem} |")
+              f"{bus:.2f} | {raw_bus} | {paired} | {ratio} | {block} | {mem} |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="inmemory,gloo,mpi")
-    parser.add_argument("--worlds", default="2,4")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="inmemory,gloo,mpi", help="comma-separated engines")
+    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     parser.add_argument("--quick", action="store_true", help="1 KB and 1 MB only")
     args = parser.parse_args()
     sizes = SIZES[:2] if args.quick else SIZES

@@ -84,7 +84,8 @@ def measure(backend, compressor_name, settings, steps):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", default="inmemory", choices=["inmemory", "gloo"])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)

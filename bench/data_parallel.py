@@ -2,8 +2,8 @@
 torch FSDP2 (``fully_shard``) on gloo, in one run.
 
 Model: a ~5M-parameter decoder (4 blocks, d_model 256, 4 heads, vocab 4096, untied head),
-sequence 256, batch 8 per rank, AdamW. Each configuration runs in fresh processes (gloo) or
-threads (in-memory), takes ``--warmup`` steps, then times ``--steps`` steps.
+sequence 256, batch 8 per rank, AdamW; fresh processes (gloo) or threads (in-memory). Each side runs
+one untimed first step, ``--warmup`` untimed training steps (``train_step`` for ours), ``--steps`` timed.
 
 Columns: steps/s; ``state MiB`` = memory_footprint() right after the first optimizer step
 (parameters, gradients, optimizer state, buffers: the code's own bookkeeping) with, beside it,
@@ -166,16 +166,16 @@ def run_distframe(backend, strategy: str, steps: int, warmup: int):
     del x, y
     gc_state = reachable_mib() - reachable_before if counted else None
     opt.zero_grad()
-    for s in range(1, warmup):
+    for s in range(1, 1 + warmup):  # as many as torch's side: see the module docstring
         model.train_step(batch_for(backend.rank, s), lm_loss, opt)
     backend.barrier()
     start = time.perf_counter()
     for s in range(steps):
-        model.train_step(batch_for(backend.rank, warmup + s), lm_loss, opt)
+        model.train_step(batch_for(backend.rank, 1 + warmup + s), lm_loss, opt)
     elapsed = time.perf_counter() - start
     peak = peak_rss_mib() - before
     live = None if backend.engine == "inmemory" else live_peak_mib(
-        lambda: model.train_step(batch_for(backend.rank, warmup + steps), lm_loss, opt))
+        lambda: model.train_step(batch_for(backend.rank, 1 + warmup + steps), lm_loss, opt))
     return {"steps_per_s": steps / elapsed, "state": state, "gc_state": gc_state, "peak": peak,
             "live": live}
 
@@ -252,15 +252,15 @@ def _torch_rank(rank: int, kind: str, steps: int, warmup: int, port: int, out) -
 
     def step(s):
         torch_step(model, opt, batch_for(rank, s))
-    for s in range(warmup):
+    for s in range(1 + warmup):  # the first step, then --warmup: as ours
         step(s)
     dist.barrier()
     start = time.perf_counter()
     for s in range(steps):
-        step(warmup + s)
+        step(1 + warmup + s)
     elapsed = time.perf_counter() - start
     peak = peak_rss_mib() - before
-    live = live_peak_mib(lambda: step(warmup + steps))
+    live = live_peak_mib(lambda: step(1 + warmup + steps))
     out.put((rank, {"steps_per_s": steps / elapsed, "state": None, "gc_state": None, "peak": peak,
                     "live": live}))
     dist.destroy_process_group()
@@ -344,9 +344,9 @@ def print_pairs(steps: int, warmup: int, pairs: list[str]) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     parser.add_argument("--only", default="", help="comma-separated subset of the rows ('pairs': "
                         "the interleaved speed ratios)")
     parser.add_argument("--pair-steps", type=int, default=12, help="timed steps per side of each pair")

@@ -1,7 +1,7 @@
 """Pipeline parallelism: steps/s against torch.distributed.pipelining, measured bubble against
 (p-1)/(m+p-1), and peak saved-activation memory of 1F1B against GPipe.
 
-    python bench/pipeline.py [--steps 8] [--quick]
+    python bench/pipeline.py [--steps 8] [--quick] [--only throughput,sleep,memory,spread,threads]
 
 1. Throughput (gloo, 2 processes, one thread each): an ``nn.Sequential`` of residual MLP blocks
    (float32) cut into 2 stages by distframe's splitter; the very same stage modules run under
@@ -18,8 +18,12 @@
 3. Bubble, schedule only (in-memory threads): stages whose compute is a fixed sleep (forward t,
    backward 2t), so p = 4 stages do not compete for 2 cores; p = 4, m = 4, 8, 16; GPipe, 1F1B
    and interleaved 1F1B with v = 2 chunks per rank (formula (p-1)/(v*m+p-1)).
-4. Memory (in-memory threads, p = 4, m = 8): peak bytes of storage saved for backward on each
-   stage (``ActivationMemoryMeter``: saved_tensors_hooks, unique storages), GPipe vs 1F1B.
+4. Memory (in-memory threads, p = 4, m = 8), GPipe vs 1F1B, one step after an untimed one: peak
+   bytes of storage saved for backward on each stage (``ActivationMemoryMeter``:
+   saved_tensors_hooks, unique storages: the library's own count) and, since the twenty-fourth
+   session, the peak of real tensor storage on the stage's thread beyond its parameters and
+   gradients (``bench/_storage.PeakStorage``: everything else its ops make, sent and received
+   tensors and the loss's too).
 5. Op-time spread: the throughput part's stage alone in one process (m = 8, no messages, one
    thread): how much its forward and backward times vary from one micro-batch to the next.
 6. Bubble, real compute on in-memory threads (p = 2): the throughput part's stages and batches
@@ -223,7 +227,30 @@ def op_spread(m, steps, batch_size):
 
 
 # ---- 4: activation memory ---------------------------------------------------------------------------
+def _storage_beyond_state(parameters):
+    """A ``PeakStorage`` whose ``beyond_peak`` is the peak, taken after every op, of the live
+    storage that is neither one of ``parameters`` nor the ``.grad`` they hold then. A gradient
+    counts as a gradient once autograd has stored it in ``.grad``: the op that computes it counts it
+    until then."""
+    from _storage import PeakStorage
+
+    class StorageBeyondState(PeakStorage):
+        beyond_peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            state = {t.untyped_storage().data_ptr() for p in parameters for t in (p, p.grad)
+                     if t is not None}
+            held = sum(self.live[key][1] for key in state if key in self.live)
+            self.beyond_peak = max(self.beyond_peak, self.current - held)
+            return out
+    return StorageBeyondState()
+
+
 def activation_memory(p, m):
+    """Per stage: the saved-activation meter's peak (the library's own count) and, over the same
+    step, the peak of real storage beyond the stage's parameters and gradients (bench/_storage.py:
+    activations, received and sent tensors, the micro-batches, transient gradients)."""
     from distframe.launch import spawn
     from distframe.models.pipeline import PipelineParallelModel
     torch.manual_seed(0)
@@ -233,17 +260,25 @@ def activation_memory(p, m):
     for schedule in ("gpipe", "1f1b"):
         def run(b):
             pipe = PipelineParallelModel(copy.deepcopy(model), b, num_microbatches=m, schedule=schedule)
+            pipe.forward_backward((x, y), mse)  # untimed: the first step's one-off allocations
+            parameters = list(pipe.parameters())
+            for param in parameters:
+                param.grad = None
             pipe.activation_memory.enabled = True
-            pipe.forward_backward((x, y), mse)
-            return pipe.activation_memory.peak_bytes, pipe.runner.in_flight_peak
+            with _storage_beyond_state(parameters) as storage:
+                pipe.forward_backward((x, y), mse)
+            return pipe.activation_memory.peak_bytes, pipe.runner.in_flight_peak, storage.beyond_peak
         peaks[schedule] = spawn(run, p)
-    print(f"\n## Peak saved-activation memory: in-memory, p={p}, m={m}, {2 * p} blocks of width 128, "
-          f"micro-batch 8 (saved_tensors_hooks, unique storages)")
-    print("| stage | GPipe peak KiB (micro-batches in flight) | 1F1B peak KiB (in flight) | 1F1B / GPipe |")
-    print("|---|---|---|---|")
+    print(f"\n## Peak activation memory: in-memory, p={p}, m={m}, {2 * p} blocks of width 128, "
+          f"micro-batch 8; meter = saved_tensors_hooks, unique storages (the library's count); "
+          f"storage = real storage beyond the stage's parameters and gradients (bench/_storage.py)")
+    print("| stage | GPipe meter KiB (in flight) | 1F1B meter KiB (in flight) | 1F1B / GPipe meter "
+          "| GPipe storage KiB | 1F1B storage KiB | 1F1B / GPipe storage |")
+    print("|---|---|---|---|---|---|---|")
     for s in range(p):
-        (g, gf), (o, of) = peaks["gpipe"][s], peaks["1f1b"][s]
-        print(f"| {s} | {g / 1024:.1f} ({gf}) | {o / 1024:.1f} ({of}) | {o / g:.3f} |")
+        (g, gf, gs), (o, of, os_) = peaks["gpipe"][s], peaks["1f1b"][s]
+        print(f"| {s} | {g / 1024:.1f} ({gf}) | {o / 1024:.1f} ({of}) | {o / g:.3f} "
+              f"| {gs / 1024:.1f} | {os_ / 1024:.1f} | {os_ / gs:.3f} |")
 
 
 # ---- 6: real compute, messages that cost (almost) nothing ---------------------------------------
@@ -288,11 +323,14 @@ def threads_bubble(configs, steps, warmup, batch_size):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps (throughput, threads)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
-    parser.add_argument("--only", default="throughput,sleep,memory,spread,threads")
+    parser.add_argument("--only", default="throughput,sleep,memory,spread,threads",
+                        help="comma-separated parts: throughput (1 and 2, gloo), sleep (3), "
+                        "memory (4), spread (5), threads (6)")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help="global batch of the throughput part (split into m micro-batches)")
     args = parser.parse_args(argv)

@@ -97,7 +97,8 @@ def predicted_bytes(layers: int, seq: int, tp: int) -> dict[str, int]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
