@@ -22,16 +22,19 @@ before it posts the payload's receive.
 [Note: point to point] ``send`` is buffered, as in the in-memory engine: the payload is copied
 and posted, and ``send``/``isend`` return at once, so two ranks may both send before they
 receive. Unfinished sends are kept alive and finished at ``shutdown``, which drops those to a
-rank that left without receiving them (``departures``, [Note: sends to a rank that left]). A
-message whose shape or dtype differs from the receive's never matches it outside ``debug`` mode
-(a fingerprint of them and of the message's number is part of the tag: ``torch_dist_p2p``, [Note:
-the message's shape in its tag]), so the receive times out saying so; with ``debug=True`` it raises
-``CollectiveMismatchError`` naming both at once. NCCL ignores tags: there a mismatched receive
-is not caught outside ``debug`` mode.
+rank that left without receiving them (``departures``, [Note: sends to a rank that left];
+``torch_dist_sends``). A message whose shape or dtype differs from the receive's never matches
+it outside ``debug`` mode (a fingerprint of them and of the message's number is part of the tag:
+``torch_dist_p2p``, [Note: the message's shape in its tag]), so the receive times out saying so;
+one whose fingerprint is the receive's, which Gloo delivers, raises ``CollectiveMismatchError``
+when its sender is on this node (it describes each message in shared memory: [Note: what a Gloo
+receive checks]). With ``debug=True`` a mismatch raises ``CollectiveMismatchError`` naming both
+at once. NCCL ignores tags: there a mismatched receive is not caught outside ``debug`` mode.
 """
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import datetime
 import weakref
@@ -53,8 +56,9 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
                                                  peer_lost, wait_for_members)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
-from distframe.backends.torch_dist_p2p import (HEADER_TAG, RecvWork, UnfinishedSends, debug_payload_tag,
-                                               message_tag)
+from distframe.backends.sent_messages import exchanged_sent_messages
+from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, debug_payload_tag, message_tag
+from distframe.backends.torch_dist_sends import UnfinishedSends
 from distframe.backends.torch_dist_waits import TorchDistWaits
 from distframe.backends.torch_dist_wire import (NATIVE_DTYPES, from_reducible, movable, movable_flat,
                                                 to_reducible)
@@ -106,7 +110,12 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         self._shared.board.register(self._my_progress_key, self._p2p_counts)
         timeout_delta = datetime.timedelta(seconds=self.timeout)
         store = lambda name: dist.PrefixStore(f"{prefix}/{name}/", self._shared.store)  # noqa: E731
-        with exchanged_slots(store("slots").set, store("slots").get, rank, world_size) as self._slots:
+        # The sent-message table: Gloo only, whose receives take only messages of their tag
+        # ([Note: what a Gloo receive checks] in torch_dist_p2p); NCCL ignores tags.
+        sent = (exchanged_sent_messages(store("sent").set, store("sent").get, rank, world_size)
+                if self.engine == "gloo" else contextlib.nullcontext())
+        with (exchanged_slots(store("slots").set, store("slots").get, rank, world_size) as self._slots,
+              sent as self._sent_messages):
             self._pg = self._create_process_group(store("pg"), rank, world_size, timeout_delta)
             wait_for_members(store("ready"), rank, world_size, timeout_delta)  # every peer mapped ours
         self._sends = UnfinishedSends(waited=bool(self._wait_slice))
@@ -265,6 +274,8 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
             wire_tag = debug_payload_tag(tag, seq)
         else:  # [Note: the message's shape in its tag] (torch_dist_p2p)
             wire_tag = message_tag(tag, tensor, seq)
+            if self._sent_messages is not None:  # described before it is sent (sent_messages)
+                self._sent_messages.record(dst, tag, seq, tensor, wire_tag)
         try:
             work = self._pg.send([movable(payload)], dst, wire_tag)
         except RuntimeError as exc:
@@ -311,6 +322,8 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         self._sends.finish(self._rank, self.timeout, self.departures)
         self._pg = None
         self._slots.close()
+        if self._sent_messages is not None:
+            self._sent_messages.close()
         if self._owns_shared:
             self._shared.board.close()
 
