@@ -20,6 +20,7 @@ from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World, autograd_device
 from distframe.backends.types import CompletedWork, ReduceOp, Work
+from distframe.backends.validation import check_wait_timeout
 from distframe.errors import CollectiveMismatchError
 
 
@@ -244,6 +245,7 @@ class _RecvWork(Work):
         self._error: CollectiveMismatchError | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        timeout = check_wait_timeout(timeout)
         if self._error is not None:
             raise self._error
         if self._done:

@@ -40,6 +40,7 @@ from distframe.backends.mpi_buffers import needs_staging, stage_in, wire, write_
 from distframe.backends.mpi_progress import wait_request
 from distframe.backends.signature import ENCODED_LENGTH, Signature
 from distframe.backends.types import Work
+from distframe.backends.validation import check_wait_timeout
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class P2PWork(Work):
         self._error: CollectiveMismatchError | None = None  # a receive of another size: every wait raises it
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        timeout = check_wait_timeout(timeout)
         if not self._done:
             limit = self._backend.timeout if timeout is None else timeout
             deadline = time.monotonic() + limit

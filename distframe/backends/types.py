@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.validation import check_wait_timeout
 from distframe.errors import CollectiveTimeoutError
 
 
@@ -91,6 +92,7 @@ class CompletedWork(Work):
         self._result = result
 
     def wait(self, timeout: float | None = None) -> Any:
+        check_wait_timeout(timeout)
         return self._result
 
     def is_completed(self) -> bool:
@@ -116,6 +118,7 @@ class FutureWork(Work):
         self._missing = missing
 
     def wait(self, timeout: float | None = None) -> Any:
+        timeout = check_wait_timeout(timeout)
         stalled = False
         try:
             result = self._result(timeout)

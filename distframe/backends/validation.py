@@ -23,6 +23,17 @@ def check_timeout(timeout: float) -> float:
     return float(timeout)
 
 
+def check_wait_timeout(timeout: object) -> float | None:
+    """A ``Work.wait`` timeout: None (the backend's own) or a number of seconds from 0 (look
+    once) to MAX_TIMEOUT, as a float; else ValueError (a string gave a bare TypeError)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout <= MAX_TIMEOUT:
+        raise ValueError(f"Work.wait: timeout must be None (the backend's timeout) or a number of "
+                         f"seconds from 0 to {MAX_TIMEOUT:g}, got {type(timeout).__name__} {timeout!r}")
+    return float(timeout)
+
+
 def check_tensor(op: str, tensor: object) -> torch.Tensor:
     """``tensor`` as the engines see it (:func:`plain`), or TypeError."""
     if not isinstance(tensor, torch.Tensor):

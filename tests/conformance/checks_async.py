@@ -110,3 +110,23 @@ def check_polled_receive_completes(backend) -> None:
     elif r == n - 1 and n > 1:
         backend.send(torch.from_numpy(payload), 0, tag=3)
     backend.barrier()
+
+
+def check_a_wait_timeout_that_is_not_seconds_says_so(backend, receive: bool) -> None:
+    """``Work.wait(timeout="1")`` (or True) is a ValueError saying what to pass, and leaves the
+    work to a later wait; a string gave a bare TypeError from a comparison inside the engine."""
+    n, r = backend.world_size, backend.rank
+    if receive:
+        if n == 1:
+            return
+        if r == 0:
+            backend.send(torch.ones(2), 1, tag=6)
+        if r != 1:
+            return
+        work, expected = backend.irecv(torch.zeros(2), 0, tag=6), torch.ones(2)
+    else:
+        work, expected = backend.all_reduce(torch.ones(2), async_op=True), torch.full((2,), float(n))
+    for bad in ("1", True, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be None .* or a number of seconds"):
+            work.wait(timeout=bad)
+    torch.testing.assert_close(work.wait(), expected, rtol=0, atol=0)

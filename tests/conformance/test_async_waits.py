@@ -38,3 +38,8 @@ def test_an_asynchronous_call_never_waited_for_fails_the_run(runner):
 
 def test_polled_receive_completes(runner):
     runner.run(checks_async.check_polled_receive_completes)
+
+
+@pytest.mark.parametrize("receive", [False, True])
+def test_a_wait_timeout_that_is_not_seconds_says_so(runner, receive):
+    runner.run(checks_async.check_a_wait_timeout_that_is_not_seconds_says_so, receive=receive)
