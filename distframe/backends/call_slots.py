@@ -328,13 +328,15 @@ def node_id() -> str:
 
 
 @contextlib.contextmanager
-def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str], str | bytes], rank: int,
-                    world_size: int) -> Iterator[CallSlots]:
-    """Call slots for a group whose members meet through a key-value store: publishes this
-    rank's file as key ``str(rank)`` and maps the same-node peers' files (``get_key`` waits for
-    a key to be set). The file's name is removed when the block ends: end it only once every
-    member has mapped it (after the group's construction barrier)."""
-    own, path = create_shared(AREA_BYTES, "distframe-calls-")
+def exchanged_maps(set_key: Callable[[str, str], None], get_key: Callable[[str], str | bytes], rank: int,
+                   world_size: int, nbytes: int, prefix: str) -> Iterator[tuple[mmap.mmap, dict[int, mmap.mmap]]]:
+    """This rank's new shared file of ``nbytes`` (mapped) and its same-node peers' (by rank), for
+    a group whose members meet through a key-value store: publishes this rank's file as key
+    ``str(rank)`` and maps the peers' (``get_key`` waits for a key to be set). The maps are closed
+    if the block raises, else they are the block's to close; the file's name is removed when the
+    block ends: end it only once every member has mapped it (after the group's construction
+    barrier)."""
+    own, path = create_shared(nbytes, prefix)
     peers: dict[int, mmap.mmap] = {}
     try:
         here = node_id()
@@ -345,14 +347,22 @@ def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str]
                 node, _, peer_path = (value.decode() if isinstance(value, bytes) else value).partition("\n")
                 if node == here:
                     with contextlib.suppress(FileNotFoundError):  # the same name, another /dev/shm
-                        peers[peer] = open_shared(peer_path, AREA_BYTES)
-        yield CallSlots(own, peers, rank, owns_maps=True)
+                        peers[peer] = open_shared(peer_path, nbytes)
+        yield own, peers
     except BaseException:
         for m in [own, *peers.values()]:
             close_map(m)
         raise
     finally:
         os.unlink(path)
+
+
+@contextlib.contextmanager
+def exchanged_slots(set_key: Callable[[str, str], None], get_key: Callable[[str], str | bytes], rank: int,
+                    world_size: int) -> Iterator[CallSlots]:
+    """Call slots for a group whose members meet through a key-value store (``exchanged_maps``)."""
+    with exchanged_maps(set_key, get_key, rank, world_size, AREA_BYTES, "distframe-calls-") as (own, peers):
+        yield CallSlots(own, peers, rank, owns_maps=True)
 
 
 def _read(view: Any, at: int, seq: int) -> bytes | None:

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from distframe.backends.call_slots import (PACKED_BYTES, close_map, create_shared, describe_packed,
-                                           node_id, open_shared, packed_call)
+from distframe.backends.call_slots import (PACKED_BYTES, close_map, describe_packed, exchanged_maps,
+                                           packed_call)
 
 ENTRIES = 128
 ENTRY_BYTES = 128
@@ -127,28 +126,9 @@ class SentMessages:
 def exchanged_sent_messages(set_key: Callable[[str, str], None], get_key: Callable[[str], str | bytes],
                             rank: int, world_size: int) -> Iterator[SentMessages]:
     """A sent-message table of its own for a group whose members meet through a key-value store,
-    as ``call_slots.exchanged_slots`` makes the call slots: publishes this rank's file as key
-    ``str(rank)`` and maps the same-node peers' files (``get_key`` waits for a key to be set). The
-    file's name is removed when the block ends: end it only once every member has mapped it."""
-    own, path = create_shared(AREA_BYTES, "distframe-sent-")
-    peers: dict[int, mmap.mmap] = {}
-    try:
-        here = node_id()
-        set_key(str(rank), f"{here}\n{path}")
-        for peer in range(world_size):
-            if peer != rank:
-                value = get_key(str(peer))
-                node, _, peer_path = (value.decode() if isinstance(value, bytes) else value).partition("\n")
-                if node == here:
-                    with contextlib.suppress(FileNotFoundError):  # the same name, another /dev/shm
-                        peers[peer] = open_shared(peer_path, AREA_BYTES)
+    as the call slots are made (``call_slots.exchanged_maps``)."""
+    with exchanged_maps(set_key, get_key, rank, world_size, AREA_BYTES, "distframe-sent-") as (own, peers):
         yield SentMessages(own, peers, rank, 0, owns_maps=True)
-    except BaseException:
-        for m in [own, *peers.values()]:
-            close_map(m)
-        raise
-    finally:
-        os.unlink(path)
 
 
 def _fields(receiver: int, tag: int, tensor: Any) -> bytes:
