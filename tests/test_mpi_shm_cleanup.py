@@ -27,6 +27,7 @@ from distframe import _mpi_launch  # noqa: E402
 from distframe._mpi_launch import MPIPool  # noqa: E402
 from distframe.errors import ConfigError, RankFailedError  # noqa: E402
 from distframe.launch import spawn  # noqa: E402
+from tests.backends.test_mpi_faults import die_on_rank_one  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -44,12 +45,6 @@ def record_segments_then_raise(b, record: str):
     if b.rank == 1:
         raise KeyError("rank 1 gives up")
     return b.rank
-
-
-def die_on_rank_one(b):
-    if b.rank == 1:
-        os._exit(3)
-    b.barrier()
 
 
 def stay_on_rank_one(b):
