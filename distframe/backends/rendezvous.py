@@ -148,8 +148,8 @@ class Rendezvous:
         lock = threading.RLock()
         self.cond = threading.Condition(lock)
         # One condition per receiving rank, on the same lock: a message wakes its receiver only,
-        # not every rank of the group that waits for something else (at world 4, a third less
-        # time per message: BENCHMARKS.md).
+        # not every rank of the group that waits for something else (a ring step at world 4 and
+        # 8 about 40% less, set against a plain thread handoff: BENCHMARKS.md).
         self._inboxes = [threading.Condition(lock) for _ in range(self.size)]
         self._slots: dict[int, Slot] = {}
         # (src, dst, tag) -> {message number on that channel: (number, payload)}
