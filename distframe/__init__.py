@@ -1,4 +1,8 @@
 """distframe: distributed training strategies over one communication protocol."""
+from distframe import compile_support as _compile_support
+
+_compile_support.install()  # torch.compile skips distframe's own frames: [Note: torch.compile]
+
 from distframe.backends import (
     CommStats,
     CommunicationBackendBase,

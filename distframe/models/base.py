@@ -1,7 +1,6 @@
 """ShardedModelBase: the life cycle every strategy shares (construction, forward, train_step,
 no_sync, sharded state, memory accounting); strategies supply where state lives and when to
-communicate.
-"""
+communicate."""
 from __future__ import annotations
 
 import abc
@@ -14,6 +13,7 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
+from distframe.compile_support import refuse_on_threads
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
@@ -153,15 +153,15 @@ class ShardedModelBase(nn.Module, abc.ABC):
 
     # ---- shared life cycle -------------------------------------------------------------------
     def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank (``config.broadcast_buffers``); collective."""
+        """Rank 0's buffers to every rank (``config.broadcast_buffers``); collective. Listed per
+        forward, not cached: module.to() after wrapping replaces buffer tensors."""
         if self.config.broadcast_buffers and self.backend.world_size > 1:
-            # Listed per forward, not cached: module.to() after wrapping replaces buffer tensors.
-            buffers = list(self.wrapped_model.buffers())
-            if buffers:
+            if buffers := list(self.wrapped_model.buffers()):
                 broadcast_tensors(buffers, self.backend)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_while_summoned(self, "forward ran")
+        refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
         if torch.is_grad_enabled():
             self._wrapped_parameters.check(self)
         if self._synchronize and torch.is_grad_enabled():

@@ -26,8 +26,7 @@ Dropout with ``tp > 1``: every ``nn.Dropout`` of the stage draws from a generato
 across the tensor group (so replicated activations and parameters stay bitwise equal there) and
 differently per replica and stage; the head-split attention dropout draws per tensor rank. The seed
 is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``, agreed by one broadcast at
-construction (``tensor_parallel_rng``).
-"""
+construction (``tensor_parallel_rng``)."""
 from __future__ import annotations
 
 import weakref
@@ -39,6 +38,7 @@ from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
+from distframe.compile_support import refuse_on_threads
 from distframe.errors import ConfigError
 from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
@@ -145,6 +145,7 @@ class HybridShardedModel(ShardedModelBase):
         forward without autograd; the last stage's output is broadcast over the pipeline group.
         With cp, each slice's output is gathered along the sequence. A broadcast or gathered
         output's backward raises ConfigError (``refuse_backward``): train with train_step."""
+        refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
         cp = self.groups.cp
         if self.runner is None and torch.is_grad_enabled():  # a backward through it may follow
             self._before_backward()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attention.positions import shard_positions
+from distframe.compile_support import is_compiled_module
 from distframe.errors import ConfigError
 
 
@@ -68,6 +69,11 @@ def pipeline_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, n
         layers = [("", LMEmbedding(model.tok_embedding, model.pos_embedding))]
         layers += [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
         return layers + [("", LMHead(model.final_norm, model.head))]
+    if is_compiled_module(model):
+        raise ConfigError("cannot split a torch.compile'd module into pipeline stages: its blocks run "
+                          "inside one compiled forward. Pass the module itself and compile its blocks "
+                          "in place (for block in model: block.compile()), or compile the "
+                          "PipelineParallelModel")
     raise ConfigError(f"cannot split {type(model).__name__} into pipeline stages: pass an "
                       "nn.Sequential, a list of blocks, a DilatedTransformerLM, or a module with a "
                       "pipeline_layers() method returning [(name, module), ...]")
