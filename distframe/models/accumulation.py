@@ -21,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from distframe.errors import ConfigError
+from distframe.models.inputs import train_batch
 
 
 def accumulated_backward(model: Any, batch: tuple[Any, Any], loss_fn: Callable, steps: int) -> torch.Tensor:
@@ -49,9 +50,7 @@ def split_batch(batch: tuple[Any, Any], steps: int, num_microbatches: int = 1) -
     in it (tuples, lists and dicts are looked into; anything else goes whole to every piece).
     ``num_microbatches``: what a pipeline then cuts each piece into, so dim 0 must be a multiple
     of both (an error naming the piece's size alone would send the user to the wrong knob)."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
-    leaves, spec = tree_flatten(tuple(batch))
+    leaves, spec = tree_flatten(train_batch(batch))
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % (steps * num_microbatches)):
             need, what = ((steps, f"accumulation_steps={steps}") if num_microbatches == 1 else

@@ -21,7 +21,7 @@ from distframe.models.extra_state import copy_replicated, extra_state_modules, e
 from distframe.models.flat import Segment
 from distframe.models.full_parameters import Summonable, full_state_dict, refuse_while_summoned, summoned
 from distframe.models.grad_norm import clip_sharded_grad_norm
-from distframe.models.inputs import call_with
+from distframe.models.inputs import call_with, train_batch
 from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard
@@ -228,9 +228,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Forward on ``batch = (inputs, targets)`` (a dict or tuple of inputs is unpacked into the
         call) and backward of ``loss_fn(output, targets)``; returns this rank's loss. Gradients are
         synchronised as the strategy does during backward; no step is taken."""
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
-        inputs, targets = batch
+        inputs, targets = train_batch(batch)
         output = call_with(self, inputs)
         loss = loss_fn(output, targets)
         # Drop our reference to the output (for an LM, the logits: often the largest activation)

@@ -42,7 +42,7 @@ from distframe.compile_support import refuse_on_threads
 from distframe.errors import ConfigError
 from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
-from distframe.models.inputs import call_with
+from distframe.models.inputs import call_with, train_batch
 from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import apply_context_parallel, gather_output, sequence_slice
 from distframe.models.devices import module_device
@@ -165,9 +165,8 @@ class HybridShardedModel(ShardedModelBase):
     def forward_backward(self, batch: tuple[Any, Any], loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of this rank's slice, gradients left in ``.grad`` unsynchronised;
         returns the mean loss over the slice (the same on every rank of the pipeline group)."""
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ConfigError("train_step expects batch=(inputs, targets) for this rank's slice")
-        inputs, targets = self._sequence_slices(*batch)
+        refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
+        inputs, targets = self._sequence_slices(*train_batch(batch))
         self._before_backward()
         if self.runner is None:
             loss = loss_fn(call_with(self.wrapped_model, inputs), targets)

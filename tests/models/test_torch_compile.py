@@ -84,15 +84,21 @@ def test_compiled_training_equals_one_process(pool, strategy, where):
 
 
 @pytest.mark.parametrize("strategy,where", [("ddp", "inner"), ("zero3", "blocks"), ("fsdp", "outer"),
-                                             ("tp", "outer")])
+                                             ("tp", "outer"), ("pp", "blocks")])
 def test_in_memory_ranks_refuse_a_compiled_model(strategy, where):
+    x, y = global_batches(1, 4)[0]
+
     def run(backend):
         if strategy == "tp":
             model = TensorParallelModel(_mlp(), backend, plan={"fc1": "column", "fc2": "row"})
+        elif strategy == "pp":  # its train_step runs the stages without the model's forward
+            model = PipelineParallelModel(_compiled_as(build_model(), where), backend, num_microbatches=2)
+            model.train_step((x, y), loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+            return
         else:
             model = STRATEGIES[strategy][0](_compiled_as(build_model(), where), backend, **SETTINGS[strategy])
         forward = torch.compile(model, backend=COMPILER) if where == "outer" else model
-        forward(torch.zeros(2, IN, dtype=torch.float64))
+        forward(x)
 
     with pytest.raises(ConfigError, match=r"torch\.compile is not supported on in-memory ranks.*'gloo'"):
         spawn(run, WORLD)
