@@ -44,8 +44,8 @@ def _skip_package(trace_rules: ModuleType) -> None:
     add = getattr(trace_rules, "add", None)
     if add is None:
         warnings.warn(f"this torch's {_TRACE_RULES} has no add(): torch.compile may trace distframe's "
-                      "own code (hooks and collectives); compile the wrapped model's blocks instead",
-                      RuntimeWarning, stacklevel=2)
+                      "own code (hooks and collectives), which failed for ZeRO-3 and FSDP models of "
+                      "several units, compiled any way; train those uncompiled", RuntimeWarning, stacklevel=2)
         return
     add(_PACKAGE)
 
