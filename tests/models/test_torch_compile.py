@@ -5,11 +5,11 @@ its blocks in place ("blocks": ``block.compile()``, FSDP2's advice), and the wra
 ("outer": ``torch.compile(Model(net))``). Before distframe's frames were on Dynamo's skip list,
 ZeRO-3 failed all three and FSDP "outer" failed: Dynamo compiled the units' gather hooks and the
 wrapper's collectives in pieces, and the forward read the NaN stand-ins. Each case trains three
-Adam steps in float64 on 2 Gloo processes (one pool for the module) and must equal one process
-to 1e-10 (the parity contract), with the user's code compiled (Dynamo made graphs on the rank).
-In-memory ranks refuse compiled models ([Note: compiled code on in-memory ranks]). ``aot_eager``
-compiles forward and backward through AOTAutograd without needing a C compiler; inductor was
-run by hand.
+Adam steps in float64 on 2 Gloo processes and on 2 MPI ranks (one pool of each for the module)
+and must equal one process to 1e-10 (the parity contract), with the user's code compiled (Dynamo
+made graphs on the rank). In-memory ranks refuse compiled models ([Note: compiled code on
+in-memory ranks]). ``aot_eager`` compiles forward and backward through AOTAutograd without
+needing a C compiler; tests/models/test_gpu_compile.py runs inductor on GPUs.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from distframe._mpi_launch import MPIPool
 from distframe._process_launch import ProcessPool
 from distframe.errors import ConfigError
 from distframe.launch import spawn
@@ -38,39 +39,43 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _compiled_as(net: nn.Module, where: str) -> nn.Module:
+def _compiled_as(net: nn.Module, where: str, compiler: str = COMPILER) -> nn.Module:
     if where == "blocks":
         for block in net:
             if isinstance(block, Block):
-                block.compile(backend=COMPILER)
-    return torch.compile(net, backend=COMPILER) if where == "inner" else net
+                block.compile(backend=compiler)
+    return torch.compile(net, backend=compiler) if where == "inner" else net
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = ProcessPool(WORLD, "gloo", timeout=60)
+@pytest.fixture(scope="module", params=[pytest.param("gloo", marks=pytest.mark.gloo),
+                                        pytest.param("mpi", marks=pytest.mark.mpi)])
+def pool(request):
+    """The process engines' ranks, started once for the module (Dynamo under mpiexec too)."""
+    pool = ProcessPool(WORLD, "gloo", timeout=60) if request.param == "gloo" else MPIPool(WORLD, timeout=60)
     yield pool
     pool.close()
 
 
-def _train_compiled(backend, strategy: str, where: str):
-    """Rank function: (parameters after the steps, graphs Dynamo made on this rank)."""
+def _train_compiled(backend, strategy: str, where: str, device: str = "cpu", compiler: str = COMPILER):
+    """Rank function: (parameters after the steps, on the CPU; graphs Dynamo made on this rank).
+    The model and batches are on ``device`` (tests/models/test_gpu_compile.py runs it on GPUs)."""
     torch._dynamo.reset()  # the pool's processes live on: compile afresh for each case
     graphs = _graphs()
     model_cls, optimizer_cls = STRATEGIES[strategy]
-    model = model_cls(_compiled_as(build_model(), where), backend, **SETTINGS[strategy])
+    net = _compiled_as(build_model().to(device), where, compiler)
+    model = model_cls(net, backend, **SETTINGS[strategy])
     optimizer = optimizer_cls(model, torch.optim.Adam, lr=1e-2)
-    forward = torch.compile(model, backend=COMPILER) if where == "outer" else model
+    forward = torch.compile(model, backend=compiler) if where == "outer" else model
     for batch in global_batches(STEPS, BATCH):
-        x, y = rank_slice(batch, backend.rank, backend.world_size)
+        x, y = (t.to(device) for t in rank_slice(batch, backend.rank, backend.world_size))
         loss_fn(forward(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    params = {name.replace("_orig_mod.", ""): value for name, value in model.gather_full_parameters().items()}
+    params = {name.replace("_orig_mod.", ""): value.cpu()
+              for name, value in model.gather_full_parameters().items()}
     return params, _graphs() - graphs
 
 
-@pytest.mark.gloo
 @pytest.mark.parametrize("strategy,where", [
     ("ddp", "outer"), ("zero2", "inner"), ("zero3", "inner"), ("zero3", "blocks"), ("zero3", "outer"),
     ("fsdp", "blocks"), ("fsdp", "outer")])
@@ -113,29 +118,28 @@ class _MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def _mlp() -> nn.Module:
+def _mlp(device: str = "cpu") -> nn.Module:
     with SEED_LOCK:
         torch.manual_seed(0)
-        return _MLP().double()
+        return _MLP().double().to(device)
 
 
-def _train(model: nn.Module, forward, batches) -> None:
+def _train(model: nn.Module, forward, batches, device: str = "cpu") -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for x, y in batches:
-        loss_fn(forward(x), y).backward()
+        loss_fn(forward(x.to(device)), y.to(device)).backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
-def _train_tensor_parallel(backend):
+def _train_tensor_parallel(backend, device: str = "cpu", compiler: str = COMPILER):
     torch._dynamo.reset()
     graphs = _graphs()
-    model = TensorParallelModel(_mlp(), backend, plan={"fc1": "column", "fc2": "row"})
-    _train(model, torch.compile(model, backend=COMPILER), global_batches(STEPS, BATCH))
-    return model.gather_full_parameters(), _graphs() - graphs
+    model = TensorParallelModel(_mlp(device), backend, plan={"fc1": "column", "fc2": "row"})
+    _train(model, torch.compile(model, backend=compiler), global_batches(STEPS, BATCH), device)
+    return {name: value.cpu() for name, value in model.gather_full_parameters().items()}, _graphs() - graphs
 
 
-@pytest.mark.gloo
 def test_tensor_parallel_compiled_whole_equals_dense(pool):
     dense = _mlp()
     _train(dense, dense, global_batches(STEPS, BATCH))
