@@ -94,8 +94,11 @@ def test_resume_across_strategies(runs, tmp_path, corpus_file, saved, resume_as)
 
 
 def _same_run(expected: tuple[Path, list[dict]], got: tuple[Path, list[dict]]) -> None:
-    """The same losses (relative 1e-12) and final parameters (1e-12): float64 runs that differ
-    only in the order of the sums over micro-batches and ranks."""
+    """The same losses (relative 1e-12) and final parameters (relative 1e-12, absolute 1e-10, the
+    parity contract): float64 runs that differ only in the order of the sums over micro-batches
+    and ranks. The key projection's bias has no true gradient (softmax ignores a shift shared by
+    every key), so it holds only rounding noise, which AdamW steps by up to lr * noise / eps: about
+    1e-12 here, and 1.1e-12 apart between the runs on one machine (atol 1e-12 failed there)."""
     assert [m["step"] for m in got[1]] == [m["step"] for m in expected[1]]
     for a, b in zip(expected[1], got[1]):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-12, abs=0)
@@ -106,7 +109,7 @@ def _same_run(expected: tuple[Path, list[dict]], got: tuple[Path, list[dict]]) -
     want, have = (consolidate(out / "checkpoints" / f"step-{STEPS}") for out in (expected[0], got[0]))
     assert have.keys() == want.keys()
     for name, tensor in want.items():
-        torch.testing.assert_close(have[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(have[name], tensor, rtol=1e-12, atol=1e-10, msg=name)
 
 
 @pytest.mark.parametrize("name", INTERLEAVED)
