@@ -58,6 +58,10 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
         config = dataclasses.replace(config, world_size=config.world_size or DEFAULT_WORLD_SIZE)
     start_notes = (*start_notes, *world_size_note(config, given_world))
     name = "inmemory" if config.backend == "auto" else config.backend
+    if config.compile is not None and name == "inmemory" and config.world_size > 1:
+        raise ConfigError(f"--compile: in-memory ranks are threads of one process, which do not run "
+                          f"compiled models; start the {config.world_size} ranks as processes with "
+                          "--backend gloo (or mpi, nccl), or train with --world-size 1")
     check_backend_available(name, config.world_size)
     corpus = load_run_corpus(config)  # fails before any rank
     if config.resume:  # the data's vocabulary: the model's shape was checked with the settings

@@ -33,10 +33,13 @@ DTYPES = ("float32", "float64", "bfloat16")
 TOKEN_DTYPES = ("uint8", "uint16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 COMPRESSORS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+# torch.compile backends for --compile: inductor generates kernels (Triton on GPUs, C++ on CPUs,
+# which needs a C compiler); aot_eager and eager trace without generating code (for checking).
+COMPILERS = ("inductor", "aot_eager", "eager")
 DEFAULT_WORLD_SIZE = 2
 # How a run is launched, not what it trains: a resumed run does not take these from its saved
 # configuration (it may continue at another world size or on another engine).
-LAUNCH_SETTINGS = ("world_size", "backend", "resume", "timeout")
+LAUNCH_SETTINGS = ("world_size", "backend", "resume", "timeout", "compile")
 # Settings of one kind of strategy: left at their defaults under the others.
 PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "hybrid"),
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
@@ -79,7 +82,8 @@ class TrainConfig:
     around it, with its own settings (``OPTIMIZERS[name].settings``), which must stay at their
     defaults under the others.
     ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD
-    (each STEP below ``steps``).
+    (each STEP below ``steps``). ``compile`` names a torch.compile backend (COMPILERS) that
+    compiles each transformer block in place (``train_loop.compile_blocks``); None: eager.
     """
 
     strategy: str = "ddp"
@@ -130,6 +134,7 @@ class TrainConfig:
     eval_every: int = 25
     eval_batches: int = 2
     timeout: float | None = None
+    compile: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("segment_lengths", "dilation_rates"):
@@ -168,6 +173,9 @@ class TrainConfig:
                         if name == "optimizer" and self.optimizer in BASE_OPTIMIZERS else "")
                 raise ConfigError(f"{flag(name)} {getattr(self, name)!r} is unknown; choose one of "
                                   f"{', '.join(allowed)}{hint}")
+        if self.compile is not None and self.compile not in COMPILERS:
+            raise ConfigError(f"--compile {self.compile!r} is unknown; choose one of {', '.join(COMPILERS)} "
+                              "(--compile alone is inductor)")
 
     def _check_numbers(self) -> None:
         for name in ("steps", "batch_size", "eval_batches"):
@@ -246,6 +254,9 @@ class TrainConfig:
                               "--strategy or use --optimizer none")
         check_unused(self, {name: (opt,) for opt, c in OPTIMIZERS.items() for name in c.settings},
                       "optimizer")
+        if self.optimizer == "elastic" and self.compile is not None:
+            raise ConfigError("--optimizer elastic is an in-memory demo whose workers are threads, "
+                              "which do not run compiled models; drop --compile")
         if self.optimizer == "elastic" and self.backend not in ("auto", "inmemory"):
             raise ConfigError(f"--optimizer elastic is an in-memory demo (workers are threads that "
                               f"leave and join); use --backend inmemory, not {self.backend}")

@@ -128,6 +128,9 @@ def build_model_and_optimizer(module: torch.nn.Module, backend: Any, config: Tra
     ``optimizer_settings`` go to make_optimizer (the elastic run passes its member)."""
     strategy = STRATEGIES[config.strategy]
     train_rng.use_rank_generators(module, config, backend.world_size, backend.rank)
+    if config.compile is not None:  # each block in place (FSDP2's advice): the strategies wrap them
+        for block in module.blocks:
+            block.compile(backend=config.compile)
     model = strategy.wrap(module, backend, config)
     optimizer, kwargs = base_optimizer(model, config)
     if config.optimizer == "none":

@@ -69,6 +69,7 @@ class World:
         self.leaving: set[int] = set()
         self._groups: weakref.WeakSet[Rendezvous] = weakref.WeakSet()
         self._backends: dict[int, weakref.WeakSet] = {}  # global rank -> its backends, any group
+        self.enlisted: set[int] = set()  # every global rank that has had a backend here
         self._lock = threading.Lock()
 
     def note_gpus(self, global_rank: int, payload: Any) -> None:
@@ -88,6 +89,7 @@ class World:
         """Records a backend of ``global_rank`` (of any group), for ``finish``."""
         with self._lock:
             self._backends.setdefault(global_rank, weakref.WeakSet()).add(backend)
+            self.enlisted.add(global_rank)
 
     def abort(self, global_rank: int, error: BaseException) -> None:
         """Marks ``global_rank`` failed and wakes every waiting rank so it raises RankFailedError."""

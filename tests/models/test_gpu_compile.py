@@ -15,11 +15,13 @@ import torch
 
 from distframe.backends.torch_dist import visible_gpus
 from tests.models.common import global_batches, reference_run
-from tests.models.test_torch_compile import BATCH, STEPS, _mlp, _train, _train_compiled, _train_tensor_parallel
+from tests.models.test_torch_compile import (BATCH, STEPS, _mlp, _train, _train_compiled,
+                                             _train_tensor_parallel)
 
 DEVICE = os.environ.get("DISTFRAME_TEST_DEVICE", "cuda")
 GPUS = visible_gpus() if DEVICE == "cuda" else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and GPUS == 0, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and GPUS == 0, reason="needs a CUDA device")]
 COMPILER = "inductor"
 ENGINES = [pytest.param("nccl", marks=pytest.mark.skipif(GPUS == 0, reason="NCCL needs a GPU")),
            pytest.param("gloo", marks=pytest.mark.gloo), pytest.param("mpi", marks=pytest.mark.mpi)]

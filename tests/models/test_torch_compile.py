@@ -109,6 +109,16 @@ def test_in_memory_ranks_refuse_a_compiled_model(strategy, where):
         spawn(run, WORLD)
 
 
+@pytest.mark.parametrize("strategy,where", [("zero3", "outer"), ("fsdp", "blocks")])
+def test_one_in_memory_rank_trains_compiled(strategy, where):
+    """One thread runs the compiled code: nothing to race, so it is allowed (and exact)."""
+    expected = reference_run(global_batches(STEPS, BATCH))[-1]
+    params, graphs = spawn(functools.partial(_train_compiled, strategy=strategy, where=where), 1)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
+    assert graphs > 0, "nothing was compiled"
+
+
 class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -59,6 +59,13 @@ def _fails_with(capsys, argv: list[str], *needles: str) -> str:
     (["--token-dtype", "uint16"], ["--token-dtype uint16", ".bin", "default corpus"]),
     (["--dropout", "0.1", "--strategy", "hybrid", "--world-size", "2", "--cp", "2"],
      ["--dropout 0.1", "--cp 2", "--cp 1 or --dropout 0"]),
+    (["--compile", "tensorrt"], ["--compile 'tensorrt' is unknown", "inductor, aot_eager, eager"]),
+    # in-memory ranks are threads: refused before any rank starts, saying how to run it
+    (["--compile"], ["--compile: in-memory ranks are threads", "--backend gloo", "--world-size 1"]),
+    (["--compile", "--backend", "inmemory", "--world-size", "3", "--batch-size", "6"],
+     ["start the 3 ranks as processes"]),
+    (["--compile", "--optimizer", "elastic", "--elastic-schedule", "2:1"],
+     ["--optimizer elastic", "drop --compile"]),
 ])
 def test_bad_flags(capsys, tmp_path, flags, needles):
     _fails_with(capsys, ["train", *TINY, "--out", str(tmp_path), *flags], *needles)

@@ -36,3 +36,17 @@ def test_nccl_training_equals_the_cpu_run(tmp_path, corpus_file, strategy):
                       "--checkpoint-every", "3", "--resume")
     assert [m["train_loss"] for m in resumed] == pytest.approx([m["train_loss"] for m in continued],
                                                                abs=1e-8)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_compiled_nccl_training_equals_the_eager_cpu_run(tmp_path, corpus_file, strategy):
+    """``--compile`` (inductor: Triton kernels for each block) on NCCL ranks, one per GPU."""
+    world = str(min(GPUS, 2))
+    flags = ("--world-size", world, "--strategy", strategy, *FLAGS)
+    gpu = train(tmp_path / "gpu", corpus_file, "--backend", "nccl", "--compile", *flags)
+    cpu = train(tmp_path / "cpu", corpus_file, "--backend", "inmemory", *flags)
+    assert [m["step"] for m in gpu] == list(range(1, 7))
+    for a, b in zip(cpu, gpu):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-8)
+        if a["val_loss"] is not None:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-8)
