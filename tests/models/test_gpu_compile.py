@@ -1,7 +1,8 @@
 """torch.compile with the strategies on GPUs, with inductor (Triton kernels): the cases of
-tests/models/test_torch_compile.py on CUDA models, over NCCL (one rank per GPU), Gloo and MPI
-(two ranks sharing GPU 0; MPI stages through host memory unless it is CUDA-aware). Each must equal
-one process training the same CUDA model on the whole batch, in float64 to 1e-10, with graphs made.
+tests/models/test_torch_compile.py (a pipeline of compiled blocks too) on CUDA models, over NCCL
+(one rank per GPU), Gloo and MPI (two ranks sharing GPU 0; MPI stages through host memory unless
+it is CUDA-aware). Each must equal one process training the same CUDA model on the whole batch,
+in float64 to 1e-10, with graphs made.
 
 Needs a CUDA device; skipped elsewhere. ``DISTFRAME_TEST_DEVICE=cpu`` runs the same checks on the
 CPU (inductor then needs a C compiler), to try the tests on a machine without a GPU."""
@@ -16,7 +17,7 @@ import torch
 from distframe.backends.torch_dist import visible_gpus
 from tests.models.common import global_batches, reference_run
 from tests.models.test_torch_compile import (BATCH, STEPS, _mlp, _train, _train_compiled,
-                                             _train_tensor_parallel)
+                                             _train_pipeline, _train_tensor_parallel)
 
 DEVICE = os.environ.get("DISTFRAME_TEST_DEVICE", "cuda")
 GPUS = visible_gpus() if DEVICE == "cuda" else 0
@@ -73,3 +74,15 @@ def test_tensor_parallel_compiled_whole_on_the_gpu_equals_dense(pool):
         for name, value in dense.state_dict().items():
             torch.testing.assert_close(params[name], value.cpu(), rtol=0, atol=1e-10, msg=name)
         assert graphs > 0, "nothing was compiled"
+
+
+def test_pipeline_of_compiled_blocks_on_the_gpu_equals_one_process(pool):
+    device = DEVICE if DEVICE == "cpu" else "cuda:0"
+    expected = {n: v.cpu() for n, v in reference_run(global_batches(STEPS, BATCH), device=device)[-1].items()}
+    seen = set()
+    for params, graphs in pool.run(functools.partial(_on_rank_device, fn=_train_pipeline, schedule="1f1b")):
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-10, msg=name)
+        seen |= params.keys()
+        assert graphs > 0, "nothing was compiled"
+    assert seen == expected.keys()

@@ -7,9 +7,10 @@ ZeRO-3 failed all three and FSDP "outer" failed: Dynamo compiled the units' gath
 wrapper's collectives in pieces, and the forward read the NaN stand-ins. Each case trains three
 Adam steps in float64 on 2 Gloo processes and on 2 MPI ranks (one pool of each for the module)
 and must equal one process to 1e-10 (the parity contract), with the user's code compiled (Dynamo
-made graphs on the rank). In-memory ranks refuse compiled models ([Note: compiled code on
-in-memory ranks]). ``aot_eager`` compiles forward and backward through AOTAutograd without
-needing a C compiler; tests/models/test_gpu_compile.py runs inductor on GPUs.
+made graphs on the rank); so must a pipeline of compiled blocks. In-memory ranks refuse compiled
+models unless there is one of them ([Note: compiled code on in-memory ranks]). ``aot_eager``
+compiles forward and backward through AOTAutograd without needing a C compiler;
+tests/models/test_gpu_compile.py runs inductor on GPUs.
 """
 from __future__ import annotations
 
@@ -157,6 +158,31 @@ def test_tensor_parallel_compiled_whole_equals_dense(pool):
         for name, value in dense.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-10, msg=name)
         assert graphs > 0, "nothing was compiled"
+
+
+def _train_pipeline(backend, schedule: str, device: str = "cpu", compiler: str = COMPILER):
+    """Rank function: a pipeline of compiled blocks, three Adam steps through ``train_step``;
+    (this rank's parameters by name, on the CPU; graphs Dynamo made on this rank)."""
+    torch._dynamo.reset()
+    graphs = _graphs()
+    model = PipelineParallelModel(_compiled_as(build_model().to(device), "blocks", compiler), backend,
+                                  num_microbatches=2, schedule=schedule)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in global_batches(STEPS, BATCH):
+        model.train_step((x.to(device), y.to(device)), loss_fn, optimizer)
+    return {lp.name: lp.param.detach().cpu() for lp in model.local_parameters}, _graphs() - graphs
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_of_compiled_blocks_equals_one_process(pool, schedule):
+    expected = reference_run(global_batches(STEPS, BATCH))[-1]
+    seen = set()
+    for params, graphs in pool.run(functools.partial(_train_pipeline, schedule=schedule)):
+        for name, value in params.items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-10, msg=name)
+        seen |= params.keys()
+        assert graphs > 0, "nothing was compiled"
+    assert seen == expected.keys()
 
 
 def test_pipeline_refuses_a_compiled_module_saying_what_to_compile():
