@@ -10,7 +10,9 @@ the user's model), and a collective traced inside the wrapper's forward failed i
 So every frame in the ``distframe`` package is on Dynamo's skip list, as numpy's is: Dynamo runs
 it as ordinary Python, breaking the graph where compiled code calls into it, and goes on compiling
 the user's modules that distframe calls (the wrapped model's forward, called from ours, is a frame
-of its own). The ``attention`` package is not skipped: its modules are the user's model.
+of its own). The ``attention`` package skips its attention kernels itself ([Note: dilated
+attention under torch.compile] in attention/__init__.py); its LM, blocks and projections are the
+user's model and compile.
 
 [Note: compiled code on in-memory ranks] In-memory ranks are threads of one process, so they run
 the same compiled graphs, from one Dynamo cache, at once, which torch does not promise to support.
@@ -23,58 +25,16 @@ With no cause found, a sharded model on in-memory ranks refuses to run compiled
 (``refuse_on_threads``) rather than risk a wrong answer, unless its process has one rank (one
 thread runs compiled code: ``distframe train --compile --world-size 1``).
 
-Adding to the skip list needs ``torch._dynamo``, whose import takes 1-2 s; so the list is extended
-when Dynamo is imported (by the first ``torch.compile``), through a one-shot import hook, and at
-once if it was imported before distframe. ``torch._dynamo.trace_rules.add`` is not a public API:
-without it (another torch) the hook does nothing and says so in a warning when it fires.
+The list is extended through ``attention.dynamo_skip``, which does it when Dynamo is imported.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-import warnings
-from types import ModuleType
 
 from torch import nn
 
+from attention import dynamo_skip
 from distframe.errors import ConfigError
-
-_TRACE_RULES = "torch._dynamo.trace_rules"
-_PACKAGE = "distframe"
-
-
-def _skip_package(trace_rules: ModuleType) -> None:
-    add = getattr(trace_rules, "add", None)
-    if add is None:
-        warnings.warn(f"this torch's {_TRACE_RULES} has no add(): torch.compile may trace distframe's "
-                      "own code (hooks and collectives), which failed for ZeRO-3 and FSDP models of "
-                      "several units, compiled any way; train those uncompiled", RuntimeWarning, stacklevel=2)
-        return
-    add(_PACKAGE)
-
-
-class _AfterTraceRulesImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for ``torch._dynamo.trace_rules`` it asks the other finders for the
-    spec and has its loader call ``_skip_package`` once the module has run."""
-
-    def find_spec(self, fullname: str, path, target=None):  # noqa: ANN001 (importlib's signature)
-        if fullname != _TRACE_RULES:
-            return None
-        uninstall()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            _skip_package(module)
-        spec.loader.exec_module = exec_module  # this spec's own loader object
-        return spec
-
-
-_finder = _AfterTraceRulesImport()
 
 
 def is_compiled_module(module: object) -> bool:
@@ -108,15 +68,6 @@ def refuse_on_threads(model: nn.Module, backend: object) -> None:
             "(spawn(fn, n, 'gloo'), mpiexec or torchrun), use one rank, or do not compile")
 
 
-def uninstall() -> None:
-    if _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-
-
 def install() -> None:
     """Puts distframe on Dynamo's skip list now if Dynamo is loaded, else when it is."""
-    loaded = sys.modules.get(_TRACE_RULES)
-    if loaded is not None:
-        _skip_package(loaded)
-    elif _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    dynamo_skip.skip("distframe")

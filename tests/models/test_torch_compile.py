@@ -195,7 +195,8 @@ def test_pipeline_refuses_a_compiled_module_saying_what_to_compile():
 
 def test_dynamo_skips_distframe_only_once_imported():
     """Importing distframe must not import Dynamo (1-2 s); the first torch.compile puts the
-    package on the skip list, and attention (the user's model) stays traceable."""
+    package on the skip list, with attention's kernels; the LM and its blocks (the user's model)
+    stay traceable."""
     script = textwrap.dedent("""
         import os, sys
         import torch
@@ -205,8 +206,11 @@ def test_dynamo_skips_distframe_only_once_imported():
         from torch._dynamo import trace_rules
         root = os.path.dirname(distframe.__file__)
         assert trace_rules.check_file(os.path.join(root, "models", "base.py")).skipped
-        assert not trace_rules.check_file(os.path.join(os.path.dirname(attention.__file__),
-                                                       "dilated.py")).skipped
+        ours = os.path.dirname(attention.__file__)
+        for name in ("dilated", "function", "plan", "kernel", "ring", "block_sparse"):
+            assert trace_rules.check_file(os.path.join(ours, name + ".py")).skipped, name
+        for name in ("model", "multihead"):
+            assert not trace_rules.check_file(os.path.join(ours, name + ".py")).skipped, name
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
