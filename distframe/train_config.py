@@ -83,7 +83,7 @@ class TrainConfig:
     defaults under the others.
     ``elastic_schedule`` is ``"STEP:WORLD,..."``: after STEP steps the world becomes WORLD
     (each STEP below ``steps``). ``compile`` names a torch.compile backend (COMPILERS) that
-    compiles each transformer block in place (``train_loop.compile_blocks``); None: eager.
+    compiles each transformer block in place (``train_loop.build_model_and_optimizer``); None: eager.
     """
 
     strategy: str = "ddp"
