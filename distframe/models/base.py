@@ -31,7 +31,7 @@ from distframe.models.sharded_state import (RangeReader, ShardLayout, check_repl
                                             non_persistent_buffers, shard_pieces)
 from distframe.models.state_checks import loading_reader
 from distframe.models.wrapped_parameters import WrappedParameters
-from distframe.models.zero_grad_route import route_zero_grad
+from distframe.models.zero_grad_route import route_submodule_zero_grad, route_zero_grad
 
 
 class ShardedModelBase(nn.Module, abc.ABC):
@@ -84,6 +84,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         # Which parameters the strategy trains, and in which dtype, is decided now (buckets, shards).
         self._wrapped_parameters = WrappedParameters(module, self.config.mixed_precision)
         route_zero_grad(module, self)  # net.zero_grad() clears the shards: zero_grad_route.py
+        route_submodule_zero_grad(module, self)
         self._synchronize = True
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None

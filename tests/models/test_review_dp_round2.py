@@ -4,6 +4,7 @@ they handed over, and with the model between wrapping and training.
 - ``net.zero_grad()`` on the unwrapped module, and ``zero_grad()`` of a torch.optim instance with
   several param groups adopted by a sharded optimizer, cleared neither the master chunks' nor
   ZeRO-1's kept gradients: the next step added the old gradient again (ZeRO-1/2/3, FSDP, silently).
+  A submodule's ``zero_grad`` did the same; there it is refused (flat shards are stepped whole).
 - summon_full_parameters(writeback=False) and gather_full_parameters() between a forward and its
   backward wrote whole parameters and buffers in place, which broke that backward (torch's
   "modified by an inplace operation").
@@ -93,6 +94,42 @@ def test_zero_grad_through_the_module_or_the_adopted_instance_clears_the_shards(
         return model.gather_full_parameters()
     for got in spawn(run, 2, timeout=60):
         assert_parity(got, expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_a_submodules_zero_grad_is_one_process_s_under_ddp_and_refused_where_gradients_are_sharded(strategy):
+    """``net[2].zero_grad()`` between backward and step: DDP trains as one process does (that
+    layer untrained, Adam skipping its None gradients); ZeRO and FSDP cleared views only and came
+    out 0.03 off one process, with no error: now a ConfigError naming the submodule."""
+    data = batches(3)
+    net = mlp()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for x, y in data:
+        F.mse_loss(net(x), y).backward()
+        net[2].zero_grad()
+        opt.step()
+        opt.zero_grad()
+    expected = {n: p.detach() for n, p in net.named_parameters()}
+
+    def run(backend):
+        net = mlp()
+        model_cls, opt_cls = STRATEGIES[strategy]
+        model = model_cls(net, backend, **settings(strategy))
+        opt = opt_cls(model, torch.optim.Adam, lr=1e-2)
+        for batch in data:
+            F.mse_loss(model(rank_slice(batch, backend.rank, backend.world_size)[0]),
+                       rank_slice(batch, backend.rank, backend.world_size)[1]).backward()
+            net[2].zero_grad()
+            opt.step()
+            opt.zero_grad()
+        return model.gather_full_parameters()
+    if strategy == "ddp":
+        for got in spawn(run, 2, timeout=60):
+            assert_parity(got, expected)
+    else:
+        with pytest.raises(ConfigError, match=r"^2\.zero_grad\(\) cannot clear only this submodule's "
+                                              r"gradients under .*model\.zero_grad\(\).*requires_grad_"):
+            spawn(run, 2, timeout=60)
 
 
 def test_a_copy_of_the_wrapped_module_and_a_module_whose_wrapper_is_gone_clear_their_own():
