@@ -40,7 +40,9 @@ class ZeroGradRoute:
 
     def __call__(self, set_to_none: bool = True) -> None:
         owner = None if self._owner is None else self._owner()
-        if owner is None or self._inside or (self._submodule is not None and owner.skips_unused_parameters):
+        # skips_unused_parameters: the optimizer steps each parameter on its own gradient (DDP)
+        own = self._submodule is not None and owner is not None and owner.skips_unused_parameters
+        if owner is None or self._inside or own:
             type(self._target).zero_grad(self._target, set_to_none=set_to_none)
             return
         if self._submodule is not None:
