@@ -137,6 +137,8 @@ class TrainConfig:
     compile: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):  # `compile = true` in a --config file: --compile alone
+            object.__setattr__(self, "compile", "inductor" if self.compile else None)
         for name in ("segment_lengths", "dilation_rates"):
             value = getattr(self, name)
             if value is not None:

@@ -38,6 +38,22 @@ def test_resume_takes_the_saved_settings_but_not_how_it_was_launched(tmp_path):
     assert config.strategy == "fsdp" and config.world_size is None and config.resume
 
 
+@pytest.mark.parametrize(("value", "compiler"), [("true", "inductor"), ("false", None),
+                                               ('"aot_eager"', "aot_eager")])
+def test_compile_in_a_config_file(tmp_path, value, compiler):
+    path = tmp_path / "run.toml"
+    path.write_text(f"compile = {value}\n")
+    assert resolve_config({}, str(path)).compile == compiler
+
+
+def test_a_resumed_run_does_not_take_the_saved_compile(tmp_path):
+    """How the blocks ran (compiled or not) is how the run was launched, not what it trains."""
+    saved = TrainConfig(preset="tiny", compile="aot_eager")
+    (tmp_path / "config.json").write_text(json.dumps({"train": saved.to_json()}))
+    assert resolve_config({"resume": True, "out": str(tmp_path)}).compile is None
+    assert resolve_config({"resume": True, "out": str(tmp_path), "compile": "eager"}).compile == "eager"
+
+
 @pytest.mark.parametrize(("settings", "needle"), [
     ({"strategy": "pipeline-of-doom"}, "--strategy"),
     ({"world_size": 3, "batch_size": 4}, "--world-size 3 does not divide --batch-size 4"),
