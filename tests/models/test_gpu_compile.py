@@ -24,6 +24,7 @@ GPUS = visible_gpus() if DEVICE == "cuda" else 0
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE == "cuda" and GPUS == 0, reason="needs a CUDA device")]
 COMPILER = "inductor"
+REFERENCE_DEVICE = "cpu" if DEVICE == "cpu" else "cuda:0"  # where one process trains the reference
 ENGINES = [pytest.param("nccl", marks=pytest.mark.skipif(GPUS == 0, reason="NCCL needs a GPU")),
            pytest.param("gloo", marks=pytest.mark.gloo), pytest.param("mpi", marks=pytest.mark.mpi)]
 
@@ -41,23 +42,26 @@ def pool(request):
 
 
 def rank_device(backend) -> str:
-    """An NCCL rank's own GPU; Gloo and MPI ranks share the first."""
-    if DEVICE == "cpu":
-        return "cpu"
+    """An NCCL rank's own GPU; Gloo and MPI ranks share the reference's device."""
     own = getattr(backend, "_device", None)
-    return str(own) if own is not None and own.type == "cuda" else "cuda:0"
+    return str(own) if own is not None and own.type == "cuda" else REFERENCE_DEVICE
 
 
 def _on_rank_device(backend, fn, **kwargs):
     return fn(backend, device=rank_device(backend), compiler=COMPILER, **kwargs)
 
 
+def _one_process() -> dict[str, torch.Tensor]:
+    """Parameters after one process trains the model on the whole batches, on the CPU."""
+    final = reference_run(global_batches(STEPS, BATCH), device=REFERENCE_DEVICE)[-1]
+    return {name: value.cpu() for name, value in final.items()}
+
+
 @pytest.mark.parametrize("strategy,where", [
     ("ddp", "outer"), ("zero2", "inner"), ("zero3", "inner"), ("zero3", "blocks"), ("zero3", "outer"),
     ("fsdp", "blocks"), ("fsdp", "outer")])
 def test_compiled_training_on_the_gpu_equals_one_process(pool, strategy, where):
-    device = DEVICE if DEVICE == "cpu" else "cuda:0"
-    expected = {n: v.cpu() for n, v in reference_run(global_batches(STEPS, BATCH), device=device)[-1].items()}
+    expected = _one_process()
     task = functools.partial(_on_rank_device, fn=_train_compiled, strategy=strategy, where=where)
     for params, graphs in pool.run(task):
         assert params.keys() == expected.keys()
@@ -67,9 +71,8 @@ def test_compiled_training_on_the_gpu_equals_one_process(pool, strategy, where):
 
 
 def test_tensor_parallel_compiled_whole_on_the_gpu_equals_dense(pool):
-    device = DEVICE if DEVICE == "cpu" else "cuda:0"
-    dense = _mlp(device)
-    _train(dense, dense, global_batches(STEPS, BATCH), device)
+    dense = _mlp(REFERENCE_DEVICE)
+    _train(dense, dense, global_batches(STEPS, BATCH), REFERENCE_DEVICE)
     for params, graphs in pool.run(functools.partial(_on_rank_device, fn=_train_tensor_parallel)):
         for name, value in dense.state_dict().items():
             torch.testing.assert_close(params[name], value.cpu(), rtol=0, atol=1e-10, msg=name)
@@ -77,8 +80,7 @@ def test_tensor_parallel_compiled_whole_on_the_gpu_equals_dense(pool):
 
 
 def test_pipeline_of_compiled_blocks_on_the_gpu_equals_one_process(pool):
-    device = DEVICE if DEVICE == "cpu" else "cuda:0"
-    expected = {n: v.cpu() for n, v in reference_run(global_batches(STEPS, BATCH), device=device)[-1].items()}
+    expected = _one_process()
     seen = set()
     for params, graphs in pool.run(functools.partial(_on_rank_device, fn=_train_pipeline, schedule="1f1b")):
         for name, value in params.items():
