@@ -87,30 +87,52 @@ def _merge_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
     plan.write_local(acc_lse, new_lse)
 
 
+def forward_units(query, key, value, key_padding_mask, sources: Sequence[KeySource],
+                  is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` over all units: ``(B, T, H, D)`` in the query's dtype, ``(B, T, H)`` in the
+    accumulation dtype (``-inf`` on rows no key reaches), without autograd."""
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    acc_dtype = accumulate_dtype(query.dtype)
+    batch, local_len, heads, head_dim = query.shape
+    acc_out = query.new_zeros(batch, local_len, heads, head_dim, dtype=acc_dtype)
+    acc_lse = query.new_full((batch, local_len, heads, 1), float("-inf"), dtype=acc_dtype)
+    for source in sources:
+        qc = source.plan.compressed(query)  # (B*nseg, hg, M, D)
+        kc, vc, key_mask = source.gather_keys(key, value, key_padding_mask)
+        out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
+                                                 key_mask=key_mask, scale=scale)
+        _merge_unit(acc_out, acc_lse, out_c, lse_c, source.plan)
+    return acc_out.to(query.dtype), acc_lse.squeeze(-1)
+
+
+def backward_units(grad_out, query, key, value, key_padding_mask, out, lse,
+                   sources: Sequence[KeySource], is_causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and v (in their dtypes) from forward_units' ``out`` and ``lse``, by
+    the kernels' backward over the same units ([Note: merged backward]); not differentiable."""
+    grads = [torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (query, key, value)]
+    # Rows no unit covers, or that see no key, must contribute nothing: +inf.
+    lse_bwd = lse.unsqueeze(-1).masked_fill(torch.isneginf(lse).unsqueeze(-1), float("inf"))
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    grad_out = grad_out.to(query.dtype).contiguous()
+    for source in sources:
+        _unit_backward(query, key, value, out, lse_bwd, grad_out, key_padding_mask, source,
+                       is_causal, scale, grads)
+    dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (query, key, value)))
+    return dq, dk, dv
+
+
 class DilatedAttentionFunction(torch.autograd.Function):
     """``(q, k, v) -> (out, lse)`` over all units, exact forward and backward (no dropout)."""
 
     @staticmethod
     def forward(ctx, query, key, value, key_padding_mask, sources: Sequence[KeySource],
                 is_causal: bool, scale: float):
+        out, lse = forward_units(query, key, value, key_padding_mask, sources, is_causal, scale)
         # The inputs as given are saved: backward(create_graph=True) differentiates through them,
         # and copies made here (without grad) would carry no graph ([Note: double backward]).
-        inputs = (query, key, value)
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        acc_dtype = accumulate_dtype(query.dtype)
-        batch, local_len, heads, head_dim = query.shape
-        acc_out = query.new_zeros(batch, local_len, heads, head_dim, dtype=acc_dtype)
-        acc_lse = query.new_full((batch, local_len, heads, 1), float("-inf"), dtype=acc_dtype)
-        for source in sources:
-            qc = source.plan.compressed(query)  # (B*nseg, hg, M, D)
-            kc, vc, key_mask = source.gather_keys(key, value, key_padding_mask)
-            out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
-                                                     key_mask=key_mask, scale=scale)
-            _merge_unit(acc_out, acc_lse, out_c, lse_c, source.plan)
-        out = acc_out.to(query.dtype)  # (B, T, H, D)
-        ctx.save_for_backward(*inputs, out, acc_lse, key_padding_mask)
+        ctx.save_for_backward(query, key, value, out, lse, key_padding_mask)
         ctx.sources, ctx.is_causal, ctx.scale = sources, is_causal, scale
-        lse = acc_lse.squeeze(-1)  # (B, T, H)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -119,17 +141,9 @@ class DilatedAttentionFunction(torch.autograd.Function):
         query, key, value, out, lse, key_padding_mask = ctx.saved_tensors
         if torch.is_grad_enabled():  # backward(create_graph=True): see [Note: double backward]
             return _differentiable_backward(ctx, query, key, value, key_padding_mask, grad_out)
-        grads = [torch.zeros(t.shape, dtype=lse.dtype, device=t.device)
-                 for t in (query, key, value)]
-        # Rows no unit covers, or that see no key, must contribute nothing: +inf.
-        lse_bwd = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        grad_out = grad_out.to(query.dtype).contiguous()
-        for source in ctx.sources:
-            _unit_backward(query, key, value, out, lse_bwd, grad_out, key_padding_mask,
-                           source, ctx.is_causal, ctx.scale, grads)
-        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (query, key, value)))
-        return dq, dk, dv, None, None, None, None
+        grads = backward_units(grad_out, query, key, value, key_padding_mask, out, lse, ctx.sources,
+                               ctx.is_causal, ctx.scale)
+        return (*grads, None, None, None, None)
 
 
 def _unit_backward(q, k, v, out, lse, grad_out, key_padding_mask, source, is_causal, scale,
