@@ -10,16 +10,14 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from attention.autograd_path import dilated_attention_autograd
-from attention.function import DilatedAttentionFunction, LocalKeySource
-from attention.plan import make_slot_plans
+from attention import compiled_op
+from attention.uncompiled import KeySourceCache, UncompiledDilatedAttention
 
 
 def positive_int(name: str, value, *, entry: bool = False) -> int:
@@ -140,27 +138,7 @@ def key_padding_mask_as_bool(key_padding_mask: torch.Tensor | None) -> torch.Ten
     return ignore
 
 
-class KeySourceCache(OrderedDict):
-    """The key sources (index layouts) of the most recent ``max_entries`` shapes, least recently
-    used dropped first: each holds O(seq * heads) index tensors, and a model run on many sequence
-    lengths (generation, variable-length batches) would otherwise keep one set per length."""
-
-    def __init__(self, max_entries: int = 8) -> None:
-        super().__init__()
-        self.max_entries = max_entries
-
-    def __getitem__(self, key):
-        self.move_to_end(key)
-        return super().__getitem__(key)
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.max_entries:
-            self.popitem(last=False)
-
-
-class DilatedAttention(nn.Module):
+class DilatedAttention(UncompiledDilatedAttention, nn.Module):
     """Exact dilated attention on ``(batch, seq, heads, head_dim)`` tensors, one device.
 
     Cost per branch: O(seq * w / r) time and O(seq) memory; never a seq x seq matrix. Uses the
@@ -170,6 +148,10 @@ class DilatedAttention(nn.Module):
     key) pair, from a hash seeded by ``dropout_generator`` (see ``attention/pair_dropout.py``).
     """
 
+    #: Whether a compiled caller may run this forward as ``distframe::dilated_attention`` (keys
+    #: read locally, as ``_key_sources`` reads them here); the ring's come from other ranks.
+    _compiles_to_operator = True
+
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                  softmax_scale: float | None = None, attention_dropout: float = 0.0) -> None:
         super().__init__()
@@ -177,30 +159,7 @@ class DilatedAttention(nn.Module):
                                                                       dilation_rates)
         self.softmax_scale = validate_softmax_scale(softmax_scale)
         self.attention_dropout = validate_dropout("attention_dropout", attention_dropout)
-        # Global index of the first head passed in; a head-split (tensor-parallel) subclass sets
-        # it so that its pairs draw the dropout decisions the full module's heads draw.
-        self.head_start = 0
         self._sources = KeySourceCache()  # (seq, heads, device, causal, branches) -> key sources
-
-    def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
-                     is_causal: bool) -> list[LocalKeySource]:
-        # The branches too: a module whose segment_lengths or dilation_rates are changed after a
-        # forward must not keep computing the old ones.
-        cache_key = (seq_len, num_heads, str(device), is_causal, tuple(self.segment_lengths),
-                     tuple(self.dilation_rates))
-        if cache_key not in self._sources:
-            self._sources[cache_key] = [
-                LocalKeySource(plan, is_causal)
-                for w, r in zip(self.segment_lengths, self.dilation_rates)
-                for plan in make_slot_plans(seq_len=seq_len, start=0, stop=seq_len,
-                                            segment_length=w, dilation_rate=r,
-                                            num_heads=num_heads, device=device)]
-        return self._sources[cache_key]
-
-    def dropout_generator(self, device: torch.device) -> torch.Generator | None:
-        """Where the attention-dropout masks come from: torch's global generator (None) here;
-        a subclass may name its own generator on ``device``."""
-        return None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 is_causal: bool = False,
@@ -212,16 +171,14 @@ class DilatedAttention(nn.Module):
             return (query + key + value) * 0.0  # (B, T, H, D), in the graph of q, k and v
         batch, seq_len, num_heads, head_dim = query.shape
         scale = self.softmax_scale if self.softmax_scale is not None else head_dim ** -0.5
-        sources = self._key_sources(seq_len, num_heads, query.device, is_causal)
-        if self.training and self.attention_dropout > 0.0:
-            return dilated_attention_autograd(query, key, value, sources, is_causal=is_causal,
-                                              key_padding_mask=key_padding_mask, scale=scale,
-                                              dropout=self.attention_dropout,
-                                              generator=self.dropout_generator(query.device),
-                                              first_head=self.head_start)
-        out, _ = DilatedAttentionFunction.apply(query, key, value, key_padding_mask, sources,
-                                                is_causal, scale)
-        return out
+        if (torch.compiler.is_compiling() and compiled_op.AVAILABLE and self._compiles_to_operator
+                and not (self.training and self.attention_dropout > 0.0)):
+            # [Note: dilated attention as an operator]: one node of the compiled graph
+            total = num_heads if self.total_heads is None else self.total_heads
+            return compiled_op.dilated_attention(
+                query, key, value, key_padding_mask, self.segment_lengths, self.dilation_rates,
+                is_causal, scale, self.head_start, total)
+        return self._forward_uncompiled(query, key, value, is_causal, key_padding_mask, scale)
 
     def extra_repr(self) -> str:
         return (f"segment_lengths={list(self.segment_lengths)}, "

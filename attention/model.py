@@ -8,7 +8,6 @@ Layout (names are a contract for the pipeline splitter and tensor-parallel plans
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import operator
@@ -21,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from attention.multihead import MultiheadDilatedAttention
 from attention.positions import shard_positions
-from attention.recompute import same_dropout_masks
+from attention.recompute import checkpoint_with_same_masks
+from attention.uncompiled import UncompiledDilatedAttention
 
 try:  # the project's error type when it is there; a ValueError either way
     from distframe.errors import ConfigError
@@ -128,6 +128,14 @@ class MLP(nn.Module):
         return self.dropout(self.fc_out(self.activation(self.fc_in(x))))
 
 
+def draws_from_own_generators(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` names a generator of its own for its dropout (overrides
+    ``dropout_generator``: dilated attention's returns None, torch's global one); traceable by
+    Dynamo ([Note: activation checkpointing under torch.compile] in attention/recompute.py)."""
+    base = UncompiledDilatedAttention.dropout_generator
+    return any(getattr(type(sub), "dropout_generator", base) is not base for sub in module.modules())
+
+
 class DilatedTransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln_attn(x))``, then ``x + mlp(ln_mlp(x))``; causal. With
     ``activation_checkpointing`` (training, with grad) it keeps only its input and recomputes the
@@ -151,8 +159,10 @@ class DilatedTransformerBlock(nn.Module):
         """``key_padding_mask``: ``(B, T)`` bool, True = a key the attention ignores. Keyword-only
         and optional, so pipeline stages keep calling ``block(x)``."""
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, key_padding_mask, use_reentrant=False,
-                              context_fn=functools.partial(same_dropout_masks, self, x.device))
+            if torch.compiler.is_compiling() and not draws_from_own_generators(self):
+                # [Note: activation checkpointing under torch.compile]: traced whole
+                return checkpoint(self._forward, x, key_padding_mask, use_reentrant=False)
+            return checkpoint_with_same_masks(self, self._forward, x, key_padding_mask)
         return self._forward(x, key_padding_mask)
 
     def _forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,14 +11,26 @@ contexts: the forward one notes the state of every such generator of the block a
 starts; the recomputation one sets them to it and, when the recomputation ends, back to where
 they were (later blocks and steps have drawn from them since), so the stream goes on as though
 nothing had been recomputed.
+
+[Note: activation checkpointing under torch.compile] Compiled, a block's checkpoint is traced
+whole, and AOTAutograd decides what to recompute from the joint graph with the dropout masks the
+forward drew (tests/attention/test_compiled_op.py: with dropout, the uncompiled run's losses).
+It takes only checkpoint's default contexts: it refuses contexts that are not dispatch modes, and a
+mode would run as the graph is traced, not as it runs. So a compiled block checkpoints plainly when
+none of its modules draws from a generator of its own (``draws_from_own_generators`` in
+attention/model.py, which Dynamo traces), and otherwise calls ``checkpoint_with_same_masks``: this
+module is on Dynamo's skip list, so that call breaks the graph and checkpoints as uncompiled.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def dropout_generators(module: nn.Module, device: torch.device) -> list[torch.Generator]:
@@ -30,6 +42,13 @@ def dropout_generators(module: nn.Module, device: torch.device) -> list[torch.Ge
         if generator is not None and all(generator is not other for other in found):
             found.append(generator)
     return found
+
+
+def checkpoint_with_same_masks(module: nn.Module, forward: Callable, *args: Any) -> Any:
+    """``forward(*args)`` checkpointed (non-reentrant) with ``same_dropout_masks(module, ...)``:
+    ``args[0]``'s device names the generators."""
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=functools.partial(same_dropout_masks, module, args[0].device))
 
 
 def same_dropout_masks(module: nn.Module, device: torch.device

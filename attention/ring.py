@@ -103,6 +103,8 @@ class RingDilatedAttention(DilatedAttention):
     full module. Every rank of ``backend`` must hold the same heads.
     """
 
+    _compiles_to_operator = False  # its keys come from the ring ([Note: dilated attention as an operator])
+
     def __init__(self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
                  softmax_scale: float | None = None, attention_dropout: float = 0.0, *,
                  backend, head_start: int = 0, total_heads: int | None = None) -> None:

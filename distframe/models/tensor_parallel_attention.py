@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 from attention.dilated import DilatedAttention, key_padding_mask_as_bool
-from attention.function import LocalKeySource
 from attention.multihead import MultiheadDilatedAttention, torch_mha_keywords
-from attention.plan import make_slot_plans
 from distframe.backends.functional import copy_to_parallel_region
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
@@ -43,19 +41,6 @@ class HeadShardedDilatedAttention(DilatedAttention):
 
     def dropout_generator(self, device: torch.device) -> torch.Generator | None:
         return None if self.rng is None else self.rng.split_generator(device)
-
-    def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
-                     is_causal: bool) -> list[LocalKeySource]:
-        cache_key = (seq_len, num_heads, str(device), is_causal)
-        if cache_key not in self._sources:
-            heads = (self.head_start, self.head_start + num_heads)
-            self._sources[cache_key] = [
-                LocalKeySource(plan, is_causal)
-                for w, r in zip(self.segment_lengths, self.dilation_rates)
-                for plan in make_slot_plans(seq_len=seq_len, start=0, stop=seq_len, segment_length=w,
-                                            dilation_rate=r, num_heads=self.total_heads, heads=heads,
-                                            device=device)]
-        return self._sources[cache_key]
 
 
 class TensorParallelDilatedAttention(nn.Module):

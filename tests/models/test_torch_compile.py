@@ -185,6 +185,39 @@ def test_pipeline_of_compiled_blocks_equals_one_process(pool, schedule):
     assert seen == expected.keys()
 
 
+def _ring_compiled(backend):
+    """Rank function: this rank's slice of compiled ring attention's output and input gradients."""
+    from attention import RingDilatedAttention
+    torch._dynamo.reset()
+    q, k, v, grad = _ring_inputs()
+    part = slice(backend.rank * 8, (backend.rank + 1) * 8)
+    mine = [t[:, part].detach().requires_grad_() for t in (q, k, v)]
+    ring = RingDilatedAttention((4, 16), (1, 2), backend=backend)
+    out = torch.compile(lambda *t: ring(*t, is_causal=True), backend=COMPILER)(*mine)
+    out.backward(grad[:, part])
+    return out.detach(), [t.grad for t in mine]
+
+
+def _ring_inputs():
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(2, 16, 4, 4, dtype=torch.float64, generator=generator) for _ in range(4)]
+
+
+def test_ring_attention_compiled_keeps_its_exchange(pool):
+    """Compiled, the ring's keys still come from the other rank: it is not run as the local
+    operator ([Note: dilated attention as an operator] in attention/compiled_op.py)."""
+    from attention import DilatedAttention
+    q, k, v, grad = _ring_inputs()
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    dense = DilatedAttention((4, 16), (1, 2))(*inputs, is_causal=True)
+    dense.backward(grad)
+    for rank, (out, grads) in enumerate(pool.run(_ring_compiled)):
+        part = slice(rank * 8, (rank + 1) * 8)
+        torch.testing.assert_close(out, dense[:, part].detach(), rtol=0, atol=1e-10)
+        for got, full in zip(grads, inputs):
+            torch.testing.assert_close(got, full.grad[:, part], rtol=0, atol=1e-10)
+
+
 def test_pipeline_refuses_a_compiled_module_saying_what_to_compile():
     def run(backend):
         PipelineParallelModel(torch.compile(build_model(), backend=COMPILER), backend, num_microbatches=2)
@@ -196,7 +229,7 @@ def test_pipeline_refuses_a_compiled_module_saying_what_to_compile():
 def test_dynamo_skips_distframe_only_once_imported():
     """Importing distframe must not import Dynamo (1-2 s); the first torch.compile puts the
     package on the skip list, with attention's kernels; the LM and its blocks (the user's model)
-    stay traceable."""
+    stay traceable, and so do DilatedAttention's forward and the operator it calls when compiled."""
     script = textwrap.dedent("""
         import os, sys
         import torch
@@ -207,9 +240,9 @@ def test_dynamo_skips_distframe_only_once_imported():
         root = os.path.dirname(distframe.__file__)
         assert trace_rules.check_file(os.path.join(root, "models", "base.py")).skipped
         ours = os.path.dirname(attention.__file__)
-        for name in ("dilated", "function", "plan", "kernel", "ring", "block_sparse"):
+        for name in ("uncompiled", "function", "plan", "kernel", "ring", "block_sparse", "recompute"):
             assert trace_rules.check_file(os.path.join(ours, name + ".py")).skipped, name
-        for name in ("model", "multihead"):
+        for name in ("model", "multihead", "dilated", "compiled_op"):
             assert not trace_rules.check_file(os.path.join(ours, name + ".py")).skipped, name
         print("ok")
     """)
