@@ -3,9 +3,10 @@ LM (forward, cross-entropy, backward, AdamW), eager and with each block compiled
 (``block.compile()``, what ``--compile`` does), on one device, in the same run. Prints the median
 and minimum step time of ``--steps`` timed steps after 3 warm-ups (the first compiles: its time is
 printed as the compile cost), the ratio eager / compiled (above 1: compiling is faster), and both
-runs' last loss. Sizes: ``small`` (the small preset, batch 8), ``8k`` (8,192 tokens, width 1024,
-16 heads, 8 blocks, segments 1k-8k at rates 1-8, batch 2) and ``32k`` (32,768 tokens, width 1024,
-16 heads, 4 blocks, segments 2k-32k at rates 1-16, batch 1). Inductor needs Triton on a GPU and a
+runs' last loss. The two models train side by side, one step of each in turn, on the same
+batches. Sizes: ``small`` (the small preset, batch 8), ``8k`` (8,192 tokens, width 1024, 16 heads,
+8 blocks, segments 1k-8k at rates 1-8, batch 2) and ``32k`` (32,768 tokens, width 1024, 16 heads,
+4 blocks, segments 2k-32k at rates 1-16, batch 1). Inductor needs Triton on a GPU and a
 C compiler on a CPU.
 
     python bench/compile_lm.py --device cuda --dtype bfloat16 --sizes small,8k,32k
@@ -35,30 +36,43 @@ SIZES = {
 }
 
 
-def step_times(size: str, compiler: str | None, args) -> tuple[list[float], float]:
-    """Seconds of each step (3 warm-ups first) and the last loss."""
+def _model(size: str, compiler: str | None, args):
     overrides, batch = SIZES[size]
     config = DilatedTransformerConfig.preset("small", vocab_size=256, **overrides)
     torch.manual_seed(0)
     model = DilatedTransformerLM(config).to(args.device, getattr(torch, args.dtype))
     if compiler is not None:
-        torch._dynamo.reset()
         for block in model.blocks:
             block.compile(backend=compiler)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (batch, config.seq_len), device=args.device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), config.seq_len, batch
+
+
+def step_times(size: str, args) -> dict[str, tuple[list[float], float]]:
+    """Per side (eager, compiled): seconds of each step and the last loss. Both models are
+    built from one seed and trained on the same batches, one step of each in turn (eager first
+    on even steps), so a drift in the machine's speed falls on both; the first 3 steps of each are
+    warm-ups (the compiled side's first compiles)."""
+    torch._dynamo.reset()
+    sides = {"eager": _model(size, None, args), "compiled": _model(size, args.compiler, args)}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    times = []
-    for _ in range(3 + args.steps):
-        sync()
-        start = time.perf_counter()
-        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times, loss.item()
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    losses: dict[str, float] = {}
+    for step in range(3 + args.steps):
+        seq_len, batch = sides["eager"][2], sides["eager"][3]
+        tokens = torch.randint(0, 256, (batch, seq_len), device=args.device,
+                               generator=torch.Generator(args.device).manual_seed(step))
+        for name in (("eager", "compiled") if step % 2 == 0 else ("compiled", "eager")):
+            model, optimizer = sides[name][:2]
+            sync()
+            start = time.perf_counter()
+            loss = F.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sync()
+            times[name].append(time.perf_counter() - start)
+            losses[name] = loss.item()
+    return {name: (times[name], losses[name]) for name in sides}
 
 
 def main() -> None:
@@ -76,8 +90,8 @@ def main() -> None:
     print("size   | eager ms median (min) | compiled ms median (min) | eager / compiled | compile s "
           "| loss eager, compiled")
     for size in args.sizes.split(","):
-        eager, eager_loss = step_times(size, None, args)
-        compiled, compiled_loss = step_times(size, args.compiler, args)
+        runs = step_times(size, args)
+        (eager, eager_loss), (compiled, compiled_loss) = runs["eager"], runs["compiled"]
         e, c = statistics.median(eager[3:]), statistics.median(compiled[3:])
         print(f"{size:6} | {e * 1e3:9.2f} ({min(eager[3:]) * 1e3:.2f}) | {c * 1e3:10.2f} "
               f"({min(compiled[3:]) * 1e3:.2f}) | {e / c:16.2f} | {compiled[0] - eager[0]:9.1f} "

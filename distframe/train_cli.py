@@ -76,8 +76,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "less memory for longer sequences, about a third more compute; the same run otherwise")
     add("--compile", group=model, nargs="?", const="inductor", metavar="BACKEND",
         help="torch.compile each transformer block in place (inductor unless BACKEND names "
-             "aot_eager or eager): the same run; the dilated attention itself stays uncompiled, so "
-             "for this LM it was no faster (0.7-1.0x on an H100). Needs process ranks (gloo, mpi, "
+             "aot_eager or eager): the same run; the attention is one operator in the graph running "
+             "its own kernels, so it is no faster on a CPU. Needs process ranks (gloo, mpi, "
              "nccl) or --world-size 1: in-memory ranks are threads, which refuse compiled models")
     add("--dtype", group=model, metavar="{" + ",".join(DTYPES) + "}", help="parameter dtype" + _default("dtype"))
     opt = parser.add_argument_group("optimisation")
