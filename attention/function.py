@@ -74,16 +74,40 @@ def compressed_key_mask(key_padding_mask: torch.Tensor | None, plan: SlotPlan,
     return mask
 
 
-def _merge_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
-    """Online softmax merge of one unit's rows into the accumulators, in place."""
+def first_branch_units(sources: Sequence[KeySource]) -> int:
+    """How many leading units belong to the first branch. Each reads one head group of it, so no
+    two cover the same rows: each is the first to write its rows (see ``_write_unit``)."""
+    first = sources[0].plan if sources else None
+    count, previous = 0, -1
+    for source in sources:
+        plan = source.plan
+        if ((plan.segment_length, plan.dilation_rate) != (first.segment_length, first.dilation_rate)
+                or plan.head_start <= previous):  # another branch (one alike restarts at head 0)
+            break
+        count, previous = count + 1, plan.head_start
+    return count
+
+
+def _write_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
+    """The first unit to reach its rows: what ``_merge_unit`` gives against an empty accumulator
+    (``lse = -inf``, out 0) exactly, without its temporaries."""
     batch = acc_out.shape[0]
-    out_i = plan.valid(out_c, batch).to(acc_out.dtype)
+    plan.write_local(acc_out, plan.valid(out_c, batch))
+    plan.write_local(acc_lse, plan.valid(lse_c.unsqueeze(-1), batch))
+
+
+def _merge_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
+    """Online softmax merge of one unit's rows into the accumulators, in place (the rows of a
+    regular plan are a view of them, so the product lands there without a copy)."""
+    batch = acc_out.shape[0]
+    out_i = plan.valid(out_c, batch)  # promoted to the accumulator's dtype by the product below
     lse_i = plan.valid(lse_c.unsqueeze(-1), batch).to(acc_lse.dtype)
     old_out, old_lse = plan.local(acc_out), plan.local(acc_lse)
     new_lse = torch.logaddexp(old_lse, lse_i)
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    merged = old_out * torch.exp(old_lse - safe) + out_i * torch.exp(lse_i - safe)
-    plan.write_local(acc_out, merged)
+    merged = old_out.mul_(torch.exp(old_lse - safe)).add_(out_i * torch.exp(lse_i - safe))
+    if not plan.regular:  # old_out was a gathered copy
+        plan.write_local(acc_out, merged)
     plan.write_local(acc_lse, new_lse)
 
 
@@ -96,12 +120,15 @@ def forward_units(query, key, value, key_padding_mask, sources: Sequence[KeySour
     batch, local_len, heads, head_dim = query.shape
     acc_out = query.new_zeros(batch, local_len, heads, head_dim, dtype=acc_dtype)
     acc_lse = query.new_full((batch, local_len, heads, 1), float("-inf"), dtype=acc_dtype)
-    for source in sources:
+    writes = first_branch_units(sources)
+    for index, source in enumerate(sources):
         qc = source.plan.compressed(query)  # (B*nseg, hg, M, D)
         kc, vc, key_mask = source.gather_keys(key, value, key_padding_mask)
         out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
                                                  key_mask=key_mask, scale=scale)
-        _merge_unit(acc_out, acc_lse, out_c, lse_c, source.plan)
+        combine = _write_unit if index < writes else _merge_unit
+        combine(acc_out, acc_lse, out_c, lse_c, source.plan)
+        del out_c, lse_c, qc, kc, vc
     return acc_out.to(query.dtype), acc_lse.squeeze(-1)
 
 

@@ -140,7 +140,8 @@ class SlotPlan:
         if self.regular:
             self._strided(x).copy_(values)
         else:
-            x.view(x.shape[0], -1, x.shape[-1]).index_copy_(1, self.local_targets, values)
+            x.view(x.shape[0], -1, x.shape[-1]).index_copy_(1, self.local_targets,
+                                                            values.to(x.dtype))
 
     def add_local(self, x: torch.Tensor, values: torch.Tensor) -> None:
         if self.regular:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def random_qkv(batch, seq, heads, dim, dtype=torch.float64, seed=0):
@@ -34,3 +37,27 @@ def copy_weights(ours, theirs) -> None:
                                              ours.v_proj.bias]))
         theirs.out_proj.weight.copy_(ours.out_proj.weight)
         theirs.out_proj.bias.copy_(ours.out_proj.bias)
+
+
+class NewStoragePeak(TorchDispatchMode):
+    """Peak bytes of live storages that ops run inside it create, each storage once (views of
+    one count once); the storages of ``existing`` tensors (kept alive by the caller) are left out."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self.existing = {t.untyped_storage()._cdata for t in existing}
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                known = self.live.get(key)
+                if key not in self.existing and (known is None or known[0].expired()):
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.current = sum(size for ref, size in self.live.values() if not ref.expired())
+        self.peak = max(self.peak, self.current)
+        return out

@@ -228,3 +228,19 @@ def test_layouts_kept_for_a_few_sequence_lengths_only():
         assert len(module._sources) <= 8
         out = module(*first, is_causal=True)
         assert max_error(out, dense_dilated_attention(*first, [4, 8], [1, 2], is_causal=True)) < TOL64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_holds_the_accumulator_and_one_unit_beyond_its_inputs(dtype):
+    """Live storage that the forward creates, counted from real storages: the fp32 accumulator
+    (which becomes the output in fp32), one unit's kernel output and the smaller units' merge
+    products, at most 2.5x the fp32 output's size. The first branch's units are written into the
+    accumulator, later units merged into it in place; merging every unit through new tensors
+    held about 5x (three temporaries of the first unit's size besides its output)."""
+    from attention_helpers import NewStoragePeak
+    q, k, v = (t.detach().to(dtype) for t in random_qkv(2, 256, 4, 16))
+    module = DilatedAttention((32, 64, 128), (1, 2, 4))
+    fp32_output = q.numel() * 4
+    with torch.no_grad(), NewStoragePeak(q, k, v) as meter:
+        module(q, k, v, is_causal=True)
+    assert fp32_output < meter.peak <= 2.5 * fp32_output, meter.peak / fp32_output
