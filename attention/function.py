@@ -76,7 +76,7 @@ def compressed_key_mask(key_padding_mask: torch.Tensor | None, plan: SlotPlan,
 
 def first_branch_units(sources: Sequence[KeySource]) -> int:
     """How many leading units belong to the first branch. Each reads one head group of it, so no
-    two cover the same rows: each is the first to write its rows (see ``_write_unit``)."""
+    two cover the same rows: each is the first to write its rows (see ``_combine_rows``)."""
     first = sources[0].plan if sources else None
     count, previous = 0, -1
     for source in sources:
@@ -88,27 +88,39 @@ def first_branch_units(sources: Sequence[KeySource]) -> int:
     return count
 
 
-def _write_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
-    """The first unit to reach its rows: what ``_merge_unit`` gives against an empty accumulator
-    (``lse = -inf``, out 0) exactly, without its temporaries."""
-    batch = acc_out.shape[0]
-    plan.write_local(acc_out, plan.valid(out_c, batch))
-    plan.write_local(acc_lse, plan.valid(lse_c.unsqueeze(-1), batch))
+#: Largest kernel output (bytes) that one call makes for a unit whose segments can be taken in
+#: parts: above it the unit runs in parts of its segments ([Note: units in parts]).
+PART_BYTES = 8 << 20
 
 
-def _merge_unit(acc_out, acc_lse, out_c, lse_c, plan: SlotPlan) -> None:
-    """Online softmax merge of one unit's rows into the accumulators, in place (the rows of a
-    regular plan are a view of them, so the product lands there without a copy)."""
-    batch = acc_out.shape[0]
-    out_i = plan.valid(out_c, batch)  # promoted to the accumulator's dtype by the product below
-    lse_i = plan.valid(lse_c.unsqueeze(-1), batch).to(acc_lse.dtype)
-    old_out, old_lse = plan.local(acc_out), plan.local(acc_lse)
+def unit_parts(source: KeySource, qc: torch.Tensor) -> list[slice] | None:
+    """The segment ranges (of ``qc``'s first dimension, ``B * nseg``) one unit runs in, or None
+    where it runs whole: a plan that is not regular (its rows are gathered) or keys from other
+    ranks. [Note: units in parts]: segments are independent, so a unit whose kernel output would
+    exceed PART_BYTES runs in parts of at most that size, each merged into the accumulators
+    (backward: its gradients added) through views of them, so that its transient memory is one
+    part's, not the unit's. The numbers are those of one call: each element is computed alike."""
+    if not source.plan.regular or getattr(source, "exchanges", False):
+        return None
+    count = qc.shape[0]
+    per_part = max(1, PART_BYTES // max(1, qc[:1].numel() * qc.element_size()))
+    return [slice(lo, min(lo + per_part, count)) for lo in range(0, count, per_part)]
+
+
+def _combine_rows(old_out, old_lse, out_i, lse_i, first: bool) -> None:
+    """Rows of a unit into the accumulators' rows ``old_out``/``old_lse`` (views of them, or
+    copies the caller writes back), in place: an online softmax merge by log-sum-exp, or, for the
+    first unit to reach them, a copy (the merge against ``lse = -inf`` gives it exactly, through
+    three temporaries of its size)."""
+    if first:
+        old_out.copy_(out_i)
+        old_lse.copy_(lse_i)
+        return
+    lse_i = lse_i.to(old_lse.dtype)
     new_lse = torch.logaddexp(old_lse, lse_i)
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    merged = old_out.mul_(torch.exp(old_lse - safe)).add_(out_i * torch.exp(lse_i - safe))
-    if not plan.regular:  # old_out was a gathered copy
-        plan.write_local(acc_out, merged)
-    plan.write_local(acc_lse, new_lse)
+    old_out.mul_(torch.exp(old_lse - safe)).add_(out_i * torch.exp(lse_i - safe))  # out_i promoted
+    old_lse.copy_(new_lse)
 
 
 def forward_units(query, key, value, key_padding_mask, sources: Sequence[KeySource],
@@ -122,13 +134,27 @@ def forward_units(query, key, value, key_padding_mask, sources: Sequence[KeySour
     acc_lse = query.new_full((batch, local_len, heads, 1), float("-inf"), dtype=acc_dtype)
     writes = first_branch_units(sources)
     for index, source in enumerate(sources):
-        qc = source.plan.compressed(query)  # (B*nseg, hg, M, D)
+        plan, first = source.plan, index < writes
+        qc = plan.compressed(query)  # (B*nseg, hg, M, D)
         kc, vc, key_mask = source.gather_keys(key, value, key_padding_mask)
-        out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
-                                                 key_mask=key_mask, scale=scale)
-        combine = _write_unit if index < writes else _merge_unit
-        combine(acc_out, acc_lse, out_c, lse_c, source.plan)
-        del out_c, lse_c, qc, kc, vc
+        parts = unit_parts(source, qc)
+        if parts is None:  # rows gathered: merged into copies that are written back
+            out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
+                                                     key_mask=key_mask, scale=scale)
+            out_i, lse_i = plan.valid(out_c, batch), plan.valid(lse_c.unsqueeze(-1), batch)
+            old_out, old_lse = (out_i, lse_i) if first else (plan.local(acc_out), plan.local(acc_lse))
+            if not first:
+                _combine_rows(old_out, old_lse, out_i, lse_i, first=False)
+            plan.write_local(acc_out, old_out)
+            plan.write_local(acc_lse, old_lse)
+            continue
+        rows_out, rows_lse = plan.segments(acc_out), plan.segments(acc_lse)  # views
+        for part in parts:
+            out_c, lse_c = segment_attention_forward(
+                qc[part], kc[part], vc[part], is_causal=is_causal,
+                key_mask=None if key_mask is None else key_mask[part], scale=scale)
+            _combine_rows(rows_out[part], rows_lse[part], out_c, lse_c.unsqueeze(-1), first)
+            del out_c, lse_c
     return acc_out.to(query.dtype), acc_lse.squeeze(-1)
 
 
@@ -180,12 +206,22 @@ def _unit_backward(q, k, v, out, lse, grad_out, key_padding_mask, source, is_cau
     qc = plan.compressed(q)
     kc, vc, key_mask = source.gather_keys(k, v, key_padding_mask)
     lse_c = plan.compressed(lse).squeeze(-1)  # (B*nseg, hg, M)
+    grad_out_c, out_c = plan.compressed(grad_out), plan.compressed(out)
+    parts = unit_parts(source, qc)
+    if parts is not None:  # [Note: units in parts]; keys local: their gradients land in views too
+        for part in parts:
+            found = list(segment_attention_backward(
+                grad_out_c[part], qc[part], kc[part], vc[part], out_c[part], lse_c[part].contiguous(),
+                is_causal=is_causal, key_mask=None if key_mask is None else key_mask[part], scale=scale))
+            while found:  # each part's gradients freed before the next part's are made
+                plan.segments(grads[len(found) - 1])[part].add_(found.pop())
+        return
     outside = tile_batch(plan.outside_rows, batch)
     if outside is not None:
         lse_c = lse_c.masked_fill(outside, float("inf"))
     dqc, dkc, dvc = segment_attention_backward(
-        plan.compressed(grad_out), qc, kc, vc, plan.compressed(out), lse_c.contiguous(),
-        is_causal=is_causal, key_mask=key_mask, scale=scale)
+        grad_out_c, qc, kc, vc, out_c, lse_c.contiguous(), is_causal=is_causal, key_mask=key_mask,
+        scale=scale)
     plan.add_local(grads[0], plan.valid(dqc, batch))
     source.return_key_grads(dkc, dvc, grads[1], grads[2])
 

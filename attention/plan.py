@@ -116,6 +116,12 @@ class SlotPlan:
         view = x.view(batch, self.num_segments, self.rows, self.dilation_rate, heads, width)
         return view[:, :, :, self.offset, self.head_start:self.head_stop].permute(0, 1, 3, 2, 4)
 
+    def segments(self, x: torch.Tensor) -> torch.Tensor:
+        """Regular plans: ``(B, T, H, X) -> (B * nseg, hg, M, X)`` view of this group's slots, the
+        layout of ``compressed``; writing to it writes to ``x`` (``view``: never a silent copy)."""
+        rows = self._strided(x)
+        return rows.view(-1, *rows.shape[2:])
+
     def compressed(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T_local, H, X) -> (B * nseg, hg, M, X)`` kernel input (a view when regular)."""
         batch, width = x.shape[0], x.shape[-1]

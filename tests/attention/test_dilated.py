@@ -244,3 +244,41 @@ def test_forward_holds_the_accumulator_and_one_unit_beyond_its_inputs(dtype):
     with torch.no_grad(), NewStoragePeak(q, k, v) as meter:
         module(q, k, v, is_causal=True)
     assert fp32_output < meter.peak <= 2.5 * fp32_output, meter.peak / fp32_output
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("causal,padded", [(True, False), (False, True)])
+def test_units_in_parts_give_the_numbers_of_whole_units(monkeypatch, dtype, causal, padded):
+    """[Note: units in parts]: a unit whose kernel output exceeds PART_BYTES runs in parts of its
+    segments; with parts of one segment each, outputs and gradients are bitwise those of whole
+    units (each element is computed alike)."""
+    import attention.function
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in random_qkv(2, 64, 4, 8))
+    mask = (torch.rand(2, 64, generator=torch.Generator().manual_seed(3)) < 0.3) if padded else None
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    module = DilatedAttention((8, 16, 64), (1, 2, 4))
+    runs = []
+    for part_bytes in (1 << 40, 1):
+        monkeypatch.setattr(attention.function, "PART_BYTES", part_bytes)
+        runs.append(outputs_and_grads(lambda *t: module(*t, is_causal=causal, key_padding_mask=mask),
+                                      (q, k, v), grad_out))
+    (whole, whole_grads), (parts, parts_grads) = runs
+    assert torch.equal(parts, whole)
+    assert all(torch.equal(a, b) for a, b in zip(parts_grads, whole_grads))
+
+
+def test_backward_holds_the_gradient_accumulators_and_one_part(monkeypatch):
+    """Live storage of forward and backward beyond q, k, v and the incoming gradient, counted from
+    real storages, with parts of an eighth of the output: the output, the three fp32 gradient
+    accumulators (which become the gradients) and one part's kernel gradients, at most 4.75x the
+    output (whole units held 7x: the first unit's three kernel gradients besides the accumulators)."""
+    import attention.function
+    from attention_helpers import NewStoragePeak
+    q, k, v = (t.detach().float().requires_grad_() for t in random_qkv(2, 256, 4, 16))
+    grad_out = torch.randn(q.shape)
+    module = DilatedAttention((32, 64, 128), (1, 2, 4))
+    output = q.numel() * 4
+    monkeypatch.setattr(attention.function, "PART_BYTES", output // 8)
+    with NewStoragePeak(q, k, v, grad_out) as meter:
+        module(q, k, v, is_causal=True).backward(grad_out)
+    assert 4 * output < meter.peak <= 4.75 * output, meter.peak / output
