@@ -33,10 +33,11 @@ pytestmark = pytest.mark.mpi
 
 
 def mapped_segments(b=None) -> list[str]:
-    """The MPICH segments this process maps."""
+    """The MPICH segments this process maps, as ``"<path> <inode>"``: a segment another job makes
+    later under the same name (as a killed job in another test worker may leave) is another file."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split(maxsplit=5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
-    return sorted(p for p in paths if not p.endswith("(deleted)"))
+        fields = [line.split(maxsplit=5) for line in maps if "/dev/shm/mpich_shm_" in line]
+    return sorted({f"{f[5].strip()} {f[4]}" for f in fields if not f[5].strip().endswith("(deleted)")})
 
 
 def record_segments_then_raise(b, record: str):
@@ -54,7 +55,17 @@ def stay_on_rank_one(b):
 
 
 def _existing(segments) -> list[str]:
-    return [p for p in segments if os.path.exists(p)]
+    """The segments (from ``mapped_segments``) whose file is still there, with its age."""
+    left = []
+    for segment in segments:
+        path, inode = segment.rsplit(" ", 1)
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if found.st_ino == int(inode):
+            left.append(f"{path} (modified {time.time() - found.st_mtime:.1f} s ago)")
+    return left
 
 
 @pytest.fixture
