@@ -6,7 +6,10 @@ its ranks went on: training for as long as the job lasted and writing checkpoint
 directory, racing a later ``--resume`` of the same run. Each rank process watches its launcher
 from a daemon thread and, once it has gone, exits at once (``os._exit``: its peers are exiting
 too, so nothing could complete). What the rank was doing is lost; checkpoints are written to a
-temporary directory and renamed into place, so the last complete one stays loadable.
+temporary directory and renamed into place, so the last complete one stays loadable. An MPI rank
+first unlinks the MPICH shared-memory segments it maps, which ``os._exit`` would leave in /dev/shm
+for good ([Note: MPICH's segments after a kill] in distframe/_mpi_segments.py): the job's other
+ranks on this node are ending too, and their mappings outlive the name.
 """
 from __future__ import annotations
 
@@ -43,6 +46,19 @@ def _alive(pid: int, started: str | None) -> bool:
     return True
 
 
+def _unlink_own_segments() -> None:
+    from distframe._mpi_segments import mapped_segments
+    try:
+        segments = mapped_segments()
+    except OSError:
+        return
+    for path in segments:
+        try:
+            os.unlink(path)
+        except OSError:  # another rank of the job got there first
+            pass
+
+
 def watch_launcher(pid: int | None) -> None:
     """Ends this process once process ``pid`` (the launcher) has gone; nothing if None."""
     if pid is None:
@@ -55,6 +71,7 @@ def watch_launcher(pid: int | None) -> None:
             time.sleep(POLL_S)
         sys.stderr.write(f"distframe: rank process {os.getpid()} ends: its launcher (pid {pid}) has gone\n")
         sys.stderr.flush()
+        _unlink_own_segments()
         os._exit(1)
 
     threading.Thread(target=watch, name="distframe-launcher-watch", daemon=True).start()

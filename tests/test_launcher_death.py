@@ -1,8 +1,9 @@
 """Rank processes end when their launcher dies (killed, or ended by a signal it does not handle):
 they used to go on training, and writing checkpoints into the run's directory, for as long as the
-job lasted, racing a later --resume of the same run."""
+job lasted, racing a later --resume of the same run. MPI ranks leave no MPICH segment in /dev/shm."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,8 +25,21 @@ pool.run(sleep_after_writing_pid, sys.argv[2])
 
 
 def sleep_after_writing_pid(backend, directory: str) -> None:
+    from distframe._mpi_segments import mapped_segments
+    segments = {path: os.stat(path).st_ino for path in mapped_segments()}  # MPICH's, under MPI
+    Path(directory, f"rank{backend.rank}.segments").write_text(json.dumps(segments))
     Path(directory, f"rank{backend.rank}.pid").write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def _left_in_shm(directory: Path) -> list[str]:
+    """The segments the ranks mapped whose file (the same inode) is still there."""
+    left = []
+    for record in directory.glob("rank*.segments"):
+        for path, inode in json.loads(record.read_text()).items():
+            if os.path.exists(path) and os.stat(path).st_ino == inode:
+                left.append(path)
+    return left
 
 
 def _alive(pid: int) -> bool:
@@ -59,6 +73,8 @@ def test_rank_processes_end_when_their_launcher_is_killed(engine, tmp_path):
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(pid) for pid in pids), "rank processes outlived their launcher"
+        if engine == "mpi":  # MPICH's segment, which only MPI_Finalize unlinks, went with them
+            assert list(tmp_path.glob("rank*.segments")) and _left_in_shm(tmp_path) == []
     finally:
         launcher.kill()
         launcher.wait()
