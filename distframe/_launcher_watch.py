@@ -46,19 +46,6 @@ def _alive(pid: int, started: str | None) -> bool:
     return True
 
 
-def _unlink_own_segments() -> None:
-    from distframe._mpi_segments import mapped_segments
-    try:
-        segments = mapped_segments()
-    except OSError:
-        return
-    for path in segments:
-        try:
-            os.unlink(path)
-        except OSError:  # another rank of the job got there first
-            pass
-
-
 def watch_launcher(pid: int | None) -> None:
     """Ends this process once process ``pid`` (the launcher) has gone; nothing if None."""
     if pid is None:
@@ -71,7 +58,8 @@ def watch_launcher(pid: int | None) -> None:
             time.sleep(POLL_S)
         sys.stderr.write(f"distframe: rank process {os.getpid()} ends: its launcher (pid {pid}) has gone\n")
         sys.stderr.flush()
-        _unlink_own_segments()
+        from distframe._mpi_segments import unlink_own_segments
+        unlink_own_segments()
         os._exit(1)
 
     threading.Thread(target=watch, name="distframe-launcher-watch", daemon=True).start()

@@ -38,7 +38,7 @@ from multiprocessing import connection
 from typing import Any
 
 from distframe._launcher_watch import PID_ENV, watch_launcher
-from distframe._mpi_segments import mapped_segments, remove_segments
+from distframe._mpi_segments import mapped_segments, remove_segments, unlink_own_segments
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.errors import BackendUnavailableError, ConfigError, RankFailedError
 
@@ -344,6 +344,7 @@ def _serve(host: str, port: int) -> None:
         rank, failure = MPI.COMM_WORLD.Get_rank(), None
     except BaseException as exc:  # noqa: BLE001 - e.g. another MPI's mpiexec: the parent raises it
         rank, failure = None, exc
+        unlink_own_segments()  # the job will be killed: MPI_Init's segment (a singleton's) goes now
     conn = connection.Client((host, port), authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
     if failure is not None:
         conn.send((None, _portable_exception(failure), (os.getpid(), [])))

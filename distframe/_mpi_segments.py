@@ -55,3 +55,18 @@ def remove_segments(segments: Iterable[str], pids: Iterable[int]) -> None:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.02)
+
+
+def unlink_own_segments() -> None:
+    """Unlinks the MPICH segments this process maps, for a rank about to end without
+    ``MPI_Finalize`` while its job ends too: the other ranks attached in ``MPI_Init``, and their
+    mappings outlive the name."""
+    try:
+        segments = mapped_segments()
+    except OSError:
+        return
+    for path in segments:
+        try:
+            os.unlink(path)
+        except OSError:  # another rank of the job got there first
+            pass

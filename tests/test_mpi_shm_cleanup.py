@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import sys
 import time
 import types
@@ -122,3 +123,24 @@ def test_a_killed_job_leaves_no_segment(ends):
             raise KeyboardInterrupt  # Ctrl-C: killed at once
     assert third and _existing(third) == []
     assert "kill" in ends
+
+
+UNLINK_OWN = """
+import os
+from distframe.backends.mpi_buffers import import_mpi
+from distframe._mpi_segments import mapped_segments, unlink_own_segments
+MPI = import_mpi()  # a singleton: MPI_Init makes this process's segment
+found = mapped_segments()
+assert found, "MPI_Init mapped no MPICH segment: nothing to check"
+unlink_own_segments()
+assert not [p for p in found if os.path.exists(p)]
+MPI.COMM_WORLD.Barrier()  # the mapping outlives the name
+print("ok")
+"""
+
+
+def test_a_rank_ending_without_finalize_unlinks_its_segments_first():
+    """What a rank does before ``os._exit`` when its launcher died, or when MPI failed to start
+    for it (another MPI's launcher): its job is ending, and ``MPI_Finalize`` will not run."""
+    done = subprocess.run([sys.executable, "-c", UNLINK_OWN], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
