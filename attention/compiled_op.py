@@ -38,14 +38,9 @@ _sources_lock = threading.Lock()
 def _key_sources(query: torch.Tensor, segment_lengths: list[int], dilation_rates: list[int],
                  is_causal: bool, head_start: int, total_heads: int):
     _, seq_len, num_heads, _ = query.shape
-    cache_key = (seq_len, num_heads, str(query.device), is_causal, tuple(segment_lengths),
-                 tuple(dilation_rates), head_start, total_heads)
     with _sources_lock:
-        if cache_key not in _sources:
-            _sources[cache_key] = local_key_sources(seq_len, num_heads, query.device, is_causal,
-                                                    segment_lengths, dilation_rates, head_start,
-                                                    total_heads)
-        return _sources[cache_key]
+        return local_key_sources(_sources, seq_len, num_heads, query.device, is_causal,
+                                 segment_lengths, dilation_rates, head_start, total_heads)
 
 
 def dilated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -142,11 +142,12 @@ def forward_units(query, key, value, key_padding_mask, sources: Sequence[KeySour
             out_c, lse_c = segment_attention_forward(qc, kc, vc, is_causal=is_causal,
                                                      key_mask=key_mask, scale=scale)
             out_i, lse_i = plan.valid(out_c, batch), plan.valid(lse_c.unsqueeze(-1), batch)
-            old_out, old_lse = (out_i, lse_i) if first else (plan.local(acc_out), plan.local(acc_lse))
             if not first:
-                _combine_rows(old_out, old_lse, out_i, lse_i, first=False)
-            plan.write_local(acc_out, old_out)
-            plan.write_local(acc_lse, old_lse)
+                rows_out, rows_lse = plan.local(acc_out), plan.local(acc_lse)  # copies
+                _combine_rows(rows_out, rows_lse, out_i, lse_i, first=False)
+                out_i, lse_i = rows_out, rows_lse
+            plan.write_local(acc_out, out_i)
+            plan.write_local(acc_lse, lse_i)
             continue
         rows_out, rows_lse = plan.segments(acc_out), plan.segments(acc_lse)  # views
         for part in parts:

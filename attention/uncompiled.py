@@ -35,17 +35,23 @@ class KeySourceCache(OrderedDict):
             self.popitem(last=False)
 
 
-def local_key_sources(seq_len: int, num_heads: int, device: torch.device, is_causal: bool,
-                      segment_lengths, dilation_rates, head_start: int,
+def local_key_sources(cache: KeySourceCache, seq_len: int, num_heads: int, device: torch.device,
+                      is_causal: bool, segment_lengths, dilation_rates, head_start: int,
                       total_heads: int) -> list[LocalKeySource]:
     """The key sources of heads ``[head_start, head_start + num_heads)`` of ``total_heads``
     (all of them on one device; a rank's share under tensor parallelism), one per head group of
-    each branch."""
-    return [LocalKeySource(plan, is_causal)
+    each branch, from ``cache`` or built into it. Keyed by the branches too: a module whose
+    segment_lengths or dilation_rates are changed after a forward must not keep the old ones."""
+    cache_key = (seq_len, num_heads, str(device), is_causal, tuple(segment_lengths),
+                 tuple(dilation_rates), head_start, total_heads)
+    if cache_key not in cache:
+        cache[cache_key] = [
+            LocalKeySource(plan, is_causal)
             for w, r in zip(segment_lengths, dilation_rates)
             for plan in make_slot_plans(seq_len=seq_len, start=0, stop=seq_len, segment_length=w,
                                         dilation_rate=r, num_heads=total_heads,
                                         heads=(head_start, head_start + num_heads), device=device)]
+    return cache[cache_key]
 
 
 class UncompiledDilatedAttention:
@@ -66,15 +72,8 @@ class UncompiledDilatedAttention:
     def _key_sources(self, seq_len: int, num_heads: int, device: torch.device,
                      is_causal: bool) -> list[LocalKeySource]:
         total = num_heads if self.total_heads is None else self.total_heads
-        # The branches too: a module whose segment_lengths or dilation_rates are changed after a
-        # forward must not keep computing the old ones.
-        cache_key = (seq_len, num_heads, str(device), is_causal, tuple(self.segment_lengths),
-                     tuple(self.dilation_rates), self.head_start, total)
-        if cache_key not in self._sources:
-            self._sources[cache_key] = local_key_sources(
-                seq_len, num_heads, device, is_causal, self.segment_lengths, self.dilation_rates,
-                self.head_start, total)
-        return self._sources[cache_key]
+        return local_key_sources(self._sources, seq_len, num_heads, device, is_causal,
+                                 self.segment_lengths, self.dilation_rates, self.head_start, total)
 
     def dropout_generator(self, device: torch.device) -> torch.Generator | None:
         """Where the attention-dropout masks come from: torch's global generator (None) here;
