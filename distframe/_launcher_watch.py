@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from distframe._mpi_segments import unlink_own_segments
+
 POLL_S = 0.5
 PID_ENV = "DISTFRAME_LAUNCHER_PID"
 
@@ -58,7 +60,6 @@ def watch_launcher(pid: int | None) -> None:
             time.sleep(POLL_S)
         sys.stderr.write(f"distframe: rank process {os.getpid()} ends: its launcher (pid {pid}) has gone\n")
         sys.stderr.flush()
-        from distframe._mpi_segments import unlink_own_segments
         unlink_own_segments()
         os._exit(1)
 
