@@ -210,3 +210,18 @@ def test_checkpointed_block_with_its_own_generator_checkpoints_uncompiled():
 
     torch._dynamo.reset()
     assert losses(True) == pytest.approx(losses(False), rel=0, abs=1e-12)
+
+
+def test_a_block_exports_with_the_operator_in_its_graph():
+    """``torch.export`` of a block (what the README says works): the graph holds the operator,
+    and the exported program computes what the block computes."""
+    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
+                                             dilation_rates=(1, 2, 4))
+    torch.manual_seed(0)
+    block = DilatedTransformerLM(config).double().eval().blocks[0]
+    x = torch.randn(2, 32, config.embed_dim, dtype=torch.float64)
+    exported = torch.export.export(block, (x,))
+    targets = {str(node.target) for node in exported.graph.nodes}
+    assert "distframe.dilated_attention.default" in targets, targets
+    with torch.no_grad():
+        assert max_error(exported.module()(x), block(x)) < 1e-12
