@@ -181,6 +181,11 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"tokens must hold int64 or int32 token ids, got {tokens.dtype}: convert them "
                          "with .long()")
     if tokens.device.type == "cpu" and tokens.numel():
+        if torch.compiler.is_compiling():  # a graph cannot branch on the ids: an assertion op
+            torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(),
+                                f"DilatedTransformerLM got token ids outside its vocabulary "
+                                f"[0, {vocab_size}) (the config's vocab_size)")
+            return
         low, high = torch.aminmax(tokens)
         if low < 0 or high >= vocab_size:  # IndexError, as nn.Embedding's and VocabParallelEmbedding's
             raise IndexError(f"DilatedTransformerLM got token ids in [{int(low)}, {int(high)}], outside "

@@ -225,3 +225,23 @@ def test_a_block_exports_with_the_operator_in_its_graph():
     assert "distframe.dilated_attention.default" in targets, targets
     with torch.no_grad():
         assert max_error(exported.module()(x), block(x)) < 1e-12
+
+
+@pytest.mark.parametrize("how", ["compile", "export"])
+def test_the_whole_lm_is_one_graph_and_still_refuses_ids_outside_its_vocabulary(how):
+    """The LM's token-id check branched on the ids' values, which a graph cannot: compiled or
+    exported it is an assertion op, so the whole LM compiles with ``fullgraph=True`` and exports,
+    and ids outside the vocabulary still stop it with the check's words (a RuntimeError here;
+    uncompiled, an IndexError)."""
+    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
+                                             dilation_rates=(1, 2, 4))
+    torch.manual_seed(0)
+    model = DilatedTransformerLM(config).double().eval()
+    x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    run = (torch.compile(model, backend=COMPILER, fullgraph=True) if how == "compile"
+           else torch.export.export(model, (x,)).module())
+    with torch.no_grad():
+        assert max_error(run(x), model(x)) < 1e-12
+        with pytest.raises(RuntimeError, match=r"token ids outside its vocabulary \[0, 64\)"):
+            run(torch.full((2, 32), 64))
