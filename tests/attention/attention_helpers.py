@@ -7,6 +7,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def tiny_lm_config(**overrides):
+    """The tiny LM the compile tests build: 32 tokens, three branches."""
+    from attention.model import DilatedTransformerConfig
+    return DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
+                                           dilation_rates=(1, 2, 4), **overrides)
+
+
 def random_qkv(batch, seq, heads, dim, dtype=torch.float64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, seq, heads, dim, dtype=dtype, generator=generator)

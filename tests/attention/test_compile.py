@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM
+from attention.model import DilatedTransformerLM
+from attention_helpers import tiny_lm_config
 
 STEPS = 6
 
@@ -20,8 +21,7 @@ def _losses(compile_as: str | None, backend: str, **overrides) -> tuple[list[flo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
-    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                             dilation_rates=(1, 2, 4), **overrides)
+    config = tiny_lm_config(**overrides)
     torch.manual_seed(0)
     model = DilatedTransformerLM(config).double()
     forward = model

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from attention import DilatedAttention, dense_dilated_attention
-from attention.model import DilatedTransformerConfig, DilatedTransformerLM
-from attention_helpers import max_error, outputs_and_grads, random_qkv
+from attention.model import DilatedTransformerLM
+from attention_helpers import max_error, outputs_and_grads, random_qkv, tiny_lm_config
 from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttention
 
 COMPILER = "aot_eager"  # AOTAutograd without a C compiler
@@ -110,13 +110,14 @@ def test_attention_dropout_in_training_breaks_the_graph_and_draws_its_masks():
         assert max_error(evaluated, module(q, k, v)) < 1e-12
 
 
-def _lm_losses(compiled: bool, fullgraph: bool, steps: int = 3, **overrides) -> list[float]:
-    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                             dilation_rates=(1, 2, 4), **overrides)
+def _lm_losses(compiled: bool, fullgraph: bool, steps: int = 3, prepare=None, **overrides) -> list[float]:
+    """Losses of ``steps`` AdamW steps with key padding; ``prepare(block)`` first edits each block."""
     torch.manual_seed(0)
-    model = DilatedTransformerLM(config).double()
+    model = DilatedTransformerLM(tiny_lm_config(**overrides)).double()
     for block in model.blocks:
         block.attn.attention.attention_dropout = 0.0  # the blocks' nn.Dropout stay: in the graph
+        if prepare is not None:
+            prepare(block)
         if compiled:
             block.compile(backend=COMPILER, fullgraph=fullgraph)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -152,8 +153,7 @@ def test_compiled_blocks_follow_the_sequence_length():
     """Lengths that change between calls (evaluation on shorter text, ragged last segments):
     Dynamo recompiles once with a symbolic length, which the operator's fake rule takes; outputs
     and gradients equal the uncompiled LM's at every length."""
-    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                             dilation_rates=(1, 2, 4))
+    config = tiny_lm_config()
     torch.manual_seed(0)
     model = DilatedTransformerLM(config).double()
     reference = DilatedTransformerLM(config).double()
@@ -188,35 +188,19 @@ def test_checkpointed_block_with_its_own_generator_checkpoints_uncompiled():
     (``checkpoint_with_same_masks``, which Dynamo skips): traced, torch.compile refuses its
     generator-restoring contexts. Here without dropout, so the rest of the block is traceable
     and only that skip keeps the compile from failing; the losses equal the uncompiled run's."""
-    def losses(compiled: bool) -> list[float]:
-        config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                                 dilation_rates=(1, 2, 4), activation_checkpointing=True)
-        torch.manual_seed(0)
-        model = DilatedTransformerLM(config).double()
-        for block in model.blocks:
-            block.attn.attention = _OwnGeneratorAttention(block.attn.attention)
-            if compiled:
-                block.compile(backend=COMPILER)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        found = []
-        for step in range(2):
-            x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(step))
-            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            found.append(loss.item())
-        return found
+    def own_generator(block):
+        block.attn.attention = _OwnGeneratorAttention(block.attn.attention)
 
     torch._dynamo.reset()
-    assert losses(True) == pytest.approx(losses(False), rel=0, abs=1e-12)
+    expected = _lm_losses(False, False, steps=2, prepare=own_generator, activation_checkpointing=True)
+    assert _lm_losses(True, False, steps=2, prepare=own_generator,
+                      activation_checkpointing=True) == pytest.approx(expected, rel=0, abs=1e-12)
 
 
 def test_a_block_exports_with_the_operator_in_its_graph():
     """``torch.export`` of a block (what the README says works): the graph holds the operator,
     and the exported program computes what the block computes."""
-    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                             dilation_rates=(1, 2, 4))
+    config = tiny_lm_config()
     torch.manual_seed(0)
     block = DilatedTransformerLM(config).double().eval().blocks[0]
     x = torch.randn(2, 32, config.embed_dim, dtype=torch.float64)
@@ -233,8 +217,7 @@ def test_the_whole_lm_is_one_graph_and_still_refuses_ids_outside_its_vocabulary(
     exported it is an assertion op, so the whole LM compiles with ``fullgraph=True`` and exports,
     and ids outside the vocabulary still stop it with the check's words (a RuntimeError here;
     uncompiled, an IndexError)."""
-    config = DilatedTransformerConfig.preset("tiny", vocab_size=64, seq_len=32, segment_lengths=(8, 16, 32),
-                                             dilation_rates=(1, 2, 4))
+    config = tiny_lm_config()
     torch.manual_seed(0)
     model = DilatedTransformerLM(config).double().eval()
     x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
