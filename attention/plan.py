@@ -16,7 +16,7 @@ nothing; any other plan gathers rows by index from its ``(B, T * H, X)`` view
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, wraps
 
 import torch
@@ -26,10 +26,15 @@ def layout_property(build):
     """A ``cached_property`` built outside inference mode. Plans are cached across calls, and a
     layout first built under ``torch.inference_mode()`` (an evaluation pass) was an inference
     tensor, which autograd refuses to save: the next training forward that indexes with it (the
-    attention-dropout path) raised "Inference tensors cannot be saved for backward"."""
+    attention-dropout path) raised "Inference tensors cannot be saved for backward".
+    A plan on the meta device builds its layout on the CPU and moves it there: some layouts
+    (``nonzero``) need values, which meta tensors (shape inference) do not have."""
     @wraps(build)
     def outside_inference_mode(self):
         with torch.inference_mode(False):
+            if self.device is not None and torch.device(self.device).type == "meta":
+                built = build(replace(self, device=torch.device("cpu")))
+                return None if built is None else built.to("meta")
             return build(self)
     return cached_property(outside_inference_mode)
 
@@ -104,9 +109,12 @@ class SlotPlan:
         """``(nseg, hg, M)`` bool of slots beyond the sequence that causality does not hide."""
         if is_causal or self.regular:
             return None  # under causality such slots follow every valid query of their segment
+        last = ((self.first_segment + self.num_segments - 1) * self.segment_length
+                + (self.rows - 1) * self.dilation_rate + self.offset)  # the largest slot position
+        if last < self.seq_len:  # from the shapes, not the tensor: meta and fake tensors have no values
+            return None
         with torch.inference_mode(False):  # kept by the key sources: see layout_property
-            missing = self.slot_positions >= self.seq_len
-        return missing if bool(missing.any()) else None
+            return self.slot_positions >= self.seq_len
 
     # -- access: compressed kernel tensors <-> rows of the local (B, T_local, H, X) tensor --
 

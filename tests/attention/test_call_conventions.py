@@ -92,3 +92,20 @@ def test_multihead_takes_nn_multihead_attention_keywords():
         mha(x, x, x, attn_mask=torch.ones(8, 8, dtype=torch.bool).triu(2))  # not the causal mask
     with pytest.raises(ValueError, match=r"batch_first=False.*transpose\(0, 1\)"):
         MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], batch_first=False)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("seq", [13, 16, 3])
+def test_meta_tensors_give_the_output_shape(seq, is_causal):
+    """Shape inference on the meta device (as torch.distributed.pipelining's stages do, and as
+    F.scaled_dot_product_attention supports) failed on a sequence that is no multiple of the
+    segments: the plan asked its meta positions for values ("Tensor.item() cannot be called on
+    meta tensors", then ``nonzero``). A ragged plan now builds its layout on the CPU."""
+    q = torch.empty(2, seq, 4, 8, device="meta")
+    mask = torch.zeros(2, seq, dtype=torch.bool, device="meta")
+    out = DilatedAttention([4, 8], [1, 2])(q, q, q, is_causal=is_causal, key_padding_mask=mask)
+    assert out.shape == q.shape and out.device.type == "meta"
+    mha = MultiheadDilatedAttention(32, 4, segment_lengths=[4, 8], dilation_rates=[1, 2],
+                                    device="meta")
+    x = torch.empty(2, seq, 32, device="meta")
+    assert mha(x, x, x, is_causal=is_causal)[0].shape == x.shape
