@@ -55,7 +55,7 @@ from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacem
                                             upcast_for_mpi, wire, write_back)
 from distframe.backends.mpi_p2p import P2PWork, irecv_with_header, isend_with_header
 from distframe.backends.mpi_progress import ProgressBoard, missing_ranks, wait_request
-from distframe.backends.mpi_retire import free_retired, retire
+from distframe.backends.mpi_retire import free_retired, retire, retire_later
 from distframe.backends.types import ReduceOp, Work
 from distframe.backends.validation import is_dense
 from distframe.errors import CollectiveTimeoutError
@@ -110,8 +110,10 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
         self._not_seen_made: deque[tuple[int, str]] = deque(maxlen=_MAX_NOTED_CALLS)
         # A backend that is garbage (a group made inside a function that has returned, say) can
-        # make no further call: it departs, even if shutdown() never ran.
-        weakref.finalize(self, self._board.depart_after_entered, self._p2p_seq)
+        # make no further call: it departs, even if shutdown() never ran, and its communicator is
+        # retired as shutdown would.
+        self._finalizer = weakref.finalize(self, _collected, self._board, comm, MPI, self._p2p_seq,
+                                           self._abandoned)
 
     @property
     def comm(self) -> Any:
@@ -366,19 +368,21 @@ class MPICommunicationBackend(CommunicationBackendBase):
         return self._board.departures()
 
     def _shutdown(self) -> None:
+        self._finalizer.detach()
         self.depart()
         self._board.close()
-        # A receive whose Work.wait(timeout=...) expired is among them, though a later wait
-        # may have completed it: only a request still pending keeps the communicator for good,
-        # and its buffers, which MPI may still write after this backend is gone. Otherwise it is
+        # Only a request given up on that is still pending keeps the communicator for good, with
+        # its buffers, which MPI may still write after this backend is gone. Otherwise it is
         # freed once the peers' counts show nothing can outlive it
         # ([Note: freeing a communicator] in mpi_retire).
-        retire(self._comm, self._MPI, self._seq, dict(self._p2p_seq),
-               [entry for entry in self._abandoned if not self._settled(entry[0])])
+        retire(self._comm, self._MPI, self._seq, dict(self._p2p_seq), self._abandoned)
 
-    def _settled(self, request: Any) -> bool:
-        try:
-            return request.Test()
-        except self._MPI.Exception:  # it completed, with an error (a truncated receive)
-            return True
 
+def _collected(board: ProgressBoard, comm: Any, MPI: Any, p2p_counts: dict[tuple[str, int, int], int],
+               abandoned: list[Any]) -> None:
+    """A backend that was garbage collected without ``shutdown()``: it departs after the last call
+    it entered, and its communicator is retired at the next one this process builds."""
+    issued = board.last_entered()
+    board.depart_after_entered(p2p_counts)
+    board.close()
+    retire_later(comm, MPI, issued, dict(p2p_counts), abandoned)

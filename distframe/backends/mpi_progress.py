@@ -124,6 +124,10 @@ class ProgressBoard:
             self._own[2] = -1
         self._own[1] = -(issued + 1) if failed else issued + 1
 
+    def last_entered(self) -> int:
+        """The sequence number of the last call this rank entered (published)."""
+        return int(self._own[0]) if self._own is not None else 0
+
     def depart_after_entered(self, p2p_counts: dict[tuple[str, int, int], int]) -> None:
         """``depart`` after the last call this rank entered: for a backend that is gone, which has
         no call left to run."""

@@ -35,6 +35,7 @@ RETIRE_TAG = 2 ** 28
 # to the end with their pending requests and buffers (referenced so that nothing frees them).
 _retiring: list[_Retiring] = []
 _kept: list[Any] = []
+_dropped: list[tuple[Any, ...]] = []  # retire_later's, for the next free_retired
 _exit_hook = False
 
 
@@ -75,12 +76,29 @@ class _Retiring:
 
 
 def retire(comm: Any, MPI: Any, collectives: int, p2p_counts: dict[tuple[str, int, int], int],
-           pending: list[Any]) -> None:
+           abandoned: list[Any]) -> None:
     """Frees ``comm`` once its peers' numbers show that nothing sent on it can outlive it (see the
-    module's notes). ``pending``: this rank's requests on it that have not completed, with the
-    buffers MPI may still write; if there are any, they and ``comm`` are kept for good (freed
-    with the backend, a receive's buffer took a late message into memory in other use)."""
+    module's notes). ``abandoned``: this rank's requests on it that were given up on, with the
+    buffers MPI may still write; if any has not completed, they and ``comm`` are kept for good
+    (freed with the backend, a receive's buffer took a late message into memory in other use)."""
+    _start_retiring(comm, MPI, collectives, p2p_counts, abandoned)
+    free_retired()
+
+
+def retire_later(comm: Any, MPI: Any, collectives: int, p2p_counts: dict[tuple[str, int, int], int],
+                 abandoned: list[Any]) -> None:
+    """``retire`` at the next ``free_retired``, for the communicator of a backend that was garbage
+    collected without ``shutdown()`` (a group made per step and dropped): its finalizer may run in
+    any thread, at any allocation, so it makes no MPI call itself. Before this, such
+    communicators were never freed, and after about 2000 groups MPICH refused the next one ("Too
+    many communicators")."""
+    _dropped.append((comm, MPI, collectives, p2p_counts, abandoned))
+
+
+def _start_retiring(comm: Any, MPI: Any, collectives: int,
+                    p2p_counts: dict[tuple[str, int, int], int], abandoned: list[Any]) -> None:
     global _exit_hook
+    pending = [entry for entry in abandoned if not _settled(entry[0], MPI)]
     if pending or comm.Get_attr(MPI.TAG_UB) < RETIRE_TAG:
         _kept.append((comm, pending))
         return
@@ -91,11 +109,22 @@ def retire(comm: Any, MPI: Any, collectives: int, p2p_counts: dict[tuple[str, in
     if not _exit_hook:
         _exit_hook = True
         atexit.register(_cancel_at_exit)
-    free_retired()
+
+
+def _settled(request: Any, MPI: Any) -> bool:
+    """A request given up on has completed since (a later wait, or a late peer): MPI holds no
+    buffer of it any more. A receive whose ``Work.wait(timeout=...)`` expired may be one."""
+    try:
+        return request.Test()
+    except MPI.Exception:  # it completed, with an error (a truncated receive)
+        return True
 
 
 def free_retired() -> None:
-    """Frees or keeps each retiring communicator whose peers' numbers have all arrived."""
+    """Starts retiring the dropped backends' communicators, then frees or keeps each retiring
+    communicator whose peers' numbers have all arrived."""
+    while _dropped:
+        _start_retiring(*_dropped.pop(0))
     for retiring in list(_retiring):
         outcome = retiring.outcome()
         if outcome is None:

@@ -7,6 +7,8 @@ Each case below returned the stale [1.0, 1.0] instead of the [7.0, 7.0] sent to 
 """
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -91,6 +93,29 @@ def groups_made_and_shut_down(b, count):
     return len(mpi_retire._kept), len(mpi_retire._retiring)
 
 
+def groups_made_and_dropped(b, count):
+    """``count`` subgroups made, used and dropped without ``shutdown()`` (a group built per step):
+    each was collected, but its communicator was never freed, and MPICH refused group 2043 with
+    "Too many communicators". Returns how many communicators are kept for good."""
+    for _ in range(count):
+        group = b.new_group([0, 1])
+        group.all_reduce(torch.ones(2))
+        del group
+    mpi_retire.free_retired()
+    return len(mpi_retire._kept)
+
+
+def new_group_after_one_dropped(b):
+    """As new_group_after_one_shut_down, the first group dropped instead of shut down."""
+    sub = b.new_group([0, 1])
+    if sub.rank == 0:
+        sub.isend(torch.ones(2), 1, tag=5)
+    sub.barrier()
+    del sub
+    gc.collect()
+    return receive_on_tag_five(b.new_group([0, 1]))
+
+
 # ---- tests -------------------------------------------------------------------------------------
 def test_a_message_left_unreceived_does_not_reach_the_next_run(pool):
     assert pool.run(send_unreceived) == ["done", "done"]
@@ -116,3 +141,12 @@ def test_groups_whose_traffic_completed_are_freed(pool):
     kept_after = pool.run(groups_made_and_shut_down, 200)
     for (kept0, _), (kept1, retiring) in zip(kept_before, kept_after):
         assert kept1 == kept0 and retiring <= 2  # nothing new kept; at most the last ones waiting
+
+
+def test_groups_dropped_without_shutdown_are_freed(pool):
+    kept_before = pool.run(groups_made_and_dropped, 0)
+    assert pool.run(groups_made_and_dropped, 2100) == kept_before  # past MPICH's 2048 context ids
+
+
+def test_a_new_subgroup_does_not_receive_what_was_left_on_one_dropped(pool):
+    assert pool.run(new_group_after_one_dropped) == [None, FRESH]
