@@ -5,6 +5,8 @@ optimizers and settings that failed without a useful word:
 - frozen parameters stayed float32 beside bfloat16 trainable ones under a MixedPrecisionPolicy,
   so no input dtype worked;
 - SparseAdam and torch.optim's hooks failed with torch's errors."""
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -146,3 +148,23 @@ def test_misuses_of_the_handed_over_instance_are_refused():
         return True
 
     assert all(spawn(run, 2))
+
+
+def _adopt_a_fresh_class(backend, cls):
+    with SEED_LOCK:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).double()
+    model = STRATEGIES["ddp"][0](net, backend)
+    weights = [p for p in net.parameters() if p.dim() > 1]
+    biases = [p for p in net.parameters() if p.dim() == 1]
+    STRATEGIES["ddp"][1](model, cls([{"params": weights, "weight_decay": 0.1}, {"params": biases}], lr=0.05))
+
+
+def test_threads_adopting_instances_of_a_class_at_once_do_not_collide():
+    """Adopting an instance copies the rebuilt optimizer's attributes into it. Instances of one
+    class share their attribute dicts' keys in CPython, and 8 in-memory ranks adopting the first
+    instances of a class at once failed with "dict mutated during update" in about 1 run of 5.
+    A fresh class each time recreates that first adoption."""
+    for i in range(30):
+        fresh = type(f"Adagrad{i}", (torch.optim.Adagrad,), {})
+        spawn(functools.partial(_adopt_a_fresh_class, cls=fresh), 8)
