@@ -187,6 +187,10 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
             raise ConfigError(f"plan[{name!r}]={style!r}: choose one of {', '.join(STYLES)}")
         if name not in names:
             raise ConfigError(f"plan names {name!r}, which is not a submodule of {type(model).__name__}")
+        if name == "":  # the model itself: a layer cannot be put in its own place
+            raise ConfigError(f"plan names the model itself (''): plan its submodules; a lone layer "
+                              f"goes in a container first, e.g. nn.Sequential(layer) with plan "
+                              f"{{'0': {style!r}}}")
         wanted = nn.Embedding if style == "vocab" else nn.Linear
         if not isinstance(names[name], wanted):
             raise ConfigError(f"plan[{name!r}]={style!r} needs an nn.{wanted.__name__}, "

@@ -81,3 +81,12 @@ def test_a_plan_wired_against_the_forward_names_the_layer(build, plan, match):
 
     with pytest.raises(ValueError, match=match):
         spawn(worker, 2, timeout=30)
+
+
+def test_a_plan_naming_the_model_itself_says_to_wrap_it():
+    """``{"": "column"}`` on a bare nn.Linear passed the checks ('' is in named_modules()), then
+    registered the parallel layer as a child of the dense one and failed with a KeyError."""
+    with pytest.raises(ConfigError, match=r"plan names the model itself.*nn.Sequential\(layer\) "
+                                          r"with plan \{'0': 'column'\}"):
+        spawn(lambda backend: TensorParallelModel(nn.Linear(4, 6), backend, plan={"": "column"}), 2,
+              timeout=30)
