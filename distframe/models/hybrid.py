@@ -59,7 +59,7 @@ from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
 from distframe.models.replicas import broadcast_tensors, mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
-from distframe.models.tensor_parallel_flow import SplitOutputCheck
+from distframe.models.tensor_parallel_mixing import wiring_checks
 from distframe.models.tensor_parallel_plan import split_dims
 from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
@@ -109,7 +109,7 @@ class HybridShardedModel(ShardedModelBase):
         # See [Note: a split output that no row takes] in tensor_parallel_flow.py: the model's
         # output, the last stage's (a split activation may cross to the stage of its row).
         last = chunks if ranges is None else [c for c in chunks if c.index == c.num_stages - 1]
-        self._split_output_check = SplitOutputCheck(last) if dims.tp_enabled else None
+        self._tp_checks = wiring_checks(chunks, last) if dims.tp_enabled else ()
         stage = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
         if dims.cp_enabled:
             apply_context_parallel([model, stage], self.groups.cp)

@@ -10,7 +10,9 @@ first forward with grad of each module whose output is the model's (the model, o
 pipeline stage: a split activation may cross to the stage holding its row), the autograd graph
 is walked back from that output, stopping at the rows' outputs: reaching a split column's output
 is a ConfigError on every tensor rank (they run the same plan). The layers record their
-output's node only until then, so no graph is kept alive afterwards.
+output's node only until then, so no graph is kept alive afterwards. A first forward without
+grad is checked by following the split outputs through its ops instead
+([Note: ops across the split features] in tensor_parallel_mixing).
 """
 from __future__ import annotations
 
@@ -61,11 +63,15 @@ class SplitOutputCheck:
             seen.add(id(node))
             column = split.get(id(node))
             if column is not None:
-                name = getattr(column, "plan_name", "a 'column' layer")
-                raise ConfigError(
-                    f"plan[{name!r}]='column' is paired with a 'row' layer planned beside it, so its output "
-                    f"stays split over the {column.backend.world_size} tensor ranks, but that output "
-                    "reaches the model's output without passing through a 'row' layer: each rank would "
-                    "return its own slice. Move the layer into a module of its own (a head beside an "
-                    "MLP's column -> row pair), or into an nn.Sequential, where the order pairs layers")
+                raise split_output_error(column)
             stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def split_output_error(column: ColumnParallelLinear) -> ConfigError:
+    name = getattr(column, "plan_name", "a 'column' layer")
+    return ConfigError(
+        f"plan[{name!r}]='column' is paired with a 'row' layer planned beside it, so its output "
+        f"stays split over the {column.backend.world_size} tensor ranks, but that output "
+        "reaches the model's output without passing through a 'row' layer: each rank would "
+        "return its own slice. Move the layer into a module of its own (a head beside an "
+        "MLP's column -> row pair), or into an nn.Sequential, where the order pairs layers")

@@ -8,10 +8,12 @@ parameter names stay the dense model's. Rules:
 * ``"column"`` on an ``nn.Linear``: ColumnParallelLinear. Its output stays split when a ``"row"``
   layer takes it (the MLP's ``fc_in -> fc_out``); otherwise it is gathered, so the module computes
   what the dense one did (the LM head). In an ``nn.Sequential`` the order says which: a column
-  pairs with the next planned layer if that is a row. Elsewhere a column pairs with any sibling
+  pairs with the next planned layer if that is a row and only activations and dropouts lie
+  between (a softmax or a norm there keeps them apart). Elsewhere a column pairs with any sibling
   (same parent module) planned ``"row"`` (a gated MLP's two columns feed one row); a split output
   that reaches the model's output anyway is a ConfigError at the first forward
-  (``tensor_parallel_flow``).
+  (``tensor_parallel_flow``), and so is an op along the split features between a column and its
+  row (``tensor_parallel_mixing``).
 * ``"row"``: RowParallelLinear; its input is split first unless it pairs with a column.
 * ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
   ``MultiheadDilatedAttention``: the whole attention is replaced by
@@ -246,18 +248,30 @@ def _paired(parent: nn.Module, children: dict[str, str]) -> dict[str, bool]:
     """Planned child -> whether it pairs with a partner (see the module docstring): a column's
     output then stays split, a row's input arrives split."""
     if isinstance(parent, nn.Sequential):
-        # A column pairs with the next planned layer if that is a row and nothing between them
-        # holds parameters (an activation, a dropout): a layer with weights would get the split.
+        # A column pairs with the next planned layer if that is a row and what lies between them
+        # acts on each feature by itself, holding no parameters (an activation, a dropout): a
+        # layer with weights would get the split, and a softmax or a norm would work on a slice.
         every = list(parent.named_children())
         order = [(i, name) for i, (name, _) in enumerate(every) if name in children]
         pairs = [(a, b) for (i, a), (j, b) in zip(order, order[1:])
                  if (children[a], children[b]) == ("column", "row")
-                 and not any(any(True for _ in m.parameters()) for _, m in every[i + 1:j])]
+                 and all(_per_feature(m) for _, m in every[i + 1:j])]
         in_pair = {name for pair in pairs for name in pair}
         return {child: child in in_pair for child in children}
     styles = set(children.values())
     partner = {"column": "row", "row": "column"}
     return {child: partner.get(style) in styles for child, style in children.items()}
+
+
+# Parameter-free modules that act on each element by itself (RReLU draws per element: not here).
+_PER_FEATURE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.ELU, nn.CELU,
+                nn.SELU, nn.LeakyReLU, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Hardtanh,
+                nn.Hardsigmoid, nn.Hardswish, nn.Hardshrink, nn.Softshrink, nn.Threshold,
+                nn.LogSigmoid, nn.Identity, nn.Dropout)
+
+
+def _per_feature(module: nn.Module) -> bool:
+    return isinstance(module, _PER_FEATURE) and not any(True for _ in module.parameters())
 
 
 def _parallel_layer(dense: nn.Module, style: str, paired: bool, backend: ICommunicationBackend,
