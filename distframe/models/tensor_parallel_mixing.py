@@ -21,8 +21,19 @@ is no autograd graph to walk without it): that no split output reaches the model
 following it through every op. A model only evaluated, or evaluated before it trains, returned
 each rank's slice and a validation loss that differed between ranks.
 
-The check costs one forward under a Python mode (some microseconds per op) and is skipped when
-Dynamo compiles around the model (``compile_support``).
+[Note: draws from the global generator]
+A forward that draws from torch's global generator itself (``F.dropout`` in a module's forward
+rather than an ``nn.Dropout`` module, ``torch.randn`` noise) gives each tensor rank another draw
+where its activations are replicated: in-memory ranks are threads sharing that generator, and
+process ranks are seeded by the user (alike or not). The ranks' replicated parameters then drift
+apart, silently ([Note: dropout and the tensor group] in tensor_parallel_rng). So the first
+forward in training mode (and the first forward at all) refuses such a draw, as
+``replace_dropouts`` refuses dropout modules it cannot replace; draws given a generator, and
+those inside distframe's split-aware layers, are the layers' own business.
+
+The checks cost a forward under a Python mode (some microseconds per op), the first one and the
+first in training mode, and are skipped when Dynamo compiles around the model
+(``compile_support``).
 """
 from __future__ import annotations
 
@@ -64,6 +75,16 @@ _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "ex
 # Ops that may move the last dim elsewhere though its size stays: not followed.
 _MOVES = {"transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "mT", "T", "mH",
           "H", "adjoint", "rot90"}
+# Ops that draw from a generator: (position of ``p``, of ``training`` and its default) for the
+# dropouts, which draw nothing at p == 0 or outside training; None for the rest (they always do).
+_DRAWS = {name: (1, 2, True) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
+                                          "native_dropout")}
+_DRAWS.update({"alpha_dropout": (1, 2, False), "feature_alpha_dropout": (1, 2, False),
+               "rrelu": (None, 3, False)})
+_DRAWS.update({name: None for name in (
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+    "randperm", "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "random_", "multinomial", "poisson", "gumbel_softmax")})
 _AWARE = (ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, TensorParallelDilatedAttention,
           VocabParallelEmbedding)
 
@@ -83,8 +104,7 @@ class FeatureMixingCheck:
         self.reach = {id(c) for c in last}
         self.handles: dict[int, list[Any]] = {}
         self.tracker: _Tracker | None = None
-        if not any(isinstance(m, ColumnParallelLinear) and not m.gather_output for m in self.aware):
-            return
+        self.checked: set[int] = set()  # chunks whose first forward ran (a training one follows)
         for chunk in chunks:
             self.handles[id(chunk)] = [chunk.register_forward_pre_hook(self._start),
                                        chunk.register_forward_hook(self._end, always_call=True)]
@@ -105,7 +125,9 @@ class FeatureMixingCheck:
         tracker.stop()
         if output is None:  # the forward raised: checked again at the next one
             return
-        self._done(chunk)
+        self.checked.add(id(chunk))
+        if chunk.training:  # [Note: draws from the global generator]: a training forward ran
+            self._done(chunk)
         if id(chunk) in self.reach and not torch.is_grad_enabled():
             split = next((tracker.column_of(t) for t in _tensors(output) if tracker.tainted(t)), None)
             if split is not None:
@@ -169,10 +191,12 @@ class _Tracker(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.depth:
             return out
+        name = getattr(func, "__name__", "")
+        if name in _DRAWS and _draws_from_global(name, args, kwargs):
+            raise _global_draw_error(name)
         inputs = [t for t in _tensors((args, kwargs)) if self.tainted(t)]
         if not inputs:
             return out
-        name = getattr(func, "__name__", "")
         split = next((t for t in inputs if self._entry(self.split, t) is not None), None)
         if split is not None:
             if _works_along_last(name, args, kwargs, split):
@@ -242,6 +266,30 @@ def _dims_taken(item: Any) -> int:
 
 def _whole(item: Any) -> bool:
     return isinstance(item, slice) and item == slice(None)
+
+
+def _draws_from_global(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of a drawing op draws, from torch's global generator."""
+    if kwargs.get("generator") is not None:
+        return False
+    spec = _DRAWS[name]
+    if spec is None:
+        return True
+    p_at, training_at, training_default = spec
+    p = kwargs.get("p", args[p_at] if p_at is not None and len(args) > p_at else 1.0)
+    training = kwargs.get("training", kwargs.get("train", args[training_at] if len(args) > training_at
+                                                 else training_default))
+    return bool(training) and p != 0
+
+
+def _global_draw_error(op: str) -> ConfigError:
+    return ConfigError(
+        f"the model's forward calls {op!r}, which draws from torch's global generator: under tensor "
+        "parallelism each tensor rank would draw differently where its activations are replicated "
+        "(in-memory ranks share that generator; process ranks are seeded apart or alike), and the "
+        "ranks' replicated parameters would drift apart. Use an nn.Dropout module instead of "
+        "F.dropout (distframe draws its mask alike on every tensor rank), pass the op a generator "
+        "of your own, seeded alike on the tensor ranks, or p=0")
 
 
 def _in_place(name: str, kwargs: dict) -> bool:
