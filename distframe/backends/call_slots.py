@@ -171,6 +171,9 @@ class CallSlots:
         #: (op, seq, missing ranks, timeout, the rank that gave up or None for this one) of the
         #: first call given up on at a timeout that this rank made or learned of, else None.
         self.gave_up: tuple[str, int, list[int] | None, float, int | None] | None = None
+        #: The world rank of each rank of the group, for the errors after a timeout; None where
+        #: they are the same ([Note: ranks of the world] in ``departures``). The engine sets it.
+        self.world_ranks: list[int] | None = None
 
     def announce(self, op: str, seq: int, shape: Any, dtype: Any, args: Any) -> None:
         """Writes call ``seq`` into this rank's slot; raises CollectiveMismatchError, before the
@@ -179,7 +182,7 @@ class CallSlots:
         if self.mismatch is not None:
             raise self._refused(op, seq)
         if self.gave_up is not None:
-            raise gave_up_error(*self.gave_up, op, seq)
+            raise gave_up_error(*self.gave_up, op, seq, self.world_ranks)
         packed = packed_call(op, shape, dtype, args)
         own, at = self._own, self._offset + (seq % SLOTS) * SLOT_BYTES
         _SEQ.pack_into(own, at, -1)  # the slot is being rewritten: readers skip it
@@ -275,7 +278,7 @@ class CallSlots:
                    [i * _MASK_BITS + b for i, m in enumerate(masks) for b in range(_MASK_BITS) if m >> b & 1])
         if self.gave_up is None and self.mismatch is None:
             self.gave_up = (op, words[2], missing, words[3] / 1000, who)
-        return gave_up_error(op, words[2], missing, words[3] / 1000, who, now_op, now_seq)
+        return gave_up_error(op, words[2], missing, words[3] / 1000, who, now_op, now_seq, self.world_ranks)
 
     def _refused(self, op: str, seq: int) -> CollectiveMismatchError:
         """What every call after a recorded mismatch raises instead of running."""

@@ -181,17 +181,55 @@ def _p2p_departure_error(op: str, counts: Mapping[tuple[int, int], int] | None,
 
 
 def gave_up_error(op: str, seq: int, missing, timeout: float, who: int | None, now_op: str,
-                  now_seq: int) -> CollectiveTimeoutError:
+                  now_seq: int, world_ranks: list[int] | None = None) -> CollectiveTimeoutError:
     """What a rank raises once call ``seq`` (``op``) of its group has been given up on at a
     timeout, by peer ``who`` or (None) by this rank itself, when it is at call ``now_seq``
     (``now_op``): every rank names the same call, its sequence number and the ranks that had not
     arrived by then (``missing``: None where the rank that gave up could not tell), so peers
-    still waiting, or late, stop at once ([Note: after a timeout] in ``call_slots``)."""
+    still waiting, or late, stop at once ([Note: after a timeout] in ``call_slots``). Ranks are
+    also named in the world when ``world_ranks`` is given ([Note: ranks of the world])."""
     if who is None:
         detail = "this rank gave up on this call when its timeout ran out"
     else:
-        detail = f"rank {who} gave up on this call when its timeout ran out, so it can never complete"
+        where = "" if world_ranks is None else f" (global rank {world_ranks[who]})"
+        detail = (f"rank {who}{where} gave up on this call when its timeout ran out, so it can never "
+                  "complete")
     detail += (": this rank stopped at once" if who is not None and now_seq == seq
                else f": {now_op} (sequence number {now_seq}) was not issued")
-    return CollectiveTimeoutError(op, seq, missing, timeout,
-                                  f"{detail}; the group is unusable now, shut it down")
+    return CollectiveTimeoutError(op, seq, missing, timeout, f"{world_note(missing, world_ranks)}{detail}; "
+                                  "the group is unusable now, shut it down")
+
+
+# [Note: ranks of the world] An error names the missing ranks as the group numbers them (its
+# ``missing_ranks``), but in new_group([2, 1, 0]) the group's rank 2 is the world's rank 0, and
+# the world's rank 2 may be the very rank reading "ranks [2] did not arrive". So every engine, on
+# every rank, follows that with the same ranks as the world (the top-level backend the group was
+# made from) numbers them, in the words of ``world_note``. ``world_ranks``: the world rank of
+# each rank of the group, or None for the world itself or a group that numbers its ranks as it.
+def world_ranks_of(global_ranks: list[int]) -> list[int] | None:
+    """``global_ranks`` (the world rank of each rank of a group), or None where they number the
+    ranks as the group does, so the errors of such a group say nothing more."""
+    return None if global_ranks == list(range(len(global_ranks))) else list(global_ranks)
+
+
+def world_note(missing, world_ranks: list[int] | None) -> str:
+    """The group ranks ``missing`` as the world numbers them, worded to follow "ranks [..] did not
+    arrive; " and ending in "; ", or "" when the group numbers its ranks as the world does or
+    nothing is known missing."""
+    if not missing or world_ranks is None:
+        return ""
+    ranks = [world_ranks[r] for r in sorted(missing)]
+    return f"that is, global ranks {ranks} of the world this group was made from; "
+
+
+def in_world(error: BaseException | None, world_ranks: list[int] | None) -> BaseException | None:
+    """``error``, or a copy of a CollectiveTimeoutError that names its missing ranks in the world
+    too ([Note: ranks of the world]), for engines that build their errors without knowing it."""
+    if world_ranks is None or not isinstance(error, CollectiveTimeoutError) or not error.missing_ranks:
+        return error
+    note = world_note(error.missing_ranks, world_ranks)
+    if note in str(error):
+        return error
+    op, seq, missing, timeout, detail, early = error._args
+    detail = f"{note}{detail}" if detail else note.removesuffix("; ")
+    return CollectiveTimeoutError(op, seq, missing, timeout, detail, early)

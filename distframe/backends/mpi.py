@@ -49,7 +49,7 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure, departure_error
+from distframe.backends.departures import Departure, departure_error, in_world, world_note, world_ranks_of
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacements, import_mpi, mpi_ops,
                                             needs_staging, stage_back, stage_in,
                                             upcast_for_mpi, wire, write_back)
@@ -89,13 +89,16 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._setup(MPI, own, timeout, debug)
 
     @classmethod
-    def _adopt(cls, comm: Any, MPI: Any, timeout: float, debug: bool) -> MPICommunicationBackend:
-        """A backend over a communicator this engine created (a subgroup); it takes ownership."""
+    def _adopt(cls, comm: Any, MPI: Any, timeout: float, debug: bool,
+               world_ranks: list[int]) -> MPICommunicationBackend:
+        """A backend over a communicator this engine created (a subgroup of the world ranks
+        ``world_ranks``); it takes ownership."""
         backend = cls.__new__(cls)
-        backend._setup(MPI, comm, timeout, debug)
+        backend._setup(MPI, comm, timeout, debug, world_ranks_of(world_ranks))
         return backend
 
-    def _setup(self, MPI: Any, comm: Any, timeout: float, debug: bool) -> None:
+    def _setup(self, MPI: Any, comm: Any, timeout: float, debug: bool,
+               world_ranks: list[int] | None = None) -> None:
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout=timeout, debug=debug)
         self._MPI = MPI
         self._comm = comm
@@ -105,6 +108,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
         self._address = AddressWire(MPI)
         self._board = ProgressBoard(comm, MPI)
         self._slots = self._board.slots
+        # The world rank of each rank here, None for the world: [Note: ranks of the world] in departures
+        self._world_ranks = self._slots.world_ranks = world_ranks
         # Requests that timed out, with the buffers MPI may still write: never freed.
         self._abandoned: list[tuple[Any, Any]] = []
         self._subgroups: weakref.WeakSet[MPICommunicationBackend] = weakref.WeakSet()
@@ -143,7 +148,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
             return
         gone = {rank: d for rank, d in self._board.departures().items() if d.issued < call.seq}
         if gone:
-            raise departure_error(gone, call.op, call.seq, 0.0)
+            raise in_world(departure_error(gone, call.op, call.seq, 0.0), self._world_ranks)
         noted = self._not_seen_made
         while floor is not None and noted and noted[0][0] <= floor:
             noted.popleft()  # every peer has made it since
@@ -171,7 +176,7 @@ class MPICommunicationBackend(CommunicationBackendBase):
         error = departure_error(self._board.departures(), call.op, call.seq, waited)
         if error is not None:
             self._abandoned.append((request, keep))
-        return error
+        return in_world(error, self._world_ranks)
 
     def _timed_out(self, call: Call, request: Any, keep: Any) -> CollectiveTimeoutError:
         self._abandoned.append((request, keep))
@@ -187,7 +192,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
             detail += f"; the progress of ranks {unknown} (other nodes) cannot be read"
         detail += "; this group is unusable now, shut it down"
         self._slots.give_up(call.op, call.seq, missing, call.timeout)  # peers stop at once too
-        return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout, detail)
+        return CollectiveTimeoutError(call.op, call.seq, missing, call.timeout,
+                                      world_note(missing, self._world_ranks) + detail)
 
     # ---- post first (see distframe.backends.posted): dtypes MPI reduces as they are -----------
     def _post_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
@@ -329,7 +335,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
                                ranks.index(self._rank) if member else 0)
         if not member:
             return None
-        group = type(self)._adopt(sub, self._MPI, self.timeout, self.debug)
+        world = self._world_ranks or range(self._world_size)
+        group = type(self)._adopt(sub, self._MPI, self.timeout, self.debug, [world[r] for r in ranks])
         self._subgroups.add(group)  # it departs with this backend
         return group
 

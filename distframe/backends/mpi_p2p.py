@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distframe.backends.departures import receive_departure_error, send_departure_error
+from distframe.backends.departures import in_world, receive_departure_error, send_departure_error
 from distframe.backends.mpi_buffers import needs_staging, stage_in, wire, write_back
 from distframe.backends.mpi_progress import wait_request
 from distframe.backends.signature import ENCODED_LENGTH, Signature
@@ -109,7 +109,8 @@ class P2PWork(Work):
         return self._target
 
     def _wait_request(self, deadline: float, limit: float) -> bool:
-        on_stuck = lambda waited, timed_out: self._timed_out(limit) if timed_out else self._departed(waited)
+        on_stuck = lambda waited, timed_out: in_world(
+            self._timed_out(limit) if timed_out else self._departed(waited), self._backend._world_ranks)
         if self._header is not None:
             wait_request(self._header[0], deadline, on_stuck)
             if self._op == "recv" and self._header_mismatch() is not None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from distframe.backends.departures import (Departure, departure_error, gave_up_error,
-                                           receive_departure_error)
+from distframe.backends.departures import (Departure, departure_error, gave_up_error, in_world,
+                                           receive_departure_error, world_note, world_ranks_of)
 from distframe.backends.signature import Signature, describe_mismatch
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 
@@ -146,6 +146,7 @@ class Rendezvous:
     def __init__(self, world: World, global_ranks: list[int]) -> None:
         self.world = world
         self.global_ranks = list(global_ranks)
+        self.world_ranks = world_ranks_of(self.global_ranks)  # [Note: ranks of the world] in departures
         self.size = len(global_ranks)
         lock = threading.RLock()
         self.cond = threading.Condition(lock)
@@ -296,11 +297,11 @@ class Rendezvous:
                 if rank is not None:  # the peers still waiting, and any that come later, stop now
                     self.gave_up.setdefault(rank, (op, seq, absent, timeout))
                     self.wake_all()
-                raise CollectiveTimeoutError(op, seq, absent, timeout, self._global_note(absent))
+                raise in_world(CollectiveTimeoutError(op, seq, absent, timeout), self.world_ranks)
             if self.world.finished or self.departures:
                 gone = self._departed_error(op, seq, missing(), now - start, channel)
                 if gone is not None:  # a rank that left is missing: it can never arrive
-                    raise gone
+                    raise in_world(gone, self.world_ranks)
             if now - start >= STALL_GRACE:
                 stalled = self.stall_error(op, seq, missing(), now - start)
                 if stalled is not None:  # the missing ranks can never arrive: stop now
@@ -318,7 +319,8 @@ class Rendezvous:
         if not given:
             return None
         g_seq, _, who, g_op, missing, timeout = min(given)
-        return gave_up_error(g_op, g_seq, missing, timeout, None if who == rank else who, op, seq)
+        return gave_up_error(g_op, g_seq, missing, timeout, None if who == rank else who, op, seq,
+                             self.world_ranks)
 
     def stall_error(self, op: str, seq: int, absent, waited: float) -> CollectiveTimeoutError | None:
         """The error for a wait whose ``absent`` (local) ranks can never arrive, or None when
@@ -329,8 +331,8 @@ class Rendezvous:
         stuck = self.world.ranks_on_gpu(device, [self.global_ranks[r] for r in absent])
         if not stuck:
             return None
-        return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1),
-                                      shared_gpu_note(op, device, stuck), early=True)
+        return CollectiveTimeoutError(op, seq, sorted(absent), round(waited, 1), world_note(
+            absent, self.world_ranks) + shared_gpu_note(op, device, stuck), early=True)
 
     def _departed_error(self, op: str, seq: int, absent, waited: float,
                         channel: tuple[int, int, int] | None) -> Exception | None:
@@ -357,9 +359,8 @@ class Rendezvous:
         who = f"rank {gone[0]}" if len(gone) == 1 else f"ranks {gone}"
         detail = (f"{who} returned from the function spawn ran without making this call, so "
                   "this rank stopped at once instead of waiting for the timeout")
-        note = self._global_note(gone)
         return CollectiveTimeoutError(op, seq, gone, round(waited, 1),
-                                      f"{note}; {detail}" if note else detail, early=True)
+                                      world_note(gone, self.world_ranks) + detail, early=True)
 
     def missing_ranks(self, seq: int) -> set[int]:
         """The ranks that have not (yet) posted to collective ``seq``, or not left it."""
@@ -370,9 +371,3 @@ class Rendezvous:
             if len(slot.signatures) < self.size:
                 return set(range(self.size)) - set(slot.signatures)
             return set(range(self.size)) - slot.departed
-
-    def _global_note(self, absent) -> str:
-        if not absent or self.global_ranks == list(range(self.size)):
-            return ""
-        return f"global ranks {[self.global_ranks[r] for r in sorted(absent)]}"
-

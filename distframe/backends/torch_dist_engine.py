@@ -47,7 +47,7 @@ import torch.distributed as dist
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.call_slots import exchanged_slots
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure, send_departure_error
+from distframe.backends.departures import Departure, in_world, send_departure_error
 from distframe.backends.nan_flags import (ORDER_OPS, needs_nan_flags, pack_with_nan_flags,
                                           unpack_with_nan_flags)
 from distframe.backends.reduction import reduce_into
@@ -252,12 +252,13 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
                                 lambda s: self._departure_error(call.op, call.seq, s, peer_keys=members))
         if missing:
             self._shared.failed = True
-            raise CollectiveTimeoutError(call.op, call.seq, missing, self.timeout, "they never entered it")
+            raise in_world(CollectiveTimeoutError(call.op, call.seq, missing, self.timeout,
+                                                  "they never entered it"), self._world_ranks)
         try:
-            return type(self)(ranks.index(self._rank), len(ranks), self._shared.store,
-                              timeout=self.timeout, debug=self.debug,
-                              prefix=f"{self._prefix}/group{call.seq}", _shared=self._shared,
-                              **self._sibling_kwargs())
+            return self._place_in_world(type(self)(
+                ranks.index(self._rank), len(ranks), self._shared.store, timeout=self.timeout,
+                debug=self.debug, prefix=f"{self._prefix}/group{call.seq}", _shared=self._shared,
+                **self._sibling_kwargs()), ranks)
         except RuntimeError as exc:  # a member never came: the store's wait timed out
             error = self._comm_error(exc, call.op, call.seq, None)
             if error is None:
@@ -290,7 +291,7 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
             return exc
         self._shared.failed = True
         left = send_departure_error(self.departures().get(dst), dst, self._rank, tag, seq, 0.0)
-        return left or RankFailedError(
+        return in_world(left, self._world_ranks) or RankFailedError(
             dst, f"send (message {seq} with tag {tag} to rank {dst}): {self.engine} found the connection "
                  f"to rank {dst} closed: that rank gave up on a call at its timeout (which closes its "
                  "group's connections) or it died; the group is unusable now, shut it down")

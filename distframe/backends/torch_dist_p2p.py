@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distframe.backends.departures import receive_departure_error
+from distframe.backends.departures import in_world, receive_departure_error
 from distframe.backends.sent_messages import MATCHES, OtherMessage
 from distframe.backends.signature import ENCODED_LENGTH, Signature
 from distframe.backends.torch_dist_board import _CUT, DEPARTURE_SETTLE_S, WatchedWait, peer_lost
@@ -244,10 +244,10 @@ class RecvWork(Work):
             if self._waiter.done():
                 raise
             hint = mismatch_hint(self._backend, self._tensor, self._src, self._tag)
-            raise CollectiveTimeoutError(
+            raise in_world(CollectiveTimeoutError(
                 "recv", self._seq, [self._src], timeout or 0.0,
                 "Work.wait(timeout=...) expired; the receive stays posted, so a later wait() can "
-                f"still complete it{hint}") from None
+                f"still complete it{hint}"), self._backend._world_ranks) from None
 
     def _wait_for_waiter(self) -> None:
         try:
@@ -287,7 +287,7 @@ class RecvWork(Work):
             error = self._sender_left(waited)
         if error is not None:
             backend._shared.failed = True
-            return error
+            return in_world(error, backend._world_ranks)
         return backend._comm_error(exc, "recv", self._seq, [self._src], hint=mismatch_hint(
             backend, self._tensor, self._src, self._tag))
 

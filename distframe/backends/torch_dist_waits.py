@@ -11,6 +11,7 @@ from typing import Any
 
 from distframe.backends.base import Call
 from distframe.backends.call_slots import CallSlots
+from distframe.backends.departures import in_world, world_note, world_ranks_of
 from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WatchedWait, cut_waits, peer_lost,
                                                  wait_in_slices)
 from distframe.errors import CollectiveTimeoutError, RankFailedError
@@ -31,6 +32,15 @@ class TorchDistWaits:
     _progress_keys: dict[int, str]
     _peer_progress_keys: dict[int, str]
     _wait_slice: datetime.timedelta
+    #: The world rank of each rank of this group; None for the world itself, or a group that
+    #: numbers its ranks as it does ([Note: ranks of the world] in ``departures``).
+    _world_ranks: list[int] | None = None
+
+    def _place_in_world(self, group: TorchDistWaits, ranks: list[int]) -> TorchDistWaits:
+        """``group``, a subgroup of this group's ``ranks``, told what their ranks in the world are."""
+        world = self._world_ranks or range(self._world_size)
+        group._world_ranks = group._slots.world_ranks = world_ranks_of([world[r] for r in ranks])
+        return group
 
     def _complete(self, call: Call, issue: Callable[..., Any], *args: Any) -> None:
         """Issues one process-group operation and waits for it, translating transport failures."""
@@ -91,7 +101,7 @@ class TorchDistWaits:
         error = error or self._shared.board.departure_error(keys, op, seq, waited, settle)
         if error is not None:
             self._shared.failed = True
-        return error
+        return in_world(error, self._world_ranks)
 
     def _missing_ranks(self, seq: int) -> list[int] | None:
         return self._shared.board.behind(self._progress_keys, seq)
@@ -120,6 +130,7 @@ class TorchDistWaits:
         if timed_out:
             if peers is None:  # a collective: peers waiting in it, or late for it, stop at once
                 self._slots.give_up(op, seq, missing or None, timeout or self.timeout)
-            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout, detail + hint)
+            return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout,
+                                          world_note(missing, self._world_ranks) + detail + hint)
         return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
                                f"{op} (sequence number {seq}): {detail}")
