@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
@@ -17,7 +18,7 @@ from distframe.compile_support import refuse_on_threads
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
-from distframe.models.extra_state import copy_replicated, extra_state_modules, extra_state_tensors
+from distframe.models.extra_state import copy_replicated
 from distframe.models.flat import Segment
 from distframe.models.full_parameters import Summonable, full_state_dict, refuse_while_summoned, summoned
 from distframe.models.grad_norm import clip_sharded_grad_norm
@@ -25,11 +26,13 @@ from distframe.models.inputs import call_with, train_batch
 from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard
-from distframe.models.replicas import (broadcast_module_state, broadcast_tensors, check_initialised,
-                                      check_same_structure, check_unwrapped)
-from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, fill_shards,
-                                            non_persistent_buffers, shard_pieces)
-from distframe.models.state_checks import loading_reader
+from distframe.models.replica_buffers import ReplicaBuffers, UsageThenBuffers
+from distframe.models.replicas import (broadcast_module_state, check_initialised, check_same_structure,
+                                      check_unwrapped)
+from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, current_pieces,
+                                            fill_shards, replicated_state, replicated_state_names,
+                                            shard_pieces, state_names, trainable_metadata)
+from distframe.models.state_checks import incompatible_keys, loading_reader, refuse_nested_state_dict
 from distframe.models.wrapped_parameters import WrappedParameters
 from distframe.models.zero_grad_route import route_submodule_zero_grad, route_zero_grad
 
@@ -86,6 +89,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         route_zero_grad(module, self)  # net.zero_grad() clears the shards: zero_grad_route.py
         route_submodule_zero_grad(module, self)
         self._synchronize = True
+        self._replica_buffers = ReplicaBuffers(self._buffer_replicas, self.config.broadcast_buffers)
         self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
         guard(self)  # a plain optimizer over parameters its strategy shards is refused at step
@@ -98,8 +102,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         else:
             fix = (f"{type(self).__name__}'s flat shards cannot skip one parameter; "
                    f"{self.skipping_alternative} with find_unused_parameters=True trains it as one process")
-        return ParameterUsage(names, params, self.backend, owner=type(self).__name__, fix=fix,
-                              find_unused=self.config.find_unused_parameters)
+        return UsageThenBuffers(names, params, self.backend, owner=type(self).__name__, fix=fix,
+                                find_unused=self.config.find_unused_parameters,
+                                then=self._replica_buffers.after_step)
 
     @property
     def module(self) -> nn.Module:
@@ -152,22 +157,22 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Communication buffers the strategy holds between steps (for memory_footprint)."""
         return []
 
+    def _buffer_replicas(self) -> tuple[list[torch.Tensor], ICommunicationBackend]:
+        """The buffers ``broadcast_buffers`` keeps as rank 0's (replica_buffers.py), and their group."""
+        return list(self.wrapped_model.buffers()), self.backend
+
     # ---- shared life cycle -------------------------------------------------------------------
     def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank (``config.broadcast_buffers``); collective. Listed per
-        forward, not cached: module.to() after wrapping replaces buffer tensors."""
-        if self.config.broadcast_buffers and self.backend.world_size > 1:
-            if buffers := list(self.wrapped_model.buffers()):
-                broadcast_tensors(buffers, self.backend)
+        """Rank 0's buffers to every rank now (``config.broadcast_buffers``); collective."""
+        self._replica_buffers.broadcast()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_while_summoned(self, "forward ran")
         refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
         if torch.is_grad_enabled():
             self._wrapped_parameters.check(self)
-        if self._synchronize and torch.is_grad_enabled():
-            self._sync_buffers()
-        self._pre_forward()
+        self._pre_forward()  # may end a synchronisation first (a backward without a step)
+        self._replica_buffers.before_forward(self._synchronize, self.wrapped_model.training)
         return self._post_forward(self.wrapped_model(*args, **kwargs))
 
     @contextlib.contextmanager
@@ -295,9 +300,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
 
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         """The wrapped model's full state dict (parameters gathered, buffers copied), identical
-        on every rank (buffers are rank 0's unless ``config.broadcast_buffers`` is False);
-        collective for sharded strategies. It reads: a live buffer is written only where it
-        differs from rank 0's, so it may run between a forward and its backward."""
+        on every rank (buffers are rank 0's, broadcast now, unless ``config.broadcast_buffers`` is
+        False); collective. It reads: a live buffer is written only where it differs from rank
+        0's, so it may run between a forward and its backward."""
         self._sync_buffers()  # writes only buffers that differ from rank 0's (broadcast_tensors)
         return full_state_dict(self.wrapped_model, self._gather_parameters())
 
@@ -318,60 +323,55 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Name, full shape and stored dtype of every trainable parameter of the unwrapped model,
         the same on every rank: what a checkpoint records. Model-parallel strategies, whose
         ``wrapped_model`` holds only this rank's part, override it with the dense model's."""
-        layout = self.shard_layout()
-        dtypes = {seg.name: shard.dtype for shard, segs in zip(layout.shards, layout.segments) for seg in segs}
         fallback = self.local_parameter_shard()[0].dtype
-        return {n: {"shape": list(p.shape), "dtype": str(dtypes.get(n, fallback)).removeprefix("torch.")}
-                for n, p in self.wrapped_model.named_parameters() if p.requires_grad}
+        return trainable_metadata(self.wrapped_model, self.shard_layout(), fallback)
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Persistent buffers, frozen parameters and extra state (extra_state.py): identical on
         every rank, saved once by rank 0 (non-persistent buffers are not, as torch leaves them out)."""
-        frozen = [(n, p) for n, p in self.wrapped_model.named_parameters() if not p.requires_grad]
-        skipped = non_persistent_buffers(self.wrapped_model)
-        buffers = [(n, b) for n, b in self.wrapped_model.named_buffers() if n not in skipped]
-        return frozen + buffers + extra_state_tensors(self.wrapped_model)
+        return replicated_state(self.wrapped_model)
 
     def replicated_names(self) -> set[str]:
         """Every buffer and frozen-parameter name of the unwrapped model, the same on every rank
         (model-parallel strategies, whose ranks hold parts, override it with the dense model's);
         non-persistent buffers too, which a load ignores where an older checkpoint holds them."""
-        frozen = {n for n, p in self.wrapped_model.named_parameters() if not p.requires_grad}
-        extra = {n for n, _ in extra_state_modules(self.wrapped_model)}
-        return frozen | extra | {n for n, _ in self.wrapped_model.named_buffers()}
+        return replicated_state_names(self.wrapped_model)
 
     def state_aliases(self) -> dict[str, str]:
         """Each further ``state_dict()`` name of a tensor the unwrapped model holds under several
         (tied weights), mapped to the name it is stored under; the same on every rank."""
-        first: dict[int, str] = {}
-        aliases = {}
-        for name, tensor in self.wrapped_model.state_dict(keep_vars=True).items():
-            if id(tensor) in first:
-                aliases[name] = first[id(tensor)]
-            else:
-                first[id(tensor)] = name
-        return aliases
+        return {key: name for key, name in self._state_names() if key != name}
+
+    def _state_names(self) -> list[tuple[str, str]]:
+        """The unwrapped model's ``state_dict()`` keys in order, each with the name it is stored under."""
+        return state_names(self.wrapped_model)
 
     def _refuse_nested_state_dict(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        """ConfigError when torch asks for this model's entries in a holder's ``state_dict()``."""
-        if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
-            held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
-            raise ConfigError(
-                f"the state_dict() of a module holding {type(self).__name__} (as {held_as!r}) cannot "
-                "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
-                "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
-                "optimizer), or its gather_full_parameters()) and the other parts on their own")
+        refuse_nested_state_dict(type(self).__name__, args, kwargs)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor] | RangeReader, strict: bool = True,
-                        assign: bool = False) -> None:  # noqa: ARG002
+                        assign: bool = False) -> _IncompatibleKeys:  # noqa: ARG002
         """Loads pieces from any layout (merge the ranks' ``state_dict()`` outputs, or pass a
         checkpoint reader), or the unwrapped model's plain state dict (every key without a "/"),
         checked first (state_checks.py); each rank reads the ranges it holds (``read_shards``),
-        then ``finish_load``. Collective."""
-        reader = loading_reader(state_dict, self.parameter_metadata(), self.replicated_names(),
-                                self.state_aliases(), strict=strict)
+        then ``finish_load``. Collective. As torch's: ``strict=False`` leaves what the state lacks
+        at its current values and ignores names the model lacks; returns ``(missing_keys,
+        unexpected_keys)``, the unwrapped model's names."""
+        replicated, aliases = self.replicated_names(), self.state_aliases()
+        reader = loading_reader(state_dict, self.parameter_metadata(), replicated, aliases, strict=strict)
+        keys = [key for key, _ in self._state_names()]
+        missing, unexpected = incompatible_keys(state_dict, reader, keys, replicated, aliases)
+        lacking = {aliases.get(k, k) for k in missing} - reader.stored_names()
+        if lacking and not strict:  # what this rank holds of them now is read in their place
+            held = current_pieces(self._read_layout(), self.replicated_tensors(), lacking)
+            reader = reader.with_pieces(held)
         self.read_shards(reader)
         self.finish_load()
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _read_layout(self) -> ShardLayout:
+        """The parameter ranges ``read_shards`` fills on this rank."""
+        return self.shard_layout()
 
     def read_shards(self, reader: RangeReader) -> None:
         """This rank's part of ``load_state_dict``: checks and reads the ranges and buffers it
@@ -379,7 +379,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         collective (``distframe.checkpoint.load``); every rank then calls ``finish_load``."""
         replicated = self.replicated_tensors()
         check_replicated(reader, replicated)
-        layout = self.shard_layout()
+        layout = self._read_layout()
         fill_shards(layout, reader, "param", layout.shards)
         copy_replicated(self.wrapped_model, reader, replicated)
 

@@ -38,9 +38,13 @@ class ShardingConfig:
         steps (their master weights, gradients and optimizer state stay sharded).
     check_structure: compare parameter names, shapes and dtypes across ranks at construction
         (ZeRO-3 and FSDP: and the order their units ran in the first forward with grad).
-    broadcast_buffers: as torch DDP, copy rank 0's buffers (BatchNorm's running statistics) to
-        every rank before each forward that will synchronise gradients, and before
-        ``gather_full_parameters()``, so replicas agree; False keeps each rank's own.
+    broadcast_buffers: as torch DDP, every rank computes with rank 0's buffers (BatchNorm's
+        running statistics) after each step: they are sent at the end of each gradient
+        synchronisation and take effect at the next forward, so an evaluation after a step
+        agrees on every rank and sends nothing (rank 0 may evaluate alone); a forward that will
+        synchronise after another training forward (no backward between, no_sync) broadcasts
+        them first, as does ``gather_full_parameters()`` ([Note: buffers after a step] in
+        replica_buffers.py). False keeps each rank's own.
     find_unused_parameters: torch DDP's setting, for DDPModel and HybridShardedModel with
         data_parallel="ddp": a parameter that no rank gave a gradient keeps ``.grad = None``
         after synchronisation, so the optimizer skips it as it would in one process (one small

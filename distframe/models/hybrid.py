@@ -57,7 +57,7 @@ from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
-from distframe.models.replicas import broadcast_tensors, mark_wrapped
+from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.tensor_parallel_mixing import wiring_checks
 from distframe.models.tensor_parallel_plan import split_dims
@@ -147,6 +147,7 @@ class HybridShardedModel(ShardedModelBase):
         output's backward raises ConfigError (``refuse_backward``): train with train_step."""
         refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
         cp = self.groups.cp
+        self._replica_buffers.take_arrived()  # see [Note: buffers after a step]
         if self.runner is None and torch.is_grad_enabled():  # a backward through it may follow
             self._before_backward()
         if self.runner is None and cp is None:
@@ -181,8 +182,7 @@ class HybridShardedModel(ShardedModelBase):
 
     def _before_backward(self) -> None:
         self._wrapped_parameters.check(self)
-        if self._synchronize:
-            self._sync_buffers()
+        self._replica_buffers.before_forward(self._synchronize, self.wrapped_model.training)
         self._reopen_gradients()
 
     def _reopen_gradients(self) -> None:
@@ -208,6 +208,7 @@ class HybridShardedModel(ShardedModelBase):
         """``loss_fn(model(inputs), targets)`` without autograd, the same on every rank of the
         pipeline group: with pipelining only the scalar is broadcast from the last stage."""
         inputs, targets = self._sequence_slices(inputs, targets)
+        self._replica_buffers.take_arrived()
         with torch.no_grad():
             if self.runner is None:
                 loss = loss_fn(call_with(self.wrapped_model, inputs), targets).detach()
@@ -239,16 +240,14 @@ class HybridShardedModel(ShardedModelBase):
         return {e.name: {"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch.")}
                 for e in self.catalog.params}
 
-    def _sync_buffers(self) -> None:
-        """Replica 0's buffers to the other data-parallel (x cp) replicas of this stage and shard."""
-        if self.config.broadcast_buffers and self.groups.replicas.world_size > 1 and self.local_buffers:
-            broadcast_tensors(list(self.local_buffers.values()), self.groups.replicas)
+    def _buffer_replicas(self) -> tuple[list[torch.Tensor], ICommunicationBackend]:
+        return list(self.local_buffers.values()), self.groups.replicas  # this stage's, over dp x cp
 
     def replicated_names(self) -> set[str]:
         return {e.name for e in self.catalog.buffers}
 
-    def state_aliases(self) -> dict[str, str]:
-        return {key: name for key, name in self.catalog.state_keys if key != name}
+    def _state_names(self) -> list[tuple[str, str]]:
+        return self.catalog.state_keys
 
     def replicated_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's persistent buffers under their names in the unsplit model."""
@@ -305,6 +304,7 @@ class HybridShardedModel(ShardedModelBase):
             self.zero.reduce_gradients()
         elif self.groups.replicas.world_size > 1:
             all_reduce_grads(self._trainable(), self.groups.replicas, ReduceOp.AVG, keep_unused)
+        self._replica_buffers.after_step()
         self._gradients_synchronized = True
 
     def _warn_unused(self) -> None:
@@ -332,12 +332,12 @@ class HybridShardedModel(ShardedModelBase):
                 lp.param.grad = None
         self.tied_gradients.forget()
 
-    def _parameter_layout(self) -> ShardLayout:
+    def _read_layout(self) -> ShardLayout:
         return shard_layout(self.local_parameters, self.catalog, self.groups.tp_index, self.dims.tp)
 
     def shard_layout(self) -> ShardLayout:
         """Dense ranges of ``local_parameter_shard()`` (what optimizer state is keyed by)."""
-        layout = self._parameter_layout()
+        layout = self._read_layout()
         # Frozen parameters have no optimizer state (and no place in ZeRO's chunk).
         trainable = [i for i, lp in enumerate(self.local_parameters) if lp.param.requires_grad]
         segments = [layout.segments[i] for i in trainable]
@@ -373,7 +373,7 @@ class HybridShardedModel(ShardedModelBase):
         stage holding a tied weight) and ``buffer/<name>``. Merge every rank's dict for the model.
         A holder's ``state_dict()`` is refused, as the base class refuses it."""
         self._refuse_nested_state_dict(args, kwargs)
-        layout = self._parameter_layout()
+        layout = self._read_layout()
         state: dict[str, torch.Tensor] = {}
         for lp, segments in zip(self.local_parameters, layout.segments):
             if not owns_piece(lp.split_dim, self.catalog.by_name[lp.name], self.groups):
@@ -390,7 +390,7 @@ class HybridShardedModel(ShardedModelBase):
         """Reads this rank's ranges from pieces of any layout (merged ``state_dict()`` outputs of
         any strategy, or a checkpoint reader); ``load_state_dict`` is this alone, no communication."""
         check_replicated(reader, self.replicated_tensors())
-        layout = self._parameter_layout()
+        layout = self._read_layout()
         fill_shards(layout, reader, "param", layout.shards)
         with torch.no_grad():
             for name, buf in self.replicated_tensors():

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from distframe.errors import ConfigError
-from distframe.models.extra_state import check_extra_state, is_extra_state
+from distframe.models.extra_state import (check_extra_state, extra_state_modules, extra_state_tensors,
+                                          is_extra_state)
 from distframe.models.flat import Segment
 
 
@@ -95,6 +96,19 @@ class RangeReader:
         return cls(((k, v.numel()) for k, v in state.items()),
                    lambda key, lo, hi: state[key] if hi is None else state[key].reshape(-1)[lo:hi],
                    lambda key: state[key].shape)
+
+    def with_pieces(self, extra: dict[str, torch.Tensor]) -> RangeReader:
+        """This reader and ``extra`` (pieces of names it holds nothing of) as one reader."""
+        held = [(key, numel) for runs in self._index.values() for _, numel, key in runs]
+        held += [(key, 0) for key in self.keys if key.startswith("buffer/")]  # numel unused for these
+        extra_reader = RangeReader.from_tensors(extra)
+        return RangeReader(held + [(k, v.numel()) for k, v in extra.items()],
+                           lambda key, lo, hi: (extra_reader if key in extra else self)._fetch(key, lo, hi),
+                           lambda key: (extra_reader if key in extra else self)._shape_of(key))
+
+    def stored_names(self) -> set[str]:
+        """Every name a parameter piece or a whole (``buffer/``) piece is stored for."""
+        return self.names("param") | {k.removeprefix("buffer/") for k in self.keys if k.startswith("buffer/")}
 
     def kinds(self) -> set[str]:
         return {kind for kind, _ in self._index}
@@ -217,6 +231,49 @@ def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
             for name in sub._non_persistent_buffers_set}
 
 
+def replicated_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Frozen parameters, persistent buffers and extra state of ``module``, by state-dict name."""
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    skipped = non_persistent_buffers(module)
+    buffers = [(n, b) for n, b in module.named_buffers() if n not in skipped]
+    return frozen + buffers + extra_state_tensors(module)
+
+
+def replicated_state_names(module: torch.nn.Module) -> set[str]:
+    """Every frozen-parameter, buffer (non-persistent ones too) and extra-state name of ``module``."""
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    extra = {n for n, _ in extra_state_modules(module)}
+    return frozen | extra | {n for n, _ in module.named_buffers()}
+
+
+def trainable_metadata(module: torch.nn.Module, layout: ShardLayout,
+                       fallback: torch.dtype) -> dict[str, dict[str, object]]:
+    """Name, shape and stored dtype (its shard's in ``layout``, else ``fallback``) of every
+    trainable parameter of ``module``."""
+    dtypes = {seg.name: shard.dtype for shard, segs in zip(layout.shards, layout.segments) for seg in segs}
+    return {n: {"shape": list(p.shape), "dtype": str(dtypes.get(n, fallback)).removeprefix("torch.")}
+            for n, p in module.named_parameters() if p.requires_grad}
+
+
+def state_names(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """Each ``state_dict()`` key of ``module``, in order, with the name its tensor is stored under:
+    the key, or for a tensor held under several (tied weights) the first of them."""
+    first: dict[int, str] = {}
+    held = module.state_dict(keep_vars=True)
+    return [(key, first.setdefault(id(tensor), key)) for key, tensor in held.items()]
+
+
+def current_pieces(layout: ShardLayout, replicated: Iterable[tuple[str, torch.Tensor]],
+                   names: set[str]) -> dict[str, torch.Tensor]:
+    """Copies of what this rank holds of ``names`` (the ``layout`` segments it reads, its
+    ``replicated`` tensors) as pieces: what a ``strict=False`` load reads where the state lacks them."""
+    pieces = {piece_key("param", s.name, s.param_offset):
+              shard.detach().reshape(-1)[s.shard_offset:s.shard_offset + s.length].clone()
+              for shard, segs in zip(layout.shards, layout.segments) for s in segs if s.name in names}
+    pieces.update((f"buffer/{n}", t.detach().clone()) for n, t in replicated if n in names)
+    return pieces
+
+
 def check_replicated(reader: RangeReader, named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """ConfigError unless ``reader`` holds each buffer or frozen parameter of ``named`` with its
     shape: call it before anything changes, as ``copy_`` would broadcast a smaller one silently."""
@@ -224,7 +281,8 @@ def check_replicated(reader: RangeReader, named: Iterable[tuple[str, torch.Tenso
         stored = reader.replicated_shape(name, tensor.shape)
         if stored is None:
             kind = "extra state" if is_extra_state(name) else "buffer or frozen parameter"
-            raise ConfigError(f"{kind} {name!r} is not in the state loaded")
+            raise ConfigError(f"{kind} {name!r} is not in the state loaded; load_state_dict(state, "
+                              "strict=False) keeps its current value, as torch's does")
         if stored != tuple(tensor.shape) and not is_extra_state(name):  # [Note: extra state]
             raise ConfigError(f"buffer or frozen parameter {name!r} has shape {list(tensor.shape)} "
                               f"here but {list(stored)} in the state loaded")
@@ -256,7 +314,8 @@ def full_state_pieces(state: dict[str, torch.Tensor], trainable: dict[str, dict]
     ``distframe.checkpoint.consolidate`` return it) as pieces: one ``param/<name>@0`` per trainable
     parameter (``trainable``: name -> {"shape": ...}), ``buffer/<name>`` for the ``replicated``
     names, a tied weight's further names (``aliases``) read as its first. ConfigError for a
-    trainable parameter missing or of another shape, or (``strict``) a name the model lacks."""
+    parameter of another shape, or (``strict``) a trainable parameter missing or a name the model
+    lacks (``strict=False``: left out, as torch leaves them)."""
     pieces, unexpected = {}, []
     for name, tensor in state.items():
         name = aliases.get(name, name)
@@ -272,11 +331,14 @@ def full_state_pieces(state: dict[str, torch.Tensor], trainable: dict[str, dict]
         else:
             unexpected.append(name)
     missing = [name for name in trainable if piece_key("param", name, 0) not in pieces]
-    if missing or unexpected and strict:
+    if strict and (missing or unexpected):
+        prefixed = any(name.startswith("module.") for name in unexpected)
         raise ConfigError(
             f"the state dict loaded lacks parameter(s) {missing[:3]} and has unexpected key(s) "
-            f"{unexpected[:3]}: a wrapped model loads the unwrapped model's state dict (names as in "
-            "gather_full_parameters(), without a 'module.' prefix) or every rank's state_dict() merged")
+            f"{unexpected[:3]}: pass strict=False to load it anyway, as torch's load_state_dict does "
+            "(what it lacks keeps its current value, unexpected keys are ignored)"
+            + (". Names are the unwrapped model's, as gather_full_parameters() gives them, without "
+               "the 'module.' prefix" if prefixed else ""))
     return pieces
 
 
@@ -297,7 +359,8 @@ def check_covered(reader: RangeReader, kind: str, segments: list[Segment]) -> No
                              f"element {gap} not held")
     if missing or short:
         what = "parameter(s)" if kind == "param" else f"{kind} state of parameter(s)"
-        found = [f"missing {what} {missing[:5]}"] if missing else []
+        kept = " (load_state_dict(state, strict=False) keeps their current values)" if kind == "param" else ""
+        found = [f"missing {what} {missing[:5]}{kept}"] if missing else []
         found += [f"{what} not held whole: " + "; ".join(list(short.values())[:5])] if short else []
         raise ConfigError(f"the state loaded does not fit this model: {', '.join(found)}. It was saved "
                           "from a smaller model, or is not every rank's state_dict() merged")

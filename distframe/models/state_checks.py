@@ -15,7 +15,9 @@ read:
   any name the model does not have (``strict=False`` ignores those, as torch does);
 * on each rank (``sharded_state.check_covered``, in ``fill_shards``): every range it reads is held,
   else the parameters it lacks are missing, or (held in part) were saved smaller or not merged.
-  ``strict=False`` does not excuse a missing parameter: a rank has nothing to leave in its place.
+  ``strict=False`` excuses a parameter, buffer or extra state of which the state holds nothing,
+  as torch's does: ``load_state_dict`` reads this rank's current values in its place (the same
+  on every rank), so a pretrained body loads under a fresh head; one held in part is still refused.
 
 Pieces tell element counts, not shapes: a (2, 8) weight loads the pieces of a (4, 4) one (a
 plain state dict's shapes and a checkpoint's metadata are checked exactly). Pure bookkeeping; no
@@ -44,6 +46,19 @@ def loading_reader(state: dict[str, torch.Tensor] | RangeReader, trainable: dict
     return reader
 
 
+def incompatible_keys(state: dict[str, torch.Tensor] | RangeReader, reader: RangeReader, keys: list[str],
+                      known: set[str], aliases: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``(missing_keys, unexpected_keys)`` as torch's ``load_state_dict`` returns them: the model's
+    state-dict ``keys`` (in order) that ``state`` lacks, and the names it holds that are not
+    ``known`` (keys, buffers, frozen parameters, extra state). A plain state dict is read by key,
+    as torch reads it; pieces by name, a tied weight's further names (``aliases``) present with it."""
+    known = known | set(keys)
+    if not isinstance(state, RangeReader) and state and not any("/" in k for k in state):
+        return [k for k in keys if k not in state], [k for k in state if k not in known]
+    stored = reader.stored_names()
+    return [k for k in keys if aliases.get(k, k) not in stored], sorted(stored - known)
+
+
 def check_pieces(reader: RangeReader, trainable: dict[str, dict[str, Any]], replicated: set[str], *,
                  strict: bool) -> None:
     """ConfigError naming every trainable parameter of ``trainable`` (name -> {"shape": ...}) that
@@ -59,9 +74,7 @@ def check_pieces(reader: RangeReader, trainable: dict[str, dict[str, Any]], repl
                 sized.append(f"{name!r} has shape {shape} here, {stored} there (stored frozen)")
         elif reader.extent("param", name) > numel_of(shape):
             sized.append(_too_big(name, shape, reader.extent("param", name), "pieces"))
-    stored_names = reader.names("param") | {k.removeprefix("buffer/") for k in reader.keys
-                                            if k.startswith("buffer/")}
-    unexpected = sorted(stored_names - set(trainable) - replicated) if strict else []
+    unexpected = sorted(reader.stored_names() - set(trainable) - replicated) if strict else []
     if sized or unexpected:
         raise ConfigError(_describe("the state loaded does not fit this model", sized, unexpected,
                                     "strict=False ignores these"))
@@ -105,3 +118,14 @@ def _describe(what: str, sized: list[str], unexpected: list[str], note: str) -> 
 
 def _more(names: list[str]) -> str:
     return f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+
+
+def refuse_nested_state_dict(strategy: str, args: tuple, kwargs: dict[str, Any]) -> None:
+    """ConfigError when torch asks for a sharded model's entries in a holder's ``state_dict()``."""
+    if args or kwargs.get("prefix") or kwargs.get("destination") is not None:
+        held_as = str(kwargs.get("prefix", "")).rstrip(".") or "a submodule"
+        raise ConfigError(
+            f"the state_dict() of a module holding {strategy} (as {held_as!r}) cannot "
+            "include it: a sharded model's state_dict() is this rank's share, and leaving it out "
+            "would lose it; save the sharded model itself (distframe.checkpoint.save(path, model, "
+            "optimizer), or its gather_full_parameters()) and the other parts on their own")
