@@ -43,6 +43,12 @@ class AsyncCalls:
         engine cannot tell. Engines override it."""
         return None
 
+    def _ranks_in_world(self) -> list[int] | None:
+        """The world rank of each rank of this group, None where the group numbers them as the
+        world does ([Note: ranks of the world] in ``departures``). Engines keep it as
+        ``_world_ranks``; the in-memory engine overrides this."""
+        return getattr(self, "_world_ranks", None)
+
     def _submit(self, call: Call, fn: Callable[[Call], Any]) -> FutureWork:
         """Queues ``fn(call)`` on the communication thread."""
         def execute() -> Any:
@@ -64,7 +70,8 @@ class AsyncCalls:
         # its result (a gathered tensor, say) lives only as long as the caller keeps it.
         future.add_done_callback(self._forget_if_succeeded)
         return FutureWork(future, call.op, call.seq, on_done=lambda: self._forget(future),
-                          stall=self._stall_check(call), missing=lambda: self._missing_ranks(call.seq))
+                          stall=self._stall_check(call), missing=lambda: self._missing_ranks(call.seq),
+                          world_ranks=self._ranks_in_world())
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:

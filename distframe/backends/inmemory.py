@@ -99,6 +99,9 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _missing_ranks(self, seq: int) -> list[int]:
         return sorted(self._rdv.missing_ranks(seq))
 
+    def _ranks_in_world(self) -> list[int] | None:
+        return self._rdv.world_ranks
+
     def _element_range(self, numel: int) -> slice:
         per_rank = -(-numel // self._world_size)
         start = min(numel, self._rank * per_rank)

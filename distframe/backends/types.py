@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.departures import world_note
 from distframe.backends.validation import check_wait_timeout
 from distframe.errors import CollectiveTimeoutError
 
@@ -105,11 +106,13 @@ class FutureWork(Work):
     ``stall``, if given, is asked once a second while ``wait`` blocks: an error it returns (the
     operation can never complete) is raised at once instead of waiting on. ``missing``, if given,
     names the ranks that have not entered the operation when ``wait(timeout=...)`` expires
-    (None where the engine cannot tell)."""
+    (None where the engine cannot tell), and ``world_ranks`` what the world numbers them."""
 
     def __init__(self, future: Future, op: str, seq: int, on_done: Callable[[], None] | None = None,
                  stall: Callable[[], BaseException | None] | None = None,
-                 missing: Callable[[], list[int] | None] | None = None) -> None:
+                 missing: Callable[[], list[int] | None] | None = None,
+                 world_ranks: list[int] | None = None) -> None:
+        self._world_ranks = world_ranks
         self._future = future
         self._op = op
         self._seq = seq
@@ -130,6 +133,7 @@ class FutureWork(Work):
             detail = "Work.wait(timeout=...) expired before the operation completed"
             if missing == []:
                 missing, detail = None, f"{detail}; every rank has entered it"
+            detail = world_note(missing, self._world_ranks) + detail
             raise CollectiveTimeoutError(self._op, self._seq, missing, timeout or 0.0, detail) from None
         finally:
             # A failure the caller has now seen is not raised again by the next call, nor by

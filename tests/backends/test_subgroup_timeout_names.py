@@ -3,7 +3,8 @@
 In new_group([2, 1, 0]) global rank 0 is the subgroup's rank 2, and global rank 2 its rank 0. A
 waiting rank's error said only "ranks [2] did not arrive", although global rank 2 was one of those
 waiting; the in-memory engine named the global rank only on the rank whose own timeout fired, Gloo
-and MPI never. Every engine now names them both ways on every waiting rank, in one wording.
+and MPI never. Every engine now names them both ways on every waiting rank, in one wording, and
+so does an asynchronous call's expired ``Work.wait(timeout=...)``.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ def late_and_leaving_rank(b):
     else:
         found["late"] = _failure(lambda: late.all_reduce(torch.ones(4)))
     b.barrier()
+    slow = b.new_group(ORDER)  # late by less than the timeout: a Work.wait(timeout=...) expires
+    if b.rank == 0:
+        time.sleep(b.timeout * 0.6)
+        slow.all_reduce(torch.ones(4))
+    else:
+        work = slow.all_reduce(torch.ones(4), async_op=True)
+        found["expired"] = _failure(lambda: work.wait(timeout=b.timeout * 0.1))
+        work.wait()
+    b.barrier()
     leaving = b.new_group(ORDER)
     if b.rank == 0:
         leaving.shutdown()
@@ -50,7 +60,7 @@ def late_and_leaving_rank(b):
 def _check(results: list[dict]) -> None:
     assert results[0] == {}
     for rank in (1, 2):
-        for case in ("late", "left"):
+        for case in ("late", "left", "expired"):
             kind, missing, text = results[rank][case]
             assert kind == "CollectiveTimeoutError" and missing == [2], (rank, case, text)
             assert NOTE in text, (rank, case, text)
@@ -60,6 +70,7 @@ def _check(results: list[dict]) -> None:
             assert who.group(3) is not None, text
             assert ORDER[int(who.group(1))] == int(who.group(3)) != rank, text
         assert "left the group" in results[rank]["left"][2]
+        assert "Work.wait(timeout=...) expired" in results[rank]["expired"][2]
 
 
 def test_inmemory():
