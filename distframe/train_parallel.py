@@ -56,6 +56,10 @@ def check_model_parallel(config: Any, world: int) -> None:
                           f"and head); use --pp at most {shape.num_layers + 2} or more --layers")
     if config.schedule == INTERLEAVED:
         _check_interleaved(config, pp, shape.num_layers)
+    if config.micro_batches > 1 and pp == 1:  # it was ignored: the batch ran whole
+        raise ConfigError(f"--micro-batches {config.micro_batches} needs a pipeline (--pp 2 or more): "
+                          "without one the batch is not split; leave it out, or use --grad-accum-steps "
+                          "to accumulate gradients over smaller batches")
 
 
 def _check_interleaved(config: Any, pp: int, blocks: int) -> None:

@@ -23,6 +23,8 @@ from tests.train.test_bad_input import _fails_with
      ["cannot infer --pp", "--dp 3 x --tp 1 = 3"]),
     (["--strategy", "pipeline", "--world-size", "2", "--micro-batches", "3"],
      ["--micro-batches 3", "--batch-size 8"]),
+    (["--strategy", "hybrid", "--world-size", "2", "--tp", "2", "--micro-batches", "2"],  # was ignored
+     ["--micro-batches 2 needs a pipeline", "--grad-accum-steps"]),
     (["--strategy", "tensor", "--world-size", "4", "--batch-size", "8"],
      ["--tp 4", "2 attention heads", "--heads"]),
     (["--strategy", "ddp", "--tp", "2"], ["--tp applies to --strategy tensor or hybrid"]),
@@ -64,11 +66,11 @@ def test_bad_flags(capsys, tmp_path, flags, needles):
 
 def test_toml_keys_mirror_the_new_flags(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('strategy = "hybrid"\ntp = 2\nmicro-batches = 2\nbase-optimizer = "sgd"\n')
-    config = resolve_config({"world_size": 4}, str(path))
+    path.write_text('strategy = "hybrid"\ntp = 2\npp = 2\nmicro-batches = 2\nbase-optimizer = "sgd"\n')
+    config = resolve_config({"world_size": 8}, str(path))
     assert (config.strategy, config.tp, config.micro_batches, config.base_optimizer) == (
         "hybrid", 2, 2, "sgd")
-    assert config.parallel_degrees(4) == (2, 2, 1)
+    assert config.parallel_degrees(8) == (2, 2, 2)
     assert TrainConfig(strategy="pipeline", world_size=4, dp=2).parallel_degrees(4) == (2, 1, 2)
 
 
