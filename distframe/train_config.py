@@ -45,6 +45,9 @@ PARALLEL_SETTINGS = {"dp": ("pipeline", "tensor", "hybrid"), "tp": ("tensor", "h
                      "pp": ("pipeline", "hybrid"), "micro_batches": ("pipeline", "hybrid"),
                      "schedule": ("pipeline", "hybrid"), "virtual_stages": ("pipeline", "hybrid"),
                      "cp": ("hybrid",)}
+# Settings of one compressor (under --optimizer compressed): left at their defaults with the others.
+COMPRESSOR_SETTINGS = {"topk_ratio": ("topk",), "powersgd_rank": ("powersgd",),
+                       "powersgd_start": ("powersgd",)}
 # DilatedTransformerConfig field for each model flag of the command line.
 MODEL_FLAGS = {"layers": "num_layers", "d_model": "embed_dim", "heads": "num_heads",
                "seq_len": "seq_len", "segment_lengths": "segment_lengths",
@@ -256,6 +259,7 @@ class TrainConfig:
                               "--strategy or use --optimizer none")
         check_unused(self, {name: (opt,) for opt, c in OPTIMIZERS.items() for name in c.settings},
                       "optimizer")
+        check_unused(self, COMPRESSOR_SETTINGS, "compressor")  # they were taken, and ignored
         if self.optimizer == "elastic" and self.compile is not None:
             raise ConfigError("--optimizer elastic is an in-memory demo whose workers are threads, "
                               "which do not run compiled models; drop --compile")

@@ -36,6 +36,10 @@ from tests.train.test_bad_input import _fails_with
      ["--optimizer compressed runs on --strategy ddp", "zero2"]),
     (["--optimizer", "elastic", "--backend", "gloo"], ["--optimizer elastic", "--backend inmemory"]),
     (["--compressor", "topk"], ["--compressor applies to --optimizer compressed"]),
+    (["--optimizer", "compressed", "--compressor", "int8", "--topk-ratio", "0.5"],  # was ignored
+     ["--topk-ratio applies to --compressor topk, not int8"]),
+    (["--optimizer", "compressed", "--compressor", "topk", "--powersgd-rank", "4"],
+     ["--powersgd-rank applies to --compressor powersgd, not topk"]),
     (["--optimizer", "adamw"], ["--optimizer 'adamw' is unknown", "--base-optimizer adamw"]),
     (["--optimizer", "elastic", "--elastic-schedule", "4"], ["--elastic-schedule", "STEP:WORLD"]),
     (["--optimizer", "elastic", "--elastic-schedule", "2:4,2:2"],
