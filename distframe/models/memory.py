@@ -21,6 +21,7 @@ def storage_footprint(model: Any) -> dict[str, int]:
     if getattr(attached, "wrapped_optimizer", None) is not None:
         optimizers.append(attached.wrapped_optimizer)
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+    state += attached.held_tensors() if hasattr(attached, "held_tensors") else []  # error feedback
     out = {"parameters": _storage_bytes(params, seen), "gradients": _storage_bytes(grads, seen),
            "optimizer_state": _storage_bytes(state, seen),
            "buffers": _storage_bytes(model._strategy_buffers(), seen)}  # noqa: SLF001

@@ -246,6 +246,11 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
     def synchronize_optimizer_state(self) -> None:
         """Makes replicated optimizer state identical (rank 0's); sharded state needs nothing."""
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors this optimizer keeps beside its wrapped optimizer's state (error-feedback
+        residuals, say), which ``model.memory_footprint()`` counts as optimizer state."""
+        return []
+
     def synchronize_parameters(self) -> None:
         self.model.synchronize_parameters()
 

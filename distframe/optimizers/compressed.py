@@ -370,6 +370,9 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         return _Then(works, finish)
 
     # ---- state -------------------------------------------------------------------------------
+    def held_tensors(self) -> list[torch.Tensor]:  # residuals; PowerSGD's warm starts (copies' sizes)
+        return [*self.residuals.values(), *self.compressor.state_dict().values()]
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's pieces plus this rank's residuals and compressor state and, on
         rank 0, the state every rank holds alike (``compression_state``)."""
