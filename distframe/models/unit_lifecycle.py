@@ -271,7 +271,8 @@ class UnitLifecycle:
     def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter, index: int) -> None:
         if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
             raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
-                                          "did not run")
+                                          "did not run (or ran before the last optimizer step, which "
+                                          "changed the weights that forward used; torch refuses that too)")
         self.usage.has_gradient[index] = True
         if not self.synchronize and unit.accumulates:
             unit.keep_accumulated(param)

@@ -169,6 +169,10 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
             works.append(self.backend.all_gather(chunk, out=flat, async_op=True))
         for work in works:
             work.wait()
+        # The parameters are ``.data`` views of ``flat``, whose writes leave their version counters
+        # alone: a backward over a forward from before this step (or a load) then computed with
+        # the new weights, silently, where torch says they were modified in place.
+        torch.autograd.graph.increment_version([p for space in self.spaces for p in space.params])
 
     def _after_load(self) -> None:
         self.synchronize_parameters()
@@ -200,11 +204,12 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
 
 
 class ZeRO1Model(_ReplicatedParametersShardedState):
-    """ZeRO stage 1: parameters and full gradients replicated, optimizer state for 1/N of the
-    flat parameter space per rank (use ZeRO1Optimizer). Gradients are reduce-scattered per bucket
-    during backward (the averaged chunk lands in this rank's slice of the kept full gradient
-    buffer); after the local update the parameters are all-gathered. Holds 8 + 8/N bytes per
-    parameter for float32 Adam."""
+    """ZeRO stage 1: parameters and a full gradient buffer replicated, optimizer state for 1/N
+    of the flat parameter space per rank (use ZeRO1Optimizer). Gradients are reduce-scattered per
+    bucket during backward: the averaged chunk lands in this rank's slice of the kept buffer, the
+    rest keeps this rank's own gradients, so ``.grad`` is no average (clip with
+    ``model.clip_grad_norm_``, not torch's function over ``parameters()``); after the local update
+    the parameters are all-gathered. Holds 8 + 8/N bytes per parameter for float32 Adam."""
 
     optimizer_name = "ZeRO1Optimizer"
 
