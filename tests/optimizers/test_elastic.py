@@ -356,3 +356,13 @@ def test_a_hung_or_late_worker_is_dropped_and_its_peers_go_on(stall):
     reference = _reference(total)
     for steps, params in generations[-1].results:
         assert steps == total and _max_diff(params, reference) <= 1e-10
+
+
+@pytest.mark.parametrize("kwargs", [{"member": "x"}, {"checkpoint_dir": 123, "checkpoint_every": 1}],
+                         ids=["member", "checkpoint_dir"])
+def test_a_member_or_checkpoint_dir_of_another_type_is_a_config_error(kwargs):
+    """They failed later with 'str' object has no attribute 'commit', or Path's TypeError."""
+    def fn(b):
+        with pytest.raises(ConfigError, match=r"pass an ElasticMember \(or None\) and a directory path"):
+            ElasticOptimizer(DDPModel(nn.Linear(2, 2).double(), b), torch.optim.SGD, lr=0.1, **kwargs)
+    spawn(fn, 1, timeout=10)
