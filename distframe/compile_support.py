@@ -43,6 +43,15 @@ def is_compiled_module(module: object) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module a torch.compile'd ``module`` compiles (else ``module``): what a wrapper names
+    things by. A compiled module's names carry "_orig_mod.", so a checkpoint or
+    ``gather_full_parameters()`` of a wrapped ``torch.compile(net)`` did not load into ``net``
+    (torch's ``get_model_state_dict`` strips the prefix, too); the wrapper still calls the
+    compiled module."""
+    return module._orig_mod if is_compiled_module(module) else module
+
+
 def _compiling_around(model: nn.Module) -> bool:
     """Whether Dynamo is compiling a caller of ``model``'s forward (an outer ``torch.compile``), or
     ``model`` or a submodule is compiled (``torch.compile(net)``, ``block.compile()``)."""

@@ -14,7 +14,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
-from distframe.compile_support import refuse_on_threads
+from distframe.compile_support import refuse_on_threads, uncompiled
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
@@ -72,7 +72,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
                               f"spawn() passes to your function), got {type(backend).__name__}")
         check_unwrapped(module, type(self).__name__)
         check_initialised(module, type(self).__name__)
-        self.wrapped_model = module
+        self._call = (module,)  # called as given (a tuple: not registered as a submodule again)
+        module = self.wrapped_model = uncompiled(module)
         self.backend = backend
         self.config = resolve_config(config, settings)
         self._check_config(self.config)
@@ -168,12 +169,12 @@ class ShardedModelBase(nn.Module, abc.ABC):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_while_summoned(self, "forward ran")
-        refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
+        refuse_on_threads(self._call[0], self.backend)  # [Note: compiled code on in-memory ranks]
         if torch.is_grad_enabled():
             self._wrapped_parameters.check(self)
         self._pre_forward()  # may end a synchronisation first (a backward without a step)
         self._replica_buffers.before_forward(self._synchronize, self.wrapped_model.training)
-        return self._post_forward(self.wrapped_model(*args, **kwargs))
+        return self._post_forward(self._call[0](*args, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

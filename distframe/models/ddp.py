@@ -51,6 +51,7 @@ class DDPModel(ShardedModelBase):
     def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
+        module = self.wrapped_model  # the module itself where a torch.compile'd one was given
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         spaces = []

@@ -50,6 +50,7 @@ class UnitShardedModelBase(MasterWeightsModelBase):
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
+        module = self.wrapped_model  # the module itself where a torch.compile'd one was given
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         single_dtype(named, type(self).__name__)  # ConfigError unless the trainable ones share one
         refuse_sparse_gradients(module, type(self).__name__)

@@ -64,6 +64,7 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
+        module = self.wrapped_model  # the module itself where a torch.compile'd one was given
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         dtype = single_dtype(named, type(self).__name__)
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here

@@ -19,9 +19,9 @@ How membership changes on the in-memory engine is ``elastic_membership.py``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Callable
-import os
 from pathlib import Path
 from typing import Any
 

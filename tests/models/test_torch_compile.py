@@ -72,8 +72,7 @@ def _train_compiled(backend, strategy: str, where: str, device: str = "cpu", com
         loss_fn(forward(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    params = {name.replace("_orig_mod.", ""): value.cpu()
-              for name, value in model.gather_full_parameters().items()}
+    params = {name: value.cpu() for name, value in model.gather_full_parameters().items()}
     return params, _graphs() - graphs
 
 
