@@ -234,9 +234,13 @@ def check_backend_available(name: str, world_size: int) -> None:
 @contextlib.contextmanager
 def _threads_per_rank(world_size: int) -> Iterator[None]:
     """In-memory ranks are threads of one process: share the cores among them instead of
-    letting every rank's kernels start a full set of threads (as torchrun's OMP_NUM_THREADS)."""
+    letting every rank's kernels start a full set of threads (as torchrun's OMP_NUM_THREADS).
+    The cores are those this process may use (its CPU affinity, as ``taskset`` or a container
+    sets it) and no more than torch's own thread count (``OMP_NUM_THREADS`` when the user set it):
+    ``os.cpu_count()`` alone gave one rank the machine's every core against the user's setting."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, min(cores, previous) // world_size))
     try:
         yield
     finally:

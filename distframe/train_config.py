@@ -175,7 +175,7 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 hint = (f" (the torch optimizer is --base-optimizer {self.optimizer})"
-                        if name == "optimizer" and self.optimizer in BASE_OPTIMIZERS else "")
+                        if name == "optimizer" and str(self.optimizer) in BASE_OPTIMIZERS else "")
                 raise ConfigError(f"{flag(name)} {getattr(self, name)!r} is unknown; choose one of "
                                   f"{', '.join(allowed)}{hint}")
         if self.compile is not None and self.compile not in COMPILERS:

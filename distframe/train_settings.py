@@ -256,7 +256,7 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any],
         raise ConfigError(f'{path}: "train" holds {type(saved).__name__}, not the object of '
                           "settings distframe train writes; restore it from the run that wrote OUT")
     saved = dict(saved)
-    if saved.get("optimizer") in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
+    if str(saved.get("optimizer")) in BASE_OPTIMIZERS:  # runs saved before --base-optimizer existed
         saved["base_optimizer"] = saved.pop("optimizer")
     saved.setdefault("decay_all", True)  # runs saved before the decay split decayed everything
     settings = _known_settings(saved, path)

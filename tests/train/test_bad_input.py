@@ -103,6 +103,10 @@ def test_config_file_errors(capsys, tmp_path):
     quoted = tmp_path / "quoted.toml"
     quoted.write_text('resume = "false"\n')  # a string, which bool() would take for True
     _fails_with(capsys, ["train", "--config", str(quoted)], "--resume 'false'", "true or false")
+    for value in ('["compressed"]', "{}"):  # unhashable: a traceback (TypeError) where one line is due
+        listed = tmp_path / "listed.toml"
+        listed.write_text(f"optimizer = {value}\n")
+        _fails_with(capsys, ["train", "--config", str(listed)], "--optimizer", "is unknown; choose one of")
 
 
 def test_out_that_cannot_be_a_directory(capsys, tmp_path):
