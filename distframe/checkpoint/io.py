@@ -135,11 +135,15 @@ def _write_shard(tmp: Path, path: Path, model: ShardedModelBase, optimizer: Any,
     tensors.update(opt_state.pop("tensors", {}))
     tensors.update(dropout_rng.pieces(model))
     tensors.update({piece_key(RANK_STATE, name, 0): value.reshape(-1) for name, value in rank_state.items()})
-    tmp.mkdir(parents=True, exist_ok=True)
-    temporary.write_writer_record(tmp, model.backend.rank)  # before the shard: see temporary
     file = tmp / shard_file_name(model.backend.rank, model.backend.world_size)
-    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
-    fsync_path(file)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        temporary.write_writer_record(tmp, model.backend.rank)  # before the shard: see temporary
+        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
+        fsync_path(file)
+    except (OSError, safetensors.SafetensorError) as exc:  # a full disk, no permission: the place
+        raise ConfigError(f"cannot write its files in {tmp.parent} ({exc}): free space there, fix its "
+                          "permissions, or save to another directory") from exc
     table = {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_of(file),
              "tensors": {k: v.numel() for k, v in tensors.items()},
              "scalars": opt_state.pop("scalars", {}), "param_groups": opt_state.pop("param_groups", None),

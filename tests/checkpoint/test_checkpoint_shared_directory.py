@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from distframe import checkpoint
-from distframe.checkpoint import CheckpointError
 from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models import ZeRO3Model
@@ -93,5 +92,5 @@ def test_a_failed_write_leaves_no_temporary_directory_on_any_rank_s_disk(tmp_pat
                      2, timeout=30)
     monkeypatch.undo()
     for kind, message in outcomes:
-        assert kind is CheckpointError and "No space left on device" in message, message
+        assert kind is ConfigError and "No space left on device" in message, message
     assert _listing(tmp_path) == ["node0", "node1"]

@@ -295,3 +295,20 @@ def test_help(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--segment-lengths" in out and "--resume" in out and "--world-size" in out
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_exit_2(capsys, tmp_path, corpus_file, monkeypatch):
+    """As README says of an --out the run cannot write: it exited 1 (a CheckpointError) when the
+    disk filled while a checkpoint was written; the last checkpoint stays (checkpoint tests)."""
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device "
+                                          "(os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    status = main(["train", *TINY, "--data", corpus_file, "--out", str(tmp_path), "--steps", "1"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert status == 2 and "Traceback" not in err, err
+    assert last.startswith("distframe: error: saving checkpoint") and "failed on ranks [0, 1] of 2: " \
+        "ConfigError: cannot write its files in" in last and "free space there" in last, last
