@@ -72,6 +72,35 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
                       "ignore this if the model uses no positions", RuntimeWarning, stacklevel=3)
 
 
+def batch_slices(inputs: Any, targets: Any, group: ICommunicationBackend | None) -> tuple[Any, Any]:
+    """A batch's inputs and targets as this rank of ``group`` (None: no cp) trains on them."""
+    if group is None:
+        return inputs, targets
+    return input_slices(inputs, group), sequence_slice(targets, group, "targets")
+
+
+def input_slices(inputs: Any, group: ICommunicationBackend) -> Any:
+    """``inputs`` (a tensor, or a dict, tuple or list of a model's arguments) with this rank's
+    slice of every tensor that runs along the sequence: those of two or more dims whose dim 1 is
+    the first such tensor's length (the tokens and their ``key_padding_mask``); anything else
+    (flags, a per-sequence conditioning tensor) passes whole. Only a tensor could be given before,
+    so a key padding mask could not reach the ring attention, which takes its slice."""
+    if isinstance(inputs, torch.Tensor):
+        return sequence_slice(inputs, group, "inputs")
+    items = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) \
+        if isinstance(inputs, (tuple, list)) else [inputs]
+    length = next((t.shape[1] for t in items if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    if length is None:
+        return sequence_slice(inputs, group, "inputs")  # its error: no (batch, seq) tensor
+
+    def cut(value: Any) -> Any:
+        along = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length
+        return sequence_slice(value, group, "inputs") if along else value
+    if isinstance(inputs, dict):
+        return {key: cut(value) for key, value in inputs.items()}
+    return type(inputs)(cut(value) for value in inputs)
+
+
 def sequence_slice(tensor: Any, group: ICommunicationBackend, what: str) -> Any:
     """Slice ``group.rank`` of ``group.world_size`` of ``tensor`` along dim 1 (the sequence)."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2:

@@ -44,7 +44,8 @@ from distframe.mesh import ParallelDims
 from distframe.models.base import ShardedModelBase
 from distframe.models.inputs import call_with, train_batch
 from distframe.models.config import ShardingConfig
-from distframe.models.context_parallel import apply_context_parallel, gather_output, sequence_slice
+from distframe.models.context_parallel import (apply_context_parallel, batch_slices, gather_output,
+                                               input_slices, sequence_slice)
 from distframe.models.devices import module_device
 from distframe.models.hybrid_checks import check_arguments, check_find_unused, check_not_dense
 from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
@@ -141,10 +142,10 @@ class HybridShardedModel(ShardedModelBase):
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Without pipelining, the (tensor-parallel) model's forward. With it: every micro-batch
-        forward without autograd; the last stage's output is broadcast over the pipeline group.
-        With cp, each slice's output is gathered along the sequence. A broadcast or gathered
-        output's backward raises ConfigError (``refuse_backward``): train with train_step."""
+        """Without pipelining, the (tensor-parallel) model's forward; with cp, of this rank's slice
+        of each argument along the sequence, the slices' outputs gathered. With pipelining: every
+        micro-batch forward without autograd, the last stage's output broadcast over the pipeline
+        group. A broadcast or gathered output's backward raises ConfigError: train with train_step."""
         refuse_on_threads(self.wrapped_model, self.backend)  # [Note: compiled code on in-memory ranks]
         cp = self.groups.cp
         self._replica_buffers.take_arrived()  # see [Note: buffers after a step]
@@ -152,12 +153,13 @@ class HybridShardedModel(ShardedModelBase):
             self._before_backward()
         if self.runner is None and cp is None:
             return self.wrapped_model(*args, **kwargs)
-        if len(args) != 1 or kwargs:
-            raise ConfigError("a pipelined or context-parallel model takes one input tensor")
-        inputs = args[0] if cp is None else sequence_slice(args[0], cp, "inputs")
-        if self.runner is None:
-            output = self.wrapped_model(inputs)
+        if self.runner is None:  # context parallel: each argument along the sequence sliced
+            sliced = input_slices({**dict(enumerate(args)), **kwargs}, cp)
+            output = self.wrapped_model(*[sliced.pop(i) for i in range(len(args))], **sliced)  # pops first
+        elif len(args) != 1 or kwargs:
+            raise ConfigError("a pipelined model takes one input tensor")
         else:
+            inputs = args[0] if cp is None else sequence_slice(args[0], cp, "inputs")
             output = broadcast_any(self.runner.forward_only(inputs), self.groups.pp, self.dims.pp - 1,
                                    self._device)
         # Gathered or broadcast outside autograd: a backward through it must go to train_step.
@@ -226,9 +228,7 @@ class HybridShardedModel(ShardedModelBase):
             return loss
 
     def _sequence_slices(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
-        if self.groups.cp is None:
-            return inputs, targets
-        return sequence_slice(inputs, self.groups.cp, "inputs"), sequence_slice(targets, self.groups.cp, "targets")
+        return batch_slices(inputs, targets, self.groups.cp)
 
     def data_parallel_coordinates(self) -> tuple[int, int]:
         """``(dp, dp_index)``: which slice of the global batch this rank trains on."""

@@ -162,3 +162,43 @@ def test_a_backward_by_hand_through_a_cp_output_names_train_step(penalty):
         return True
 
     assert all(spawn(run, 2))
+
+
+@pytest.mark.parametrize("dp,cp", [(1, 2), (2, 2)])
+def test_a_key_padding_mask_is_sliced_with_the_tokens(dp, cp):
+    """Only one input tensor could be given under cp, so a key padding mask ({"tokens": ...,
+    "key_padding_mask": ...}, as the other strategies take it) was a ConfigError; every argument
+    running along the sequence is now sliced, in train_step and in the model's forward."""
+    dense = tiny_lm()
+    data = []
+    for step, (x, y) in enumerate(batches()):
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[0, 16 - 3 - step:] = True  # the first sequence right-padded, more each step
+        data.append(({"tokens": x, "key_padding_mask": mask}, y))
+    reference = copy.deepcopy(dense)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for inputs, y in data:
+        loss = lm_loss(reference(**inputs), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+    with torch.no_grad():
+        expected_out = reference(**data[0][0])
+
+    def run(b):
+        model = HybridShardedModel(copy.deepcopy(dense), b, dims=ParallelDims(dp=dp, cp=cp))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        share, index = len(data[0][1]) // dp, model.data_parallel_coordinates()[1]
+        rows = slice(index * share, (index + 1) * share)
+        losses = [model.train_step(({k: v[rows] for k, v in inputs.items()}, y[rows]), lm_loss, opt)
+                  for inputs, y in data]
+        with torch.no_grad():
+            out = model(**data[0][0]) if dp == 1 else None
+        return losses, model.gather_full_parameters(), out
+
+    for losses, params, out in spawn(run, dp * cp):
+        assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-10
+        assert all((params[n] - p).abs().max() < 1e-10 for n, p in reference.state_dict().items())
+        assert out is None or (out - expected_out).abs().max() < 1e-10
