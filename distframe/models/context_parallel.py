@@ -8,7 +8,13 @@ embedding is told which slice it sees (``sequence_shard``); every ``DilatedAtten
 ranks that hold them and sends their gradients back in backward. Each rank's loss is the mean over
 its slice, so the model's loss is the mean over the cp group and its gradient the cp ranks'
 average: gradients are averaged over the replica group (``dp * cp`` ranks), which HybridShardedModel
-does in place of the dp group. Layers that mix tokens in other ways (``nn.MultiheadAttention``,
+does in place of the dp group. That mean of the slices' means is the batch's mean only where
+every slice counts as many tokens: a loss that skips some (``ignore_index`` on right-padded
+labels, which gather on the last slices) is weighted otherwise than on one process, and a slice
+whose every label is skipped gives ``F.cross_entropy``'s NaN (as a data-parallel rank does whose
+every label is; torch DDP and torchtitan's context parallelism average alike). Pad with labels the
+loss counts, or mask them into the loss with a weight that keeps each slice's token count.
+Layers that mix tokens in other ways (``nn.MultiheadAttention``,
 convolutions over time) are not converted: a model holding no ``DilatedAttention`` is refused.
 With tensor parallelism as well, a rank's attention holds a slice of the heads
 (``HeadShardedDilatedAttention``); it becomes a ring over the same heads, so each tp rank runs its
