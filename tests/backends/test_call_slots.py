@@ -11,6 +11,7 @@ import torch
 
 from distframe.backends.call_slots import AREA_BYTES, SLOTS, CallSlots, call_words, describe_words
 from distframe.errors import CollectiveMismatchError, CollectiveTimeoutError
+from tests.backends.mpi_pools import mpi_pool_fixture
 
 
 # ---- the slots, in one process --------------------------------------------------------------------
@@ -232,12 +233,7 @@ def test_gloo_ranks_that_disagree_raise_on_every_rank_outside_debug(gloo_pool, k
     _check(gloo_pool.run(rank_mismatch_gloo, kind, early), kind)
 
 
-@pytest.fixture(scope="module")
-def mpi_pool():
-    pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
-    from distframe._mpi_launch import MPIPool
-    with MPIPool(3, timeout=60) as pool:
-        yield pool
+mpi_pool = mpi_pool_fixture(3, timeout=60)
 
 
 @pytest.mark.mpi

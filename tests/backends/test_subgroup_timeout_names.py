@@ -16,6 +16,7 @@ import torch
 
 from distframe.errors import CollectiveTimeoutError
 from distframe.launch import spawn
+from tests.backends.mpi_pools import mpi_pool_fixture
 
 ORDER = [2, 1, 0]  # subgroup rank -> global rank
 NOTE = "ranks [2] did not arrive; that is, global ranks [0] of the world this group was made from"
@@ -82,13 +83,7 @@ def test_gloo():
     _check(spawn(late_and_leaving_rank, 3, "gloo", timeout=2.0))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
-    from distframe._mpi_launch import MPIPool
-
-    with MPIPool(3, timeout=2.0) as p:
-        yield p
+pool = mpi_pool_fixture(3, timeout=2.0)
 
 
 @pytest.mark.mpi

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distframe.launch import spawn
+from tests.backends.mpi_pools import mpi_pool_fixture
 
 # A CSR tensor warns that torch's support for it is in beta; that is not what is tested here.
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support:UserWarning")
@@ -77,13 +78,7 @@ def test_gloo():
     _check(spawn(every_call_with_every_kind, 2, "gloo", timeout=10))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pytest.importorskip("mpi4py", reason="the MPI engine needs the [mpi] extra (mpi4py, mpich)")
-    from distframe._mpi_launch import MPIPool
-
-    with MPIPool(2, timeout=10) as p:
-        yield p
+pool = mpi_pool_fixture(2, timeout=10)
 
 
 @pytest.mark.mpi
