@@ -139,9 +139,8 @@ class ElasticOptimizer(ShardedOptimizerBase):
             raise ConfigError(f"ElasticOptimizer allow_rollback={allow_rollback!r}: use True or False")
         if not (member is None or isinstance(member, ElasticMember)) or not (
                 checkpoint_dir is None or isinstance(checkpoint_dir, (str, os.PathLike))):
-            raise ConfigError(f"ElasticOptimizer: member={member!r:.40} and checkpoint_dir="
-                              f"{checkpoint_dir!r:.40}: pass an ElasticMember (or None) and a directory "
-                              "path (or None)")
+            raise ConfigError(f"ElasticOptimizer member={member!r:.30} checkpoint_dir={checkpoint_dir!r:.30}:"
+                              " pass an ElasticMember (or None) and a directory path (or None)")
         scaler = CommittedGradScaler(grad_scaler, model)
         super().__init__(model, optimizer, **optimizer_kwargs)
         # Before the restore: a commit would give every rank rank 0's groups, but a fresh start
