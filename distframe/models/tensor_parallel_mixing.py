@@ -104,7 +104,6 @@ class FeatureMixingCheck:
         self.reach = {id(c) for c in last}
         self.handles: dict[int, list[Any]] = {}
         self.tracker: _Tracker | None = None
-        self.checked: set[int] = set()  # chunks whose first forward ran (a training one follows)
         for chunk in chunks:
             self.handles[id(chunk)] = [chunk.register_forward_pre_hook(self._start),
                                        chunk.register_forward_hook(self._end, always_call=True)]
@@ -125,8 +124,7 @@ class FeatureMixingCheck:
         tracker.stop()
         if output is None:  # the forward raised: checked again at the next one
             return
-        self.checked.add(id(chunk))
-        if chunk.training:  # [Note: draws from the global generator]: a training forward ran
+        if chunk.training:  # checked until a training forward ran ([Note: draws from the global generator])
             self._done(chunk)
         if id(chunk) in self.reach and not torch.is_grad_enabled():
             split = next((tracker.column_of(t) for t in _tensors(output) if tracker.tainted(t)), None)
