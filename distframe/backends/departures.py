@@ -212,6 +212,12 @@ def world_ranks_of(global_ranks: list[int]) -> list[int] | None:
     return None if global_ranks == list(range(len(global_ranks))) else list(global_ranks)
 
 
+def subgroup_world_ranks(parent: list[int] | None, ranks: list[int]) -> list[int] | None:
+    """``world_ranks_of`` the subgroup ``new_group(ranks)`` makes of a group whose own world
+    ranks are ``parent`` (None: the group numbers its ranks as the world does)."""
+    return world_ranks_of([parent[r] for r in ranks] if parent is not None else list(ranks))
+
+
 def world_note(missing, world_ranks: list[int] | None) -> str:
     """The group ranks ``missing`` as the world numbers them, worded to follow "ranks [..] did not
     arrive; " and ending in "; ", or "" when the group numbers its ranks as the world does or

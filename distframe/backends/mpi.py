@@ -49,7 +49,8 @@ import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
 from distframe.backends.composed import read_scatter_header, scatter_header, scattered_to
-from distframe.backends.departures import Departure, departure_error, in_world, world_note, world_ranks_of
+from distframe.backends.departures import (Departure, departure_error, in_world, subgroup_world_ranks,
+                                           world_note)
 from distframe.backends.mpi_buffers import (AddressWire, device_aware, displacements, import_mpi, mpi_ops,
                                             needs_staging, stage_back, stage_in,
                                             upcast_for_mpi, wire, write_back)
@@ -90,11 +91,11 @@ class MPICommunicationBackend(CommunicationBackendBase):
 
     @classmethod
     def _adopt(cls, comm: Any, MPI: Any, timeout: float, debug: bool,
-               world_ranks: list[int]) -> MPICommunicationBackend:
-        """A backend over a communicator this engine created (a subgroup of the world ranks
-        ``world_ranks``); it takes ownership."""
+               world_ranks: list[int] | None) -> MPICommunicationBackend:
+        """A backend over a communicator this engine created (a subgroup; ``world_ranks``: the
+        world rank of each of its ranks, None where the same); it takes ownership."""
         backend = cls.__new__(cls)
-        backend._setup(MPI, comm, timeout, debug, world_ranks_of(world_ranks))
+        backend._setup(MPI, comm, timeout, debug, world_ranks)
         return backend
 
     def _setup(self, MPI: Any, comm: Any, timeout: float, debug: bool,
@@ -335,8 +336,8 @@ class MPICommunicationBackend(CommunicationBackendBase):
                                ranks.index(self._rank) if member else 0)
         if not member:
             return None
-        world = self._world_ranks or range(self._world_size)
-        group = type(self)._adopt(sub, self._MPI, self.timeout, self.debug, [world[r] for r in ranks])
+        group = type(self)._adopt(sub, self._MPI, self.timeout, self.debug,
+                                  subgroup_world_ranks(self._world_ranks, ranks))
         self._subgroups.add(group)  # it departs with this backend
         return group
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from distframe.backends.base import Call
 from distframe.backends.call_slots import CallSlots
-from distframe.backends.departures import in_world, world_note, world_ranks_of
+from distframe.backends.departures import in_world, subgroup_world_ranks, world_note
 from distframe.backends.torch_dist_board import (DEPARTURE_SETTLE_S, WatchedWait, cut_waits, peer_lost,
                                                  wait_in_slices)
 from distframe.errors import CollectiveTimeoutError, RankFailedError
@@ -38,8 +38,7 @@ class TorchDistWaits:
 
     def _place_in_world(self, group: TorchDistWaits, ranks: list[int]) -> TorchDistWaits:
         """``group``, a subgroup of this group's ``ranks``, told what their ranks in the world are."""
-        world = self._world_ranks or range(self._world_size)
-        group._world_ranks = group._slots.world_ranks = world_ranks_of([world[r] for r in ranks])
+        group._world_ranks = group._slots.world_ranks = subgroup_world_ranks(self._world_ranks, ranks)
         return group
 
     def _complete(self, call: Call, issue: Callable[..., Any], *args: Any) -> None:
