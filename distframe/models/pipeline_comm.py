@@ -1,13 +1,26 @@
 """Point-to-point traffic between neighbouring pipeline stages.
 
 A message is addressed to a global stage ``g`` (with interleaving, chunk c of rank r is global
-stage ``c * p + r``): its activation travels with tag ``3g``, the gradient of stage g's output
-with tag ``3g + 1``, and a header with tag ``3g + 2``. On each tag messages go in micro-batch
-order, so the backends' per-(peer, tag) FIFO order pairs every send with its receive. The
-receiver of an activation does not know its shape: the first activation of each step for each
-stage is preceded by a small int64 header (dtype code, rank, sizes); later micro-batches of the
-step share it. Gradients need no header (they have the shape of the activation the receiver
-sent). Sends are non-blocking (``isend``) and waited for at the end of the step.
+stage ``c * p + r``): its activation travels with tag ``4g``, the gradient of stage g's output
+with tag ``4g + 1``, the activation's header with tag ``4g + 2`` and the gradient's with ``4g + 3``.
+On each tag messages go in micro-batch order, so the backends' per-(peer, tag) FIFO order pairs
+every send with its receive. The receiver of an activation does not know its shape: the first
+activation of each step for each stage is preceded by a small int64 header (dtype code, rank,
+sizes); later micro-batches of the step share it, and one of another shape or dtype is a
+ConfigError at its sender (the receives are posted with the header's). Gradients have the shape
+of the activation the receiver sent; their header, one per step and stage, says whether a
+gradient flows back at all (see [Note: inputs that get no gradient]). Sends are non-blocking
+(``isend``) and waited for at the end of the step.
+
+[Note: inputs that get no gradient]
+A stage whose output does not depend on its input (it returns a parameter, or runs under
+``no_grad``) leaves its input's ``.grad`` None. One process then leaves every parameter before it
+without a gradient, and AdamW's weight decay and momentum leave those alone. Zeros sent back in
+its place gave them zero gradients, which those steps do move. So the first gradient of each step
+and stage is preceded by a one-element header: 0 when the input got no gradient, and the stage
+before then runs no backward for that micro-batch (the zeros still travel: the receive was posted
+ahead). A later micro-batch that gets none after one that got a gradient sends zeros, which is
+exact (the parameters have a gradient anyway); the reverse is a ConfigError.
 
 [Note: receives posted ahead] A receive is posted before the stage needs its data: the next
 activation of a stage as soon as the previous one arrived (its shape is the step's header), and
@@ -30,6 +43,7 @@ import torch
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import Work
+from distframe.errors import ConfigError
 from distframe.models.pipeline_outputs import flatten_output, unflatten_output
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -46,7 +60,9 @@ class StageLinks:
         self.device = torch.device("cpu") if device is None else device  # where activations land
         self._pending: list[tuple[Work, torch.Tensor]] = []
         self._incoming: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._header_sent: set[int] = set()
+        self._header_sent: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self._flows_sent: dict[int, bool] = {}  # stage: whether its first gradient flowed (header)
+        self._flows: dict[int, bool] = {}  # stage: what the gradient header received said
         self._messages = 0  # per channel and step: the number of micro-batches
         self._activations_posted: dict[int, int] = {}
         self._posted: dict[tuple[str, int], deque[Work]] = {}
@@ -57,23 +73,33 @@ class StageLinks:
                                "received fewer messages than it was sent")
         self._incoming.clear()
         self._header_sent.clear()
+        self._flows_sent.clear()
+        self._flows.clear()
         self._activations_posted.clear()
         self._messages = num_microbatches
 
     def send_activation(self, tensor: torch.Tensor, dst: int, stage: int) -> None:
         """``tensor`` becomes global stage ``stage``'s input, on rank ``dst``."""
         tensor = tensor.detach().contiguous()
-        if stage not in self._header_sent:
-            self._isend(encode_header(tensor), dst, 3 * stage + 2)
-            self._header_sent.add(stage)
-        self._isend(tensor, dst, 3 * stage)
+        sent = self._header_sent.get(stage)
+        if sent is None:
+            self._isend(encode_header(tensor), dst, 4 * stage + 2)
+            self._header_sent[stage] = (tensor.shape, tensor.dtype)
+        elif sent != (tensor.shape, tensor.dtype):
+            raise ConfigError(
+                f"pipeline stage {stage}'s input has shape {tuple(tensor.shape)} ({tensor.dtype}) in a later "
+                f"micro-batch, but {tuple(sent[0])} ({sent[1]}) in the step's first: the activations "
+                "passed between stages keep one shape and dtype across the micro-batches of a step. "
+                "Pad every micro-batch to one length (trim per batch, not per micro-batch), or use "
+                "num_microbatches=1")
+        self._isend(tensor, dst, 4 * stage)
 
     def recv_activation(self, src: int, stage: int) -> torch.Tensor:
         """The next input of global stage ``stage`` (held here), from rank ``src``; the receive
         of the one after it is posted before returning (see [Note: receives posted ahead])."""
         if stage not in self._incoming:
             header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            self.backend.recv(header, src, 3 * stage + 2)
+            self.backend.recv(header, src, 4 * stage + 2)
             self._incoming[stage] = decode_header(header)
             self._post_activation(src, stage)
         received = self._posted[("activation", stage)].popleft().wait()
@@ -85,27 +111,46 @@ class StageLinks:
         if posted < self._messages:
             shape, dtype = self._incoming[stage]
             self._channel("activation", stage).append(
-                self.backend.irecv(torch.empty(shape, dtype=dtype, device=self.device), src, 3 * stage))
+                self.backend.irecv(torch.empty(shape, dtype=dtype, device=self.device), src, 4 * stage))
             self._activations_posted[stage] = posted + 1
 
-    def send_gradient(self, grad: torch.Tensor, dst: int, stage: int) -> None:
-        """The gradient of global stage ``stage``'s output (stage held by rank ``dst``)."""
-        self._isend(grad.detach().contiguous(), dst, 3 * stage + 1)
+    def send_gradient(self, grad: torch.Tensor | None, like: torch.Tensor, dst: int, stage: int) -> None:
+        """The gradient of global stage ``stage``'s output (stage held by rank ``dst``): ``grad``,
+        or None when the input ``like`` got none (see [Note: inputs that get no gradient])."""
+        flows = grad is not None
+        first = self._flows_sent.get(stage)
+        if first is None:
+            self._flows_sent[stage] = flows
+            self._isend(torch.tensor([int(flows)], dtype=torch.int64), dst, 4 * stage + 3)
+        elif flows and not first:
+            raise ConfigError(
+                f"pipeline stage {stage + 1}'s input got a gradient in a later micro-batch but none in the "
+                "step's first: whether a stage's output depends on its input must not change between "
+                "the micro-batches of a step")
+        sent = grad if flows else torch.zeros_like(like)
+        self._isend(sent.detach().contiguous(), dst, 4 * stage + 1)
 
     def expect_gradient(self, like: torch.Tensor, src: int, stage: int) -> None:
         """Posts the receive of the gradient of ``like``, the output of global stage ``stage``
         just sent to rank ``src``; ``recv_gradient`` returns it."""
         self._channel("gradient", stage).append(self.backend.irecv(
-            torch.empty_like(like, memory_format=torch.contiguous_format), src, 3 * stage + 1))
+            torch.empty_like(like, memory_format=torch.contiguous_format), src, 4 * stage + 1))
 
-    def recv_gradient(self, like: torch.Tensor, src: int, stage: int) -> torch.Tensor:
+    def recv_gradient(self, like: torch.Tensor, src: int, stage: int) -> torch.Tensor | None:
         """The gradient of the output ``like`` of global stage ``stage`` (held here): the oldest
-        one posted by ``expect_gradient``, else received now."""
+        one posted by ``expect_gradient``, else received now; None when the next stage's input
+        got no gradient this step (the zeros that stand in for it are received all the same)."""
+        if stage not in self._flows:
+            header = torch.zeros(1, dtype=torch.int64)
+            self.backend.recv(header, src, 4 * stage + 3)
+            self._flows[stage] = bool(header.item())
         posted = self._posted.get(("gradient", stage))
         if posted:
-            return posted.popleft().wait()
-        return self.backend.recv(torch.empty_like(like, memory_format=torch.contiguous_format),
-                                 src, 3 * stage + 1)
+            grad = posted.popleft().wait()
+        else:
+            grad = self.backend.recv(torch.empty_like(like, memory_format=torch.contiguous_format),
+                                     src, 4 * stage + 1)
+        return grad if self._flows[stage] else None
 
     def _channel(self, kind: str, stage: int) -> deque[Work]:
         return self._posted.setdefault((kind, stage), deque())

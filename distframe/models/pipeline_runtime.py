@@ -54,6 +54,9 @@ def split_microbatches(tensor: Any, num_microbatches: int, what: str) -> list[An
     """``tensor`` cut into ``num_microbatches`` equal pieces along dim 0."""
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pipeline {what} must be one tensor (split along dim 0), got {type(tensor).__name__}")
+    if tensor.dim() == 0:
+        raise ConfigError(f"pipeline {what} are a 0-dim tensor: micro-batches are cut along dim 0, the "
+                          f"batch dimension; give {what} one (e.g. {what}.reshape(1))")
     if tensor.shape[0] % num_microbatches:
         raise ConfigError(f"the batch of {tensor.shape[0]} {what} is not divisible by "
                           f"num_microbatches={num_microbatches}; make the per-rank batch a multiple of it")
@@ -119,6 +122,10 @@ class PipelineRunner:
 
     def forward_backward(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor | None:
         """Runs the step; returns the mean loss over the slice on the last rank, else None."""
+        if not torch.is_grad_enabled():
+            raise ConfigError("a pipeline training step ran with autograd off (torch.no_grad or "
+                              "inference_mode): it would train nothing. Call train_step/forward_backward "
+                              "with grad enabled; evaluate with the model's forward or validation_loss")
         m = self.num_microbatches
         micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
         micro_targets = split_microbatches(targets, m, "targets") if self.is_last else [None] * m
@@ -137,6 +144,11 @@ class PipelineRunner:
                 if self._stage(action.chunk) == self.num_stages - 1:
                     with self.timeline.busy("F", action.chunk, action.microbatch), self.memory.hooks():
                         out = loss_fn(out, micro_targets[action.microbatch]) / m
+                    if not out.requires_grad:
+                        raise ConfigError(
+                            "the pipeline's loss does not require grad: it does not depend on the "
+                            "model's output through autograd (detached, argmax?); one process's "
+                            "loss.backward() raises here too")
                     losses.append(out.detach())
                 held[key] = (x, out)
             else:
@@ -197,11 +209,13 @@ class PipelineRunner:
         # The next stage sends back the gradient of every floating-point or complex input it
         # receives (it sets requires_grad on those, see _forward); an integer activation (token
         # ids) has none.
-        grad_out = (None if stage == self.num_stages - 1 or not _differentiable(out)
+        last = stage == self.num_stages - 1
+        grad_out = (None if last or not _differentiable(out)
                     else self.links.recv_gradient(out, self._rank_of(stage + 1), stage))
         with self.timeline.busy("B", chunk, microbatch):
-            if out.requires_grad:
+            # No gradient came back: the next stage's output does not depend on this one's (see
+            # [Note: inputs that get no gradient] in pipeline_comm), so nothing here gets one.
+            if out.requires_grad and (last or grad_out is not None):
                 torch.autograd.backward(out, grad_out)
         if x is not None and x.requires_grad:
-            grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.links.send_gradient(grad, self._rank_of(stage - 1), stage - 1)
+            self.links.send_gradient(x.grad, x, self._rank_of(stage - 1), stage - 1)
