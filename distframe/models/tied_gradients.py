@@ -6,7 +6,11 @@ the optimizer step. A backward that follows such a sum without zero_grad adds it
 the sum (accumulation, as with torch DDP): summed again, the earlier sum would count once per
 stage. ``set_aside`` (before that backward) keeps a copy of the summed gradients, and the next
 ``all_reduce`` sums only what the backwards since added. A gradient cleared in between (set to
-None, as torch's ``zero_grad`` does by default, or ``forget``) is summed whole.
+None, as torch's ``zero_grad`` does by default, or ``forget``) is summed whole; so is one zeroed
+in place (``zero_grad(set_to_none=False)`` of a plain optimizer, which the model never sees): its
+version counter moved by more than the backwards since accumulated into it (each adds in place,
+once, counted by a post-accumulate-grad hook), where subtracting the kept sum gave every stage's
+copy the new gradients less the old sum.
 """
 from __future__ import annotations
 
@@ -22,7 +26,16 @@ class TiedGradients:
 
     def __init__(self, groups: list[tuple[ICommunicationBackend, list[torch.Tensor]]]) -> None:
         self.groups = groups
-        self._summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id: (.grad, its sum)
+        # id: (.grad, its sum, its version, accumulations) when set aside
+        self._summed: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._accumulated: dict[int, int] = {}  # id: backwards that accumulated into .grad
+        for _, params in groups:
+            for p in params:
+                self._accumulated[id(p)] = 0
+                p.register_post_accumulate_grad_hook(self._count)
+
+    def _count(self, param: torch.Tensor) -> None:
+        self._accumulated[id(param)] += 1
 
     @classmethod
     def for_stages(cls, shared: dict[tuple[int, ...], list[str]], local: list[LocalParameter],
@@ -39,8 +52,9 @@ class TiedGradients:
 
     def set_aside(self) -> None:
         """Before a backward that follows ``all_reduce`` (no zero_grad between)."""
-        self._summed = {id(p): (p.grad, p.grad.detach().clone()) for _, params in self.groups
-                        for p in params if p.requires_grad and p.grad is not None}
+        self._summed = {id(p): (p.grad, p.grad.detach().clone(), p.grad._version, self._accumulated[id(p)])
+                        for _, params in self.groups for p in params
+                        if p.requires_grad and p.grad is not None}
 
     def forget(self) -> None:
         """The gradients were cleared: the next ``all_reduce`` sums them whole."""
@@ -51,11 +65,18 @@ class TiedGradients:
         ``keep_unused``: a weight no stage gave a gradient keeps ``.grad = None``."""
         for group, params in self.groups:
             trainable = [p for p in params if p.requires_grad]
-            summed = [(p, self._summed[id(p)][1]) for p in trainable
-                      if id(p) in self._summed and p.grad is self._summed[id(p)][0]]
+            summed = [(p, self._summed[id(p)][1]) for p in trainable if self._still_summed(p)]
             for p, before in summed:
                 p.grad.sub_(before)
             all_reduce_grads(trainable, group, ReduceOp.SUM, keep_unused)
             for p, before in summed:
                 p.grad.add_(before)
         self._summed = {}
+
+    def _still_summed(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is the set-aside sum plus what backwards accumulated since, and
+        nothing else changed it in place."""
+        if id(p) not in self._summed:
+            return False
+        grad, _, version, accumulated = self._summed[id(p)]
+        return p.grad is grad and grad._version - version == self._accumulated[id(p)] - accumulated
