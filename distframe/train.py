@@ -134,6 +134,9 @@ def world_size_note(config: TrainConfig, given: bool, launcher: str | None = Non
     if not config.resume or given:
         return ()
     saved = train_checkpoint.saved_world_size(config.out)
+    found = train_checkpoint.latest_checkpoint(config.out)
+    if config.optimizer == "elastic" and found is not None and config.elastic_world_at(found[1]) == saved:
+        return ()  # its schedule had reached the saved world, where the resumed run starts
     if saved is None or saved == config.world_size:
         return ()
     ranks = f"the {config.world_size} ranks {launcher} started" if launcher else \

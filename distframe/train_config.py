@@ -334,6 +334,12 @@ class TrainConfig:
             schedule[int(step)] = int(world)
         return schedule
 
+    def elastic_world_at(self, step: int) -> int | None:
+        """The world an elastic run has at ``step``: the last change of ``--elastic-schedule`` at or
+        before it, else ``world_size`` (where a resumed run starts, as the uninterrupted one had)."""
+        reached = [world for at, world in sorted(self.elastic_schedule_steps().items()) if at <= step]
+        return reached[-1] if reached else self.world_size
+
     def elastic_world_sizes(self) -> list[int]:
         """Every world size an elastic run passes through: the first, each scheduled one, and
         the one left after the ``fail_at`` failure (one fewer than the world at that step)."""

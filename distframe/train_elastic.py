@@ -68,11 +68,9 @@ def run_elastic(config: TrainConfig, corpus: TokenCorpus,
             raise
 
     schedule = config.elastic_schedule_steps()
-    # A resumed run starts with the world the schedule had reached (the last change at or
-    # before the step it resumes from), as the uninterrupted run would have.
-    world = next((w for s, w in sorted(schedule.items(), reverse=True) if s <= start_step),
-                 config.world_size)
-    controller = ElasticController(worker, initial_world=world, schedule=schedule,
+    # A resumed run starts with the world the schedule had reached, as the uninterrupted run had.
+    controller = ElasticController(worker, initial_world=config.elastic_world_at(start_step),
+                                   schedule=schedule,
                                    start_step=start_step, **timeout_of(config))
     try:
         generations = controller.run()

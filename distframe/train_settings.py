@@ -12,8 +12,8 @@ from typing import Any
 
 from distframe.errors import ConfigError
 from distframe.train_checkpoint import latest_checkpoint, read_config_json, saved_run_info
-from distframe.train_config import (LAUNCH_SETTINGS, MODEL_FLAGS, PARALLEL_SETTINGS, TrainConfig,
-                                    decay_split, flag)
+from distframe.train_config import (COMPRESSOR_SETTINGS, LAUNCH_SETTINGS, MODEL_FLAGS, PARALLEL_SETTINGS,
+                                    TrainConfig, decay_split, flag)
 from distframe.train_strategies import BASE_OPTIMIZERS, OPTIMIZERS
 
 
@@ -244,9 +244,10 @@ def _check_saved_data(saved: Mapping[str, Any], given: Mapping[str, Any], source
 
 def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """The saved run's settings and where they were read (``saved_run``), less how it was
-    launched and, where ``given`` changes the strategy, the schedule or the optimizer, the old
-    one's own settings (a hybrid run resumed under ddp drops its --tp, an interleaved one resumed
-    under 1f1b its --virtual-stages)."""
+    launched and, where ``given`` changes the strategy, the schedule, the optimizer, the
+    compressor or the data, the old one's own settings (a hybrid run resumed under ddp drops its
+    --tp, an interleaved one resumed under 1f1b its --virtual-stages, a token file's run resumed
+    on text its --token-dtype)."""
     found = saved_run(out)
     if found is None:
         return {}, os.path.join(out, "config.json")
@@ -274,6 +275,10 @@ def _saved_settings(out: str, given: Mapping[str, Any]) -> tuple[dict[str, Any],
         dropped.add("virtual_stages")  # model chunks per rank belong to the saved schedule
     if given.get("optimizer", settings.get("optimizer")) != settings.get("optimizer"):
         dropped.update(name for choice in OPTIMIZERS.values() for name in choice.settings)
+    if given.get("compressor", settings.get("compressor")) != settings.get("compressor"):
+        dropped.update(COMPRESSOR_SETTINGS)  # --topk-ratio, say, belongs to the saved compressor
+    if "data" in given and not str(given["data"]).endswith(".bin"):
+        dropped.add("token_dtype")  # the saved run's token file's; text is read a byte a token
     return {k: v for k, v in settings.items() if k not in dropped}, path
 
 

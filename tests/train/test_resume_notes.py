@@ -1,6 +1,8 @@
 """What a resumed run tells the user: only notes that apply to it."""
 from __future__ import annotations
 
+import torch
+
 from tests.train.conftest import train
 
 
@@ -31,4 +33,40 @@ def test_a_resume_at_another_world_size_than_saved_says_so(tmp_path, corpus_file
               "--world-size", given)
         assert "saved at world size" not in capsys.readouterr().err
     train(tmp_path, corpus_file, "--resume", "--steps", "5")  # saved at 2 (the last resume's)
+    assert "saved at world size" not in capsys.readouterr().err
+
+
+def test_another_compressor_on_resume_drops_the_old_ones_settings(tmp_path, corpus_file, capsys):
+    """--resume with another --compressor was refused for the old compressor's setting, which the
+    user never passed ("--topk-ratio applies to --compressor topk, not int8; drop --topk-ratio"):
+    it came from the saved run. The old compressor's settings go with it, as an old optimizer's do."""
+    train(tmp_path, corpus_file, "--steps", "1", "--world-size", "2", "--optimizer", "compressed",
+          "--compressor", "topk", "--topk-ratio", "0.1")
+    resumed = train(tmp_path, corpus_file, "--resume", "--steps", "2", "--compressor", "int8")
+    assert [r["step"] for r in resumed] == [1, 2]
+    assert "topk" not in capsys.readouterr().err
+
+
+def test_a_text_corpus_on_resume_drops_the_token_files_dtype(tmp_path, corpus_file):
+    """A run on a uint16 .bin token file, resumed with --data naming a text file, was told to drop
+    --token-dtype, a flag the user never passed: the saved run's dtype belongs to its token file."""
+    tokens = tmp_path / "tokens.bin"
+    with open(corpus_file, "rb") as f:  # byte values, 255 among them: text's vocabulary of 256
+        values = [*f.read(), *range(256)]
+    torch.tensor(values, dtype=torch.int32).to(torch.uint16).numpy().tofile(tokens)
+    out = tmp_path / "out"
+    train(out, str(tokens), "--steps", "1", "--world-size", "1", "--token-dtype", "uint16")
+    resumed = train(out, corpus_file, "--resume", "--steps", "2")
+    assert [r["step"] for r in resumed] == [1, 2]
+
+
+def test_an_elastic_resume_names_the_world_its_schedule_reached(tmp_path, corpus_file, capsys):
+    """An elastic run resumes with the world its --elastic-schedule had reached by the saved step,
+    not --world-size: the note compared the checkpoint's world (4) with the default 2 and advised
+    --world-size 4 for a run that continued on 4."""
+    flags = ("--optimizer", "elastic", "--elastic-schedule", "1:4", "--checkpoint-every", "2")
+    train(tmp_path, corpus_file, "--steps", "2", "--world-size", "2", *flags)
+    capsys.readouterr()
+    resumed = train(tmp_path, corpus_file, "--resume", "--steps", "3")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     assert "saved at world size" not in capsys.readouterr().err
