@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention.dilated import DilatedAttention
+from distframe.models.rank_dropout import RankDilatedAttention, draw_from
 from distframe.models.tensor_parallel_rng import (ReplicatedDropout, TensorParallelRNG, derive_seed,
                                                   replace_dropouts)
 from distframe.train_strategies import STRATEGIES
@@ -70,20 +70,6 @@ def layout(config: Any, world_size: int) -> dict[str, Any]:
     return found
 
 
-class RankDilatedAttention(DilatedAttention):
-    """``DilatedAttention`` whose attention-dropout decisions come from ``rng.split_generator``
-    (this rank's own) instead of torch's global generator."""
-
-    def __init__(self, dense: DilatedAttention, rng: TensorParallelRNG) -> None:
-        super().__init__(dense.segment_lengths, dense.dilation_rates,
-                         softmax_scale=dense.softmax_scale, attention_dropout=dense.attention_dropout)
-        self.rng = rng
-        self.train(dense.training)
-
-    def dropout_generator(self, device: torch.device) -> torch.Generator | None:
-        return self.rng.split_generator(device)
-
-
 def use_rank_generators(module: nn.Module, config: Any, world_size: int, rank: int) -> None:
     """Points every dropout of ``module`` (the unwrapped LM) at a generator of this rank alone;
     nothing when ``--dropout`` is 0 or the strategy's tensor-parallel model brings its own."""
@@ -92,10 +78,7 @@ def use_rank_generators(module: nn.Module, config: Any, world_size: int, rank: i
     rng = TensorParallelRNG(derive_seed(config.seed, "rank dropout", "replicated", rank),
                             derive_seed(config.seed, "rank dropout", "split", rank))
     replace_dropouts(module, rng)
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is DilatedAttention:
-                setattr(parent, name, RankDilatedAttention(child, rng))
+    draw_from(module, rng, lambda _: True, inactive=True)
 
 
 def dropout_generators(model: nn.Module) -> TensorParallelRNG | None:

@@ -26,7 +26,8 @@ Dropout with ``tp > 1``: every ``nn.Dropout`` of the stage draws from a generato
 across the tensor group (so replicated activations and parameters stay bitwise equal there) and
 differently per replica and stage; the head-split attention dropout draws per tensor rank. The seed
 is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``, agreed by one broadcast at
-construction (``tensor_parallel_rng``)."""
+construction (``tensor_parallel_rng``). With tp 1 a ``dropout_seed`` gives each rank's dropouts
+generators of their own, so in-memory ranks repeat their masks (``rank_dropout``)."""
 from __future__ import annotations
 
 import weakref
@@ -58,11 +59,11 @@ from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_outputs import refuse_backward
 from distframe.models.pipeline_runtime import PipelineRunner
+from distframe.models.rank_dropout import stage_dropout_rng
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import RangeReader, ShardLayout, check_replicated, fill_shards, piece_key
 from distframe.models.tensor_parallel_mixing import wiring_checks
 from distframe.models.tensor_parallel_plan import split_dims
-from distframe.models.tensor_parallel_rng import TensorParallelRNG, agree_on_seed
 from distframe.models.tied_gradients import TiedGradients
 from distframe.models.wrapped_parameters import WrappedParameters
 from distframe.precision import refuse_policy
@@ -100,10 +101,9 @@ class HybridShardedModel(ShardedModelBase):
         self.catalog = ParameterCatalog(model, every_stage)
         mark_wrapped(model, type(self).__name__)  # the model changes from here (layers split, stages kept)
         origins: dict[int, int] = {}
-        self.dropout_rng: TensorParallelRNG | None = None
+        self.dropout_rng = stage_dropout_rng(model, every_stage[self.groups.pp_index], dropout_seed, dims,
+                                             backend, self.groups, self._device)
         if dims.tp_enabled:
-            seed = agree_on_seed(dropout_seed, backend, self._device)
-            self.dropout_rng = TensorParallelRNG.for_groups(seed, self.groups)
             origins = apply_stage_tensor_parallel(model, tp_plan, every_stage[self.groups.pp_index],
                                                   self.groups.tp, self.dropout_rng)
         chunks = build_chunks(model, ranges, dims.pp, self.groups.pp_index, virtual_stages)

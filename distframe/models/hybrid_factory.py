@@ -31,7 +31,7 @@ def build_model_parallel(strategy: str, model: nn.Module, backend: ICommunicatio
     PipelineParallelModel or a TensorParallelModel; anything else a HybridShardedModel. Each
     takes a plain torch.optim optimizer over ``model.parameters()`` (``data_parallel="ddp"``), or
     ZeRO1Optimizer/ZeRO2Optimizer(model, cls, **kw) for ``"zero1"``/``"zero2"``. ``dropout_seed``:
-    the seed of the tensor-parallel dropout generators (HybridShardedModel's).
+    the seed of the dropout generators (HybridShardedModel's; with tp 1, each rank's own).
     """
     world = backend.world_size
     if strategy not in MODEL_PARALLEL_STRATEGIES:
