@@ -49,8 +49,8 @@ from distframe.models.context_parallel import (apply_context_parallel, batch_sli
                                                input_slices, sequence_slice)
 from distframe.models.devices import module_device
 from distframe.models.hybrid_checks import check_arguments, check_find_unused, check_not_dense
-from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, stage_layers,
-                                            stage_ranges)
+from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, cross_rank_buffers,
+                                            stage_layers, stage_ranges)
 from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
@@ -137,8 +137,9 @@ class HybridShardedModel(ShardedModelBase):
         # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.
         self._wrapped_parameters = WrappedParameters(stage, None, [lp.name for lp in self.local_parameters])
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
-        self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
-                                      schedule=schedule, dense=model) if dims.pp_enabled else None)
+        shared = cross_rank_buffers(every_stage, self.groups.pp_index, dense_buffers) if dims.pp_enabled else ()
+        self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches, schedule=schedule,
+                                      dense=model, shared_buffers=shared) if dims.pp_enabled else None)
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

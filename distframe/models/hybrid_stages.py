@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 
 from distframe.backends.protocol import ICommunicationBackend
@@ -85,3 +86,18 @@ def build_chunks(model: nn.Module, ranges: list[range] | None, pp: int, pp_index
     # Layers are looked up again: tensor parallelism replaced some of the modules.
     mine = chunk_layers(model, ranges, pp, virtual_stages)[pp_index]
     return [PipelineStage(layers, c * pp + pp_index, pp * virtual_stages) for c, layers in enumerate(mine)]
+
+
+def cross_rank_buffers(every_rank: list[list[nn.Module]], rank: int,
+                       names: dict[int, str]) -> list[tuple[str, torch.Tensor, list[int]]]:
+    """``(name, buffer, pipeline ranks holding it)`` for each buffer of ``rank``'s layers that layers
+    of another pipeline rank hold too (``names``: the dense model's, by id). Each rank keeps its own
+    copy, so one changed in place stops being the one buffer the model has: ``PipelineRunner``
+    refuses that (see [Note: buffers shared across stages] there)."""
+    holders: dict[int, set[int]] = {}
+    for r, layers in enumerate(every_rank):
+        for layer in layers:
+            for buffer in layer.buffers():
+                holders.setdefault(id(buffer), set()).add(r)
+    mine = {id(b): b for layer in every_rank[rank] for b in layer.buffers()}
+    return [(names[key], buffer, sorted(holders[key])) for key, buffer in mine.items() if len(holders[key]) > 1]

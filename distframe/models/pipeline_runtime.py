@@ -92,8 +92,10 @@ class PipelineRunner:
     in chunk order; global stage of chunk c is ``c * p + rank``)."""
 
     def __init__(self, chunks: Sequence[nn.Module], backend: ICommunicationBackend, *, num_microbatches: int,
-                 schedule: str, dense: nn.Module | None = None) -> None:
+                 schedule: str, dense: nn.Module | None = None,
+                 shared_buffers: Sequence[tuple[str, torch.Tensor, list[int]]] = ()) -> None:
         warn_batch_norm_per_microbatch(chunks, dense, num_microbatches)
+        self.shared_buffers = [(name, b, b._version, ranks) for name, b, ranks in shared_buffers]
         self.chunks, self.backend = list(chunks), backend
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.ranks = backend.world_size
@@ -156,7 +158,22 @@ class PipelineRunner:
                 self._backward(action.chunk, x, out, action.microbatch)
         self.links.wait_sends()
         self._close_timeline(start)
+        self._check_shared_buffers()
         return torch.stack(losses).sum() if self.is_last else None
+
+    def _check_shared_buffers(self) -> None:
+        """[Note: buffers shared across stages] A buffer that layers on two pipeline ranks share
+        (one tensor registered twice) is one copy per rank here: a constant one is exact, one
+        changed in place (a running statistic, a counter) is updated by each rank's layers on its
+        own copy and stops being the model's one buffer, and checkpoints keep one of the copies.
+        Refused after the step that changes it (a version counter moved), on that rank."""
+        for name, buffer, version, ranks in self.shared_buffers:
+            if buffer._version != version:
+                raise ConfigError(
+                    f"buffer {name!r} is shared by layers on pipeline ranks {' and '.join(map(str, ranks))}, "
+                    "each of which holds its own copy, and this step changed it in place: the copies "
+                    "part. Put the layers that share it on one stage (split_points), or give each "
+                    "layer a buffer of its own")
 
     def forward_only(self, inputs: Any) -> Any:
         """Forward of every micro-batch without autograd; on the last rank the outputs joined
@@ -177,6 +194,7 @@ class PipelineRunner:
                         outputs.append(out)
         self.links.wait_sends()
         self._close_timeline(start)
+        self._check_shared_buffers()
         return concat_microbatches(outputs) if self.is_last else None
 
     def _close_timeline(self, start: float) -> None:

@@ -214,3 +214,55 @@ def test_tied_gradients_zeroed_in_place_between_backwards_are_summed_whole():
     for grads in spawn(_tied_zeroed_in_place, 2, timeout=20):
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], **TOL, msg=name)
+
+
+class Scale(nn.Module):
+    """Multiplies by a buffer it may share with another Scale; ``moving``: adds 0.1 to it in place
+    at each training forward."""
+
+    def __init__(self, scale, moving):
+        super().__init__()
+        self.register_buffer("scale", scale)
+        self.moving = moving
+
+    def forward(self, x):
+        if self.moving and self.training:
+            with torch.no_grad():
+                self.scale.add_(0.1)
+        return x * self.scale.clone()
+
+
+def shared_buffer(moving):
+    scale = torch.full((6,), 1.5, dtype=torch.float64)
+    return nn.Sequential(nn.Linear(5, 6), Scale(scale, moving), nn.Tanh(), nn.Linear(6, 6), Scale(scale, moving),
+                         nn.Linear(6, 3))
+
+
+def _shared_buffer_steps(b, moving):
+    pipe = PipelineParallelModel(seeded(functools.partial(shared_buffer, moving)), b, num_microbatches=1,
+                                 split_points=[3])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    return [pipe.train_step(batch, mse, opt) for batch in batches(2)], pipe.gather_full_parameters()
+
+
+def test_a_constant_buffer_shared_across_stages_trains_as_one_process():
+    model = seeded(functools.partial(shared_buffer, False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches(2):
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for got, full in spawn(functools.partial(_shared_buffer_steps, moving=False), 2, timeout=20):
+        assert got == pytest.approx(losses, rel=1e-12)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(full[name], value, **TOL, msg=name)
+
+
+def test_a_buffer_shared_across_stages_and_changed_in_place_is_refused():
+    # Each stage holds its own copy: one process adds 0.1 twice a step to the one buffer, each
+    # stage once to its copy, and checkpoints kept stage 0's. It trained another model silently.
+    with pytest.raises(ConfigError, match=r"buffer '1.scale'.*ranks 0 and 1.*split_points"):
+        spawn(functools.partial(_shared_buffer_steps, moving=True), 2, timeout=20)
