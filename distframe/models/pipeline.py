@@ -29,7 +29,9 @@ class PipelineParallelModel(HybridShardedModel):
     list of blocks, a ``DilatedTransformerLM`` or a module with ``pipeline_layers()`` (see
     ``stages``). ``interleaved_1f1b`` cuts the model into ``pp * virtual_stages`` stages and gives
     rank r the chunks ``r, r + pp, ...``; ``split_points`` then has ``pp * virtual_stages - 1``
-    entries."""
+    entries. ``named_parameters()`` names the stage's own modules (``wrapped_model.layers.<i>``,
+    numbered from 0 on every stage, unlike torch.distributed.pipelining, which keeps the model's
+    names): pick parameters by the unwrapped model's names with ``dense_named_parameters()``."""
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], backend: ICommunicationBackend, *,
                  num_microbatches: int, schedule: str = "1f1b", split_points: Sequence[int] | None = None,
