@@ -32,7 +32,8 @@ class TiedGradients:
         for _, params in groups:
             for p in params:
                 self._accumulated[id(p)] = 0
-                p.register_post_accumulate_grad_hook(self._count)
+                if p.requires_grad:  # frozen ones never get a gradient (and take no hook)
+                    p.register_post_accumulate_grad_hook(self._count)
 
     def _count(self, param: torch.Tensor) -> None:
         self._accumulated[id(param)] += 1

@@ -266,3 +266,28 @@ def test_a_buffer_shared_across_stages_and_changed_in_place_is_refused():
     # stage once to its copy, and checkpoints kept stage 0's. It trained another model silently.
     with pytest.raises(ConfigError, match=r"buffer '1.scale'.*ranks 0 and 1.*split_points"):
         spawn(functools.partial(_shared_buffer_steps, moving=True), 2, timeout=20)
+
+
+def _frozen_tied_steps(b):
+    model = seeded(tied)
+    model[0].emb.weight.requires_grad_(False)  # and the head's, which is the same tensor
+    pipe = PipelineParallelModel(model, b, num_microbatches=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # SGD skips the frozen weight
+    for batch in token_batches():
+        pipe.train_step(batch, cross_entropy, opt)
+    return pipe.gather_full_parameters()
+
+
+def test_a_frozen_weight_tied_across_stages_trains_as_one_process():
+    # Fine-tuning with the embedding (and so the head) frozen; construction raised torch's
+    # "cannot register a hook on a tensor that doesn't require gradient".
+    model = seeded(tied)
+    model[0].emb.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for x, y in token_batches():
+        cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for full in spawn(_frozen_tied_steps, 2, timeout=20):
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(full[name], value, **TOL, msg=name)
