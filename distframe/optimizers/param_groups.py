@@ -60,14 +60,21 @@ class GroupedShards:
         self.pieces: list[_Piece] = []
         self.groups: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         segments: list[list[Segment]] = []
-        for shard, segs in zip(layout.shards, layout.segments):
+        # A hybrid rank's layout says which ranges it writes too (WrittenOnceLayout.written: one
+        # writer per range, where stages share a tied weight and tensor ranks a replicated one).
+        written: list[list[Segment]] | None = getattr(layout, "written", None)
+        pieces_written: list[list[Segment]] = []
+        for i, (shard, segs) in enumerate(zip(layout.shards, layout.segments)):
             for group, start, end, run in _runs(shard, segs, group_of, shard_group.get(id(shard)), owner):
                 whole = start == 0 and end == shard.numel()
                 tensor = shard if whole else nn.Parameter(shard.data.view(-1)[start:end])
                 self.pieces.append(_Piece(tensor, shard, start, end))
                 self.groups[group].append(tensor)
-                segments.append([dataclasses.replace(s, shard_offset=s.shard_offset - start) for s in run])
-        self.layout = ShardLayout([p.tensor for p in self.pieces], segments, replicated=layout.replicated)
+                segments.append(_shifted(run, start, end))
+                if written is not None:
+                    pieces_written.append(_shifted(written[i], start, end))
+        self.layout = dataclasses.replace(layout, shards=[p.tensor for p in self.pieces], segments=segments,
+                                          **({} if written is None else {"written": pieces_written}))
 
     def take_gradients(self) -> None:
         """Points each piece's ``.grad`` at its range of its shard's gradient (None with it)."""
@@ -76,6 +83,12 @@ class GroupedShards:
                 continue
             grad = piece.shard.grad
             piece.tensor.grad = None if grad is None else grad.view(-1)[piece.start:piece.end]
+
+
+def _shifted(segments: list[Segment], start: int, end: int) -> list[Segment]:
+    """Those of a shard's ``segments`` that lie in its piece ``start:end``, addressed in the piece."""
+    return [dataclasses.replace(s, shard_offset=s.shard_offset - start) for s in segments
+            if start <= s.shard_offset < end]
 
 
 def _runs(shard: torch.Tensor, segments: list[Segment], group_of: dict[str, int], whole: int | None,
