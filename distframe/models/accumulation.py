@@ -29,6 +29,7 @@ def accumulated_backward(model: Any, batch: tuple[Any, Any], loss_fn: Callable, 
     returns this rank's loss over the whole slice."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"accumulation_steps={steps!r}: use an integer >= 1 (1: no accumulation)")
+    _refuse_empty(batch, model.backend.rank)
     if steps == 1:
         return model.forward_backward(batch, loss_fn)
 
@@ -61,3 +62,14 @@ def split_batch(batch: tuple[Any, Any], steps: int, num_microbatches: int = 1) -
                 f"pass a slice of a multiple of {need} samples, or fewer accumulation steps")
     chunks = [leaf.chunk(steps) if isinstance(leaf, torch.Tensor) else [leaf] * steps for leaf in leaves]
     return [tree_unflatten([chunk[k] for chunk in chunks], spec) for k in range(steps)]
+
+
+def _refuse_empty(batch: tuple[Any, Any], rank: int) -> None:
+    """ConfigError for a slice of 0 rows: its mean loss is NaN (0/0), and the gradients of the
+    other data-parallel ranks would be averaged with its zeros, silently halving the step."""
+    leaves, _ = tree_flatten(train_batch(batch))
+    empty = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() and not len(t)), None)
+    if empty is not None:
+        raise ConfigError(f"train_step on rank {rank} got an empty slice (a tensor of shape "
+                          f"{tuple(empty.shape)}): give every data-parallel rank at least one sample "
+                          "(a global batch at least the data-parallel degree), or skip the step on all ranks")

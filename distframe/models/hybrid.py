@@ -26,8 +26,7 @@ Dropout with ``tp > 1``: every ``nn.Dropout`` of the stage draws from a generato
 across the tensor group (so replicated activations and parameters stay bitwise equal there) and
 differently per replica and stage; the head-split attention dropout draws per tensor rank. The seed
 is ``dropout_seed``, or world rank 0's ``torch.initial_seed()``, agreed by one broadcast at
-construction (``tensor_parallel_rng``). With tp 1 a ``dropout_seed`` gives each rank's dropouts
-generators of their own, so in-memory ranks repeat their masks (``rank_dropout``)."""
+construction (``tensor_parallel_rng``); with tp 1, a given seed seeds each rank's own (``rank_dropout``)."""
 from __future__ import annotations
 
 import weakref
@@ -137,9 +136,10 @@ class HybridShardedModel(ShardedModelBase):
         # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.
         self._wrapped_parameters = WrappedParameters(stage, None, [lp.name for lp in self.local_parameters])
         self._gradient_hooks = [p.register_hook(self._on_gradient) for p in self._trainable()]
-        shared = cross_rank_buffers(every_stage, self.groups.pp_index, dense_buffers) if dims.pp_enabled else ()
-        self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches, schedule=schedule,
-                                      dense=model, shared_buffers=shared) if dims.pp_enabled else None)
+        shared = cross_rank_buffers(every_stage, self.groups.pp_index, dense_buffers)  # none without pp
+        self.runner = (PipelineRunner(chunks, self.groups.pp, num_microbatches=num_microbatches,
+                                      schedule=schedule, dense=model, shared_buffers=shared)
+                       if dims.pp_enabled else None)
 
     # ---- forward and the step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
