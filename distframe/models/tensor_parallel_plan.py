@@ -18,6 +18,9 @@ parameter names stay the dense model's. Rules:
 * ``q_proj``, ``k_proj``, ``v_proj`` ``"column"`` and ``out_proj`` ``"row"`` of a
   ``MultiheadDilatedAttention``: the whole attention is replaced by
   TensorParallelDilatedAttention (split by heads, one ``f`` for q/k/v).
+* A planned layer is a plain ``nn.Linear`` / ``nn.Embedding``: a subclass with its own forward,
+  parameters, buffers or submodules, or a parametrized one (weight_norm), is a ConfigError (the
+  split layer would drop them); one that changes only its ``__init__`` is split.
 * A planned layer is replaced under every name it is registered by (``self.alias = self.up``);
   either name may be planned. A parent that reads its children's weights itself cannot take a
   split layer: ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``) is a ConfigError;
@@ -35,6 +38,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from attention.multihead import MultiheadDilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
@@ -197,6 +201,7 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(names[name], wanted):
             raise ConfigError(f"plan[{name!r}]={style!r} needs an nn.{wanted.__name__}, "
                               f"got {type(names[name]).__name__}")
+        _check_plain(names[name], name, wanted)
         _check_parent(names, name)
         known = first[id(names[name])]
         if canonical.get(known, style) != style:
@@ -206,6 +211,33 @@ def _checked(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
         canonical[known] = style
     _check_ties(model, names, canonical)
     return canonical
+
+
+def _check_plain(module: nn.Module, name: str, wanted: type[nn.Module]) -> None:
+    """ConfigError for a planned layer that computes more than a plain ``wanted``: the split layer
+    takes only its weight (and bias) and computes ``wanted``'s forward, so a parametrization of the
+    weight, a subclass's own forward and its other parameters, buffers and submodules would be
+    dropped, silently. A subclass that changes only its ``__init__`` (its initialisation) is split."""
+    if parametrize.is_parametrized(module):
+        raise ConfigError(
+            f"plan[{name!r}]: {name!r} is parametrized ({', '.join(module.parametrizations)}: "
+            "torch.nn.utils.parametrize, e.g. weight_norm), and parametrizations cannot be split: "
+            "the split layer would hold a slice of the original tensors and drop the parametrization. "
+            f"Call torch.nn.utils.parametrize.remove_parametrizations(layer, "
+            f"{next(iter(module.parametrizations))!r}) on it before wrapping (the weight keeps its "
+            "current value), or leave it out of the plan")
+    kept = ("weight", "bias") if wanted is nn.Linear else ("weight",)
+    dropped = ["its own forward"] if type(module).forward is not wanted.forward else []
+    dropped += [f"its parameter {n!r}" for n, _ in module.named_parameters(recurse=False) if n not in kept]
+    dropped += [f"its buffer {n!r}" for n, _ in module.named_buffers(recurse=False)]
+    dropped += [f"its submodule {n!r}" for n, _ in module.named_children()]
+    if dropped:
+        what = dropped[0] if len(dropped) == 1 else f"{', '.join(dropped[:-1])} and {dropped[-1]}"
+        raise ConfigError(
+            f"plan[{name!r}]: its class {type(module).__name__} subclasses nn.{wanted.__name__}, but "
+            f"the split layer computes a plain nn.{wanted.__name__}'s forward: {what} would be "
+            f"dropped. Plan a plain nn.{wanted.__name__} (moving the rest into its parent module's "
+            "forward), or leave it out of the plan")
 
 
 def _check_parent(names: dict[str, nn.Module], name: str) -> None:
