@@ -24,6 +24,7 @@ from distframe.backends.functional import (all_reduce, copy_to_parallel_region,
                                            scatter_to_parallel_region)
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.tensor_parallel_loss import compute_dtype
 from distframe.models.tensor_parallel_region import mark_split, sum_replicated_gradients
 
 
@@ -163,11 +164,16 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, dense: nn.Embedding, backend: ICommunicationBackend, *,
                    shared: dict | None = None) -> VocabParallelEmbedding:
         # Each of these changes the gradient or the weights per id, which the masked local
-        # lookup does not reproduce (scale_grad_by_freq would count every foreign id as id 0).
-        if dense.padding_idx is not None or dense.max_norm is not None or dense.scale_grad_by_freq:
-            raise ConfigError("VocabParallelEmbedding supports plain embeddings (no padding_idx, "
-                              "no max_norm, no scale_grad_by_freq); drop those options or leave "
-                              "the embedding replicated")
+        # lookup does not reproduce (scale_grad_by_freq would count every foreign id as id 0;
+        # sparse=True would get a dense gradient, which torch.optim.SparseAdam refuses).
+        options = {"padding_idx": None, "max_norm": None, "scale_grad_by_freq": False, "sparse": False}
+        given = [f"{option}={getattr(dense, option)!r}" for option, plain in options.items()
+                 if getattr(dense, option) != plain]
+        if given:
+            raise ConfigError(f"VocabParallelEmbedding supports plain embeddings (no padding_idx, "
+                              f"no max_norm, no scale_grad_by_freq, sparse=False), got {', '.join(given)}; "
+                              "drop those options (build it with sparse=False and an optimizer for dense "
+                              "gradients) or leave the embedding replicated")
         lo, hi = shard_range(dense.num_embeddings, backend, "num_embeddings")
         return cls(_shared_slice(dense.weight, 0, lo, hi, shared), lo, backend)
 
@@ -184,8 +190,9 @@ class ShardedLayerNorm(nn.Module):
     """LayerNorm over a feature dim split across the group (each rank holds ``E/t`` features).
 
     Mean and variance need every rank's features: two differentiable all-reduces of a
-    ``(..., 1)`` statistic forward (and two backward). The result equals ``nn.LayerNorm`` applied
-    to the concatenated features, sliced to this rank.
+    ``(..., 1)`` statistic forward (and two backward), in float32 for float16/bfloat16 features
+    (``compute_dtype``). The result equals ``nn.LayerNorm`` applied to the concatenated features,
+    sliced to this rank, in the features' dtype (the weights' where that is wider).
     """
 
     def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, full_size: int,
@@ -206,13 +213,21 @@ class ShardedLayerNorm(nn.Module):
         return cls(weight, bias, full, dense.eps, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = all_reduce(x.sum(-1, keepdim=True), self.backend) / self.full_size
-        centered = x - mean
+        # float16/bfloat16 features are normalised in float32, as nn.LayerNorm does, and rounded
+        # once at the end: in half precision a sum over the features is rounded to 8 or 11 bits
+        # and overflows float16 past 65504 (256 features near 300: every output inf or NaN).
+        upcast = x.to(compute_dtype(x.dtype))
+        mean = all_reduce(upcast.sum(-1, keepdim=True), self.backend) / self.full_size
+        centered = upcast - mean
         var = all_reduce(centered.square().sum(-1, keepdim=True), self.backend) / self.full_size
         y = centered * torch.rsqrt(var + self.eps)
         if self.weight is not None:
             y = y * self.weight
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        dtype = x.dtype  # rounded once to the dtype of x, or of the weights where wider (as before)
+        for param in (self.weight, self.bias):
+            dtype = dtype if param is None else torch.promote_types(dtype, param.dtype)
+        return y.to(dtype)
 
 
 def _planned(layer: nn.Module, style: str) -> str:
