@@ -24,7 +24,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token losses in ``compute_dtype(logits.dtype)``; the gradient in the logits' dtype."""
+    """Per-token losses in ``compute_dtype(logits.dtype)``; the gradient in the logits' dtype.
+
+    [Note: differentiable once] The forward's statistics come from all-reduces autograd does not
+    see, so no second derivative (``create_graph=True``: a gradient penalty, a Hessian-vector
+    product) could be right; backward recorded in place raised an obscure 'modified by an inplace
+    operation' instead. Backward runs unrecorded (as ``once_differentiable``), so the first
+    derivative is exact under ``create_graph=True`` too; there the gradient goes through
+    ``_DifferentiatedTwice``, which keeps it attached to the logits (and to the incoming gradient)
+    and raises when a second derivative reaches it. ``once_differentiable`` alone does not do that
+    for the usual loss: the gradient a mean passes in does not require grad, so it returned a
+    constant, and the second-order terms through the loss were dropped, silently.
+    """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, backend: ICommunicationBackend):
@@ -47,9 +58,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, global_max, sum_exp, safe_ids, inside = ctx.saved_tensors
-        softmax = (logits.to(global_max.dtype) - global_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))
-        softmax.scatter_add_(-1, safe_ids, -inside.unsqueeze(-1).to(softmax.dtype))  # - one_hot
-        return (softmax.mul_(grad.unsqueeze(-1))).to(logits.dtype), None, None
+        with torch.no_grad():  # see [Note: differentiable once]
+            softmax = (logits.to(global_max.dtype) - global_max.unsqueeze(-1)).exp_()
+            softmax.div_(sum_exp.unsqueeze(-1))
+            softmax.scatter_add_(-1, safe_ids, -inside.unsqueeze(-1).to(softmax.dtype))  # - one_hot
+            gradient = softmax.mul_(grad.unsqueeze(-1)).to(logits.dtype)
+        if torch.is_grad_enabled():  # backward with create_graph=True
+            gradient = _DifferentiatedTwice.apply(gradient, logits, grad)
+        return gradient, None, None
+
+
+class _DifferentiatedTwice(torch.autograd.Function):
+    """The loss's gradient as given; its backward raises ([Note: differentiable once])."""
+
+    @staticmethod
+    def forward(ctx, gradient: torch.Tensor, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return gradient.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            "vocab_parallel_cross_entropy cannot be differentiated twice: its statistics come from "
+            "all-reduces that autograd does not see, so a second derivative through it (a gradient "
+            "penalty, a Hessian-vector product) would be wrong. Take the second derivative of "
+            "another loss, or gather the logits and use F.cross_entropy")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
