@@ -21,6 +21,16 @@ is no autograd graph to walk without it): that no split output reaches the model
 following it through every op. A model only evaluated, or evaluated before it trains, returned
 each rank's slice and a validation loss that differed between ranks.
 
+[Note: split parameters read outside their layer]
+A parameter the plan splits (a 'vocab' embedding's weight, a column's weight and bias, a row's
+weight, a sharded norm's) holds one rank's slice. Only its split-aware layer knows that; a forward
+that reads it itself (a GPT-style tie, ``logits = h @ self.emb.weight.t()``) computes with the
+slice, and the shapes may still agree: each rank returned its share of the logits. So the same
+first forward refuses a torch function outside those layers that takes such a parameter, before
+it runs (the op might fail on the slice's shape, less clearly). Reads of what it is rather than of
+its values (``weight.dtype``, ``.device``, ``.shape``, ``.size()``) are let through: a cast to a
+layer's dtype is common and right, though a shape read gets the local size.
+
 [Note: draws from the global generator]
 A forward that draws from torch's global generator itself (``F.dropout`` in a module's forward
 rather than an ``nn.Dropout`` module, ``torch.randn`` noise) gives each tensor rank another draw
@@ -50,6 +60,7 @@ from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelL
                                               VocabParallelEmbedding)
 from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
 from distframe.models.tensor_parallel_flow import SplitOutputCheck, split_output_error
+from distframe.models.tensor_parallel_plan import split_dims
 
 ALL = "all"
 # op -> (position of its dim argument, its default); ALL: every dim (a whole-tensor reduction).
@@ -85,6 +96,11 @@ _DRAWS.update({name: None for name in (
     "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
     "randperm", "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
     "log_normal_", "random_", "multinomial", "poisson", "gumbel_softmax")})
+# What a read of a split parameter may ask: what it is, not its values (see the note on them).
+_METADATA = {"dtype", "device", "shape", "ndim", "layout", "requires_grad", "is_leaf", "grad", "grad_fn",
+             "_version", "is_cuda", "is_meta", "is_sparse", "is_quantized", "size", "dim", "numel",
+             "nelement", "ndimension", "stride", "element_size", "is_floating_point", "is_complex",
+             "is_contiguous", "data_ptr", "storage_offset", "get_device", "__hash__", "__len__"}
 _AWARE = (ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm, TensorParallelDilatedAttention,
           VocabParallelEmbedding)
 
@@ -101,6 +117,7 @@ class FeatureMixingCheck:
 
     def __init__(self, chunks: list[nn.Module], last: list[nn.Module]) -> None:
         self.aware = [m for c in chunks for m in c.modules() if isinstance(m, _AWARE)]
+        self.split_parameters = _split_parameters(chunks)
         self.reach = {id(c) for c in last}
         self.handles: dict[int, list[Any]] = {}
         self.tracker: _Tracker | None = None
@@ -114,7 +131,7 @@ class FeatureMixingCheck:
         if _compiling_around(chunk):
             self._done(chunk)
             return
-        self.tracker = _Tracker(self.aware)
+        self.tracker = _Tracker(self.aware, self.split_parameters)
         self.tracker.__enter__()
 
     def _end(self, chunk: nn.Module, args: Any, output: Any) -> None:
@@ -137,10 +154,12 @@ class FeatureMixingCheck:
 
 
 class _Tracker(TorchFunctionMode):
-    """Follows the split outputs of one forward (see the note)."""
+    """Follows the split outputs of one forward (see the note); refuses a read of a split parameter
+    outside its layer ([Note: split parameters read outside their layer])."""
 
-    def __init__(self, aware: list[nn.Module]) -> None:
+    def __init__(self, aware: list[nn.Module], split_parameters: dict[int, str]) -> None:
         super().__init__()
+        self.split_parameters = split_parameters  # id -> name, see the note on them
         self.split: dict[int, tuple[weakref.ref, Any]] = {}  # last dim split: -> its column
         self.taint: dict[int, tuple[weakref.ref, Any]] = {}  # holds split values, any layout
         self.depth = 0  # inside distframe's split-aware layers
@@ -186,6 +205,8 @@ class _Tracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.depth:
+            self._check_split_parameters(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.depth:
             return out
@@ -208,6 +229,41 @@ class _Tracker(TorchFunctionMode):
                 else result.shape[-1] == split.shape[-1])
             self._mark(result, self.column_of(inputs[0]), split=bool(keeps))
         return out
+
+    def _check_split_parameters(self, func: Any, args: tuple, kwargs: dict) -> None:
+        read = next((self.split_parameters[id(t)] for t in _tensors((args, kwargs))
+                     if id(t) in self.split_parameters), None)
+        if read is None:
+            return
+        op = getattr(func, "__name__", "")
+        if op == "__get__":  # a Tensor property: named by its descriptor (weight.T, weight.dtype)
+            op = getattr(getattr(func, "__self__", None), "__name__", op)
+        if op not in _METADATA:
+            raise _split_read_error(read, op)
+
+
+def _split_parameters(chunks: list[nn.Module]) -> dict[int, str]:
+    """``id -> name`` of each parameter of ``chunks`` the plan splits (``split_dims``), named by its
+    planned layer (``plan_name``), else by its name in the stage module."""
+    names: dict[int, str] = {}
+    for chunk in chunks:
+        split = split_dims(chunk)
+        for module_name, module in chunk.named_modules():
+            prefix = getattr(module, "plan_name", None) or module_name
+            for attr, param in module.named_parameters(recurse=False):
+                if id(param) in split:
+                    names.setdefault(id(param), f"{prefix}.{attr}" if prefix else attr)
+    return names
+
+
+def _split_read_error(param: str, op: str) -> ConfigError:
+    return ConfigError(
+        f"the model's forward passes {param!r} to {op!r} outside its layer, but the plan splits that "
+        "parameter: each tensor rank holds only its slice of it, so the op would compute with one "
+        "rank's slice, not what the model computes. Use it through its layer: to tie an output "
+        "projection to a 'vocab' embedding, give an nn.Linear planned 'column' the embedding's weight "
+        "(head.weight = emb.weight; logits = head(h)), as DilatedTransformerLM's head does; or leave "
+        "its layer out of the plan")
 
 
 def _works_along_last(name: str, args: tuple, kwargs: dict, split: torch.Tensor) -> bool:
