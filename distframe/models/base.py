@@ -18,6 +18,7 @@ from distframe.compile_support import refuse_on_threads, uncompiled
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
+from distframe.models.direct_calls import DirectCalls
 from distframe.models.extra_state import copy_replicated
 from distframe.models.flat import Segment
 from distframe.models.full_parameters import Summonable, full_state_dict, refuse_while_summoned, summoned
@@ -61,6 +62,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
     #: Whether every rank's ``local_parameter_shard()`` holds the same gradients once they are
     #: synchronised (DDP): a GradScaler's per-rank inf check then agrees without communication.
     replicates_gradients = False
+    _direct_calls = DirectCalls()  # refuses nothing; ZeRO's and the unit models' refuse (direct_calls.py)
 
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
@@ -163,10 +165,6 @@ class ShardedModelBase(nn.Module, abc.ABC):
         return list(self.wrapped_model.buffers()), self.backend
 
     # ---- shared life cycle -------------------------------------------------------------------
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank now (``config.broadcast_buffers``); collective."""
-        self._replica_buffers.broadcast()
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_while_summoned(self, "forward ran")
         refuse_on_threads(self._call[0], self.backend)  # [Note: compiled code on in-memory ranks]
@@ -174,7 +172,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
             self._wrapped_parameters.check(self)
         self._pre_forward()  # may end a synchronisation first (a backward without a step)
         self._replica_buffers.before_forward(self._synchronize, self.wrapped_model.training)
-        return self._post_forward(self._call[0](*args, **kwargs))
+        with self._direct_calls.calling():  # [Note: the wrapped module called directly]
+            return self._post_forward(self._call[0](*args, **kwargs))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -304,7 +303,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         on every rank (buffers are rank 0's, broadcast now, unless ``config.broadcast_buffers`` is
         False); collective. It reads: a live buffer is written only where it differs from rank
         0's, so it may run between a forward and its backward."""
-        self._sync_buffers()  # writes only buffers that differ from rank 0's (broadcast_tensors)
+        self._replica_buffers.broadcast()  # rank 0's, where they differ (broadcast_tensors); collective
         return full_state_dict(self.wrapped_model, self._gather_parameters())
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:

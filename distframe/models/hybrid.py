@@ -359,7 +359,7 @@ class HybridShardedModel(ShardedModelBase):
         """The dense model's state dict on every rank. Collective: all_gather of each split
         parameter over the tensor group, one broadcast per stage and dtype over the pipeline group
         (buffers are data-parallel replica 0's unless ``config.broadcast_buffers`` is False)."""
-        self._sync_buffers()
+        self._replica_buffers.broadcast()  # rank 0's buffers (config.broadcast_buffers); collective
         return gather_full(self.local_parameters, self.local_buffers, self.catalog, self.groups)
 
     def _summonable(self) -> list:

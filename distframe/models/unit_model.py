@@ -24,6 +24,7 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError, DistFrameError
 from distframe.models.config import ShardingConfig, TrainingState
+from distframe.models.direct_calls import DirectCalls
 from distframe.models.full_parameters import Summonable
 from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
 from distframe.models.replicas import mark_wrapped
@@ -74,6 +75,8 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         self._stand_in_pointers = frozenset().union(*(u.stand_in_pointers for u in resharded))
         self._unit_of_param = {id(e.param): (u, e.name) for u in self.units for e in u.space.entries}
         self._reads_seen: set[tuple[str, bool, bool]] = set()  # kinds of call checked without a read
+        # Last: its pre-hook runs before the units' (prepended too), and a refused construction adds none.
+        self._direct_calls = DirectCalls(self)  # [Note: the wrapped module called directly]
 
     def _choose_units(self, module: nn.Module) -> list[UnitSpec]:
         """(module whose hooks gather the unit, its (name, parameter) list), trainable only."""

@@ -11,6 +11,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp, Work
 from distframe.errors import ConfigError
 from distframe.models.config import ShardingConfig
+from distframe.models.direct_calls import DirectCalls
 from distframe.models.flat import FlatSpace, partition_into_buckets
 from distframe.models.full_parameters import Summonable
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
@@ -98,6 +99,8 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
             peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None),
             accumulate_dtype=self.reduce_dtype)
         self._reduced_buckets: set[int] = set()  # kept buffers already reduced (ZeRO-1)
+        # Last: a construction refused by a check leaves no hook on the module.
+        self._direct_calls = DirectCalls(self)  # [Note: the wrapped module called directly]
 
     def _launch(self, bucket: GradBucket) -> Work:
         grad = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
