@@ -34,7 +34,8 @@ def _direct_steps(b, strategy):
     model = model_cls(net, b)
     opt = optimizer_cls(model, torch.optim.SGD, lr=0.1)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(4, 2, generator=g, dtype=torch.float64)
     with torch.no_grad():
         evaluated = net(x)  # an evaluation: let through
         torch.testing.assert_close(evaluated, model(x), rtol=0, atol=0)
