@@ -170,16 +170,41 @@ def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:
                      "tensors, numbers, strings or containers of them instead")
 
 
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+_MPI_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
+LAUNCHER_COMMANDS = {"mpi": "mpiexec", "torchrun": "torchrun"}  # what a message tells the user to run
+
+
 def detect_launcher(environ: dict[str, str] | None = None) -> str | None:
     """'mpi' under mpirun/mpiexec, 'torchrun' under torchrun, None otherwise. torchrun's variables
     win: a torchrun per node started by mpirun or srun (a common cluster layout) passes the MPI
-    launcher's on to its workers, which MPI_Init would then fail on or take as a world of one."""
+    launcher's on to its workers, which MPI_Init would then fail on or take as a world of one.
+    RANK or WORLD_SIZE without the rest of torchrun's variables (and no MPI launcher's) is a
+    ConfigError: taken for no launcher, each process trained a whole run of its own into one
+    --out. MASTER_ADDR alone is no launcher (job scripts export it for other tools too)."""
     env = os.environ if environ is None else environ
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    if all(k in env for k in _TORCHRUN_VARIABLES):
         return "torchrun"
-    if any(k in env for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")):
+    if any(k in env for k in _MPI_VARIABLES):
         return "mpi"
+    if "RANK" in env or "WORLD_SIZE" in env:
+        given = [k for k in _TORCHRUN_VARIABLES if k in env]
+        missing = [k for k in _TORCHRUN_VARIABLES if k not in env]
+        raise ConfigError(f"{', '.join(given)} set but {', '.join(missing)} not set: start the program "
+                          "with torchrun, or set all of RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                          "(none of them to train without a launcher)")
     return None
+
+
+def start_mpi() -> Any:
+    """MPI_COMM_WORLD, MPI started (None without an MPI library): for a rank of an mpiexec job
+    that leaves before its backend has started, whose peers would wait in MPI_Init (which has no
+    timeout) for ever. Its start completes their MPI_Init; its ``Abort`` then ends them all."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError):  # no MPI library here: the peers have none either
+        return None
+    return MPI.COMM_WORLD
 
 
 def init_backend(name: str = "auto", *, timeout: float = DEFAULT_TIMEOUT, **backend_kwargs: Any):

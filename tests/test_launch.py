@@ -45,7 +45,7 @@ def test_spawn_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout, says):
     ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpi"),
     ({"OMPI_COMM_WORLD_RANK": "1"}, "mpi"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "torchrun"),
-    ({"RANK": "0"}, None),
+    ({"MASTER_ADDR": "n0"}, None),  # job scripts export it for other tools too
     # A torchrun per node started by mpirun or srun: its workers inherit the MPI launcher's
     # variables, and MPI_Init failed in them (or each took itself for a world of one).
     ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "n0", "OMPI_COMM_WORLD_RANK": "0"}, "torchrun"),
@@ -53,6 +53,12 @@ def test_spawn_refuses_a_timeout_that_is_not_a_number_of_seconds(timeout, says):
 ])
 def test_detect_launcher(env, expected):
     assert detect_launcher(env) == expected
+
+
+def test_some_of_torchruns_variables_are_a_config_error():
+    # Taken for no launcher, each process trained a run of its own into one --out.
+    with pytest.raises(ConfigError, match="RANK set but WORLD_SIZE, MASTER_ADDR not set"):
+        detect_launcher({"RANK": "0"})
 
 
 def test_init_backend_without_a_launcher_is_a_single_rank(monkeypatch):

@@ -114,19 +114,23 @@ def from_environment(name: str, *, timeout: float = DEFAULT_TIMEOUT, **backend_k
                      ) -> TorchDistributedBackend:
     """The world backend of a process started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT locate the store (torchrun's agent store when it provides one); NCCL uses GPU
-    LOCAL_RANK."""
+    LOCAL_RANK. A variable that is not an integer in range is a ConfigError, raised before the
+    rendezvous; so is a MASTER_PORT in use, and a store not reached in ``timeout`` seconds is
+    BackendUnavailableError (each one line, not torch's DistNetworkError or DistStoreError)."""
     if name not in ("gloo", "nccl"):
         raise ConfigError(f"from_environment builds 'gloo' or 'nccl' backends, not {name!r}")
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise BackendUnavailableError(f"{', '.join(missing)} not set: start the program with "
                                       f"torchrun, or use spawn(fn, world_size, backend={name!r})")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    # Checked before the rendezvous: a rank out of range waited there for the whole timeout.
+    world_size = _variable("WORLD_SIZE", 1, None, "the number of processes")
+    rank = _variable("RANK", 0, world_size - 1, "this process's rank")
+    local_rank = _variable("LOCAL_RANK", 0, None, "this process's rank on its node", default=rank)
+    _variable("MASTER_PORT", 1, 65535, "the port of rank 0's store")
     if name == "nccl":
         require_gpus(local_rank + 1)
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size,
-                                       timeout=datetime.timedelta(seconds=timeout)))
+    store = _rendezvous(rank, world_size, timeout)
     # A restarted torchrun job meets in the same store: keep its keys apart from the last run's.
     prefix = f"distframe/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     # Each call builds a new group (as MPI's Dup does), in the same store: a second group under
@@ -139,3 +143,47 @@ def from_environment(name: str, *, timeout: float = DEFAULT_TIMEOUT, **backend_k
     backend_kwargs.setdefault("device", local_rank)
     return NCCLCommunicationBackend(rank, world_size, store, timeout=timeout, prefix=prefix,
                                     **backend_kwargs)
+
+
+def _variable(name: str, minimum: int, maximum: int | None, meaning: str, default: int | None = None) -> int:
+    """The launcher variable ``name`` as an int from ``minimum`` to ``maximum`` (None: no upper
+    bound), or ``default`` where it is unset and one is given; ConfigError naming it otherwise."""
+    value = os.environ.get(name)
+    if value is None and default is not None:
+        return default
+    allowed = f"from {minimum} to {maximum}" if maximum is not None else f"of at least {minimum}"
+    try:
+        number = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < minimum or (maximum is not None and number > maximum):
+        raise ConfigError(f"{name}={value}: set {name} to {meaning}, an integer {allowed} (torchrun "
+                          "sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT for each process it starts)")
+    return number
+
+
+def _rendezvous(rank: int, world_size: int, timeout: float) -> dist.Store:
+    """The store of torch's env:// rendezvous; its failures as one line that says what to change."""
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
+            raise ConfigError(f"MASTER_PORT {os.environ['MASTER_PORT']} is in use on this machine: pick "
+                              "another MASTER_PORT (torchrun --master-port) for rank 0's store") from exc
+        raise BackendUnavailableError(
+            f"rank {rank} could not reach rank 0's store at {address} ({_first_line(exc)}); check "
+            "MASTER_ADDR and MASTER_PORT, and that rank 0 is running, or raise the timeout (--timeout)"
+        ) from exc
+    except dist.DistStoreError as exc:
+        raise BackendUnavailableError(
+            f"not every one of WORLD_SIZE={world_size} ranks reached the store at {address} within "
+            f"{timeout:g} s ({_first_line(exc)}); start every rank with the same MASTER_ADDR and "
+            "MASTER_PORT, or raise the timeout (--timeout)") from exc
+    return store
+
+
+def _first_line(exc: Exception) -> str:
+    """torch's message without the C++ context that may follow it."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
