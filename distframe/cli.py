@@ -4,14 +4,18 @@ Exit status: 0 done (also when the reader of stdout has gone, as after ``| head`
 input (a ConfigError, an engine that cannot run here, a bad flag, a file that is missing or cannot
 be read), reported as one line that says what to change; 1 another distframe error or an I/O
 error (one line); 130 interrupted (Ctrl-C, or SIGTERM/SIGHUP to the console script: the last
-complete checkpoint stays loadable). ``--debug`` shows tracebacks.
+complete checkpoint stays loadable). ``--debug`` shows tracebacks. Under mpiexec or torchrun,
+see [Note: who reports bad input].
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import socket
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import BinaryIO
@@ -20,6 +24,10 @@ from distframe.errors import BackendUnavailableError, ConfigError, DistFrameErro
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+BAD_INPUT_ERRORS = (ConfigError, BackendUnavailableError, FileNotFoundError, PermissionError,
+                    IsADirectoryError, NotADirectoryError)
+RANK_0_REPORT_WAIT = 2.0  # seconds a launched rank > 0 gives rank 0 to report bad input they share
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,28 +65,65 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command in ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    return _run_command(argv)[0]
+
+
+def _run_command(argv: Sequence[str] | None) -> tuple[int, BaseException | None]:
+    """``main``'s exit status, and the error that ended the command (None: none, or a bad flag)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
         args = _parse(build_parser(), argv)
     except SystemExit as exc:  # --help (0) or a bad flag (2, already reported in one line)
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+        return (exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT), None
     status = 0
     try:
         status = args.handler(args)
         write_stdout("")  # flushed here: a reader gone shows now, not as the interpreter exits
-        return status
+        return status, None
     except StdoutClosed:
-        return _stdout_closed(status)
-    except KeyboardInterrupt:
+        return _stdout_closed(status), None
+    except KeyboardInterrupt as exc:
         print("\ndistframe: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (ConfigError, BackendUnavailableError, FileNotFoundError, PermissionError, IsADirectoryError,
-            NotADirectoryError) as exc:
-        # Bad input is found the same way on every rank a launcher started: rank 0 reports it.
-        return _report(exc, debug, EXIT_BAD_INPUT, quiet=_launched_rank() > 0)
+        return EXIT_INTERRUPTED, exc
+    except BAD_INPUT_ERRORS as exc:
+        return _report(exc, debug, EXIT_BAD_INPUT, quiet=_left_to_rank_0(exc)), exc
     except (DistFrameError, OSError) as exc:  # OSError: a full disk, an I/O error
-        return _report(exc, debug, 1)
+        return _report(exc, debug, 1), exc
+
+
+def _left_to_rank_0(exc: BaseException) -> bool:
+    """Whether this rank leaves the report of bad input ``exc`` to rank 0.
+
+    [Note: who reports bad input]
+    Under a launcher, bad input is most often the same on every rank (the same flags; files on a
+    shared file system): rank 0 reports it and the others stay quiet, as N copies of one line
+    say nothing more. But it can be one rank's own (a node whose disk lacks --data), and a rank
+    that stayed quiet took the reason with it. So a rank > 0 reports its bad input, naming its
+    rank, unless rank 0 has failed too:
+    * found once the backend has started: ``train._leave_failed`` waits a moment for rank 0 to
+      depart as failed (``exc.rank_0_reports``), then departs as failed itself, so that its peers
+      raise RankFailedError naming it (problems read from node-local files, OUT and --data, are
+      agreed on by the ranks instead: rank 0 reports them for every rank);
+    * found before (or while) the backend starts, there is no one to ask: ``main`` stays quiet,
+      and the console script (``_end_launched_job``) gives rank 0 a moment to end the job (which
+      mpiexec does at rank 0's MPI_Abort, torchrun once a worker has failed), then reports. A rank
+      under mpiexec that leaves before its backend has started aborts the job: its peers would
+      wait for it in MPI_Init, which has no timeout, for ever.
+    Without a launcher (and with only some of torchrun's variables, a ConfigError) every process
+    reports its own errors."""
+    if _launched_rank() == 0 or _launcher() is None:
+        return False
+    return getattr(exc, "rank_0_reports", True)
+
+
+def _launcher() -> str | None:
+    """``detect_launcher()``, or None where its variables are themselves the error."""
+    from distframe.launch import detect_launcher
+    try:
+        return detect_launcher()
+    except ConfigError:
+        return None
 
 
 class StdoutClosed(Exception):
@@ -185,14 +230,49 @@ def entry_point() -> None:
     interrupted run in six here: "terminate called without an active exception", status -6), so
     an interrupted process flushes its streams and leaves with ``os._exit`` instead.
     """
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _interrupt)
-    status = main()
+    _handle_stop_signals()
+    status, error = _run_command(None)
+    if status not in (0, EXIT_INTERRUPTED) and not hasattr(error, "rank_0_reports"):
+        _end_launched_job(status, error)  # it ended before a launched backend had started
     if status == EXIT_INTERRUPTED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
+
+
+def _end_launched_job(status: int, error: BaseException | None) -> None:
+    """For a process that a launcher started and that leaves with ``status`` before its backend
+    has started: reports bad input that ``main`` left to rank 0, if rank 0 has not ended the job
+    meanwhile, and under mpiexec aborts the job ([Note: who reports bad input])."""
+    launcher = _launcher()
+    if launcher is None:
+        return
+    for signum in STOP_SIGNALS:  # from here a stop ends the process at once, in MPI_Init too
+        signal.signal(signum, signal.SIG_DFL)
+    world = None
+    if launcher == "mpi":
+        from distframe.launch import start_mpi
+        world = start_mpi()  # completes the peers' MPI_Init, so that an abort reaches them
+    if isinstance(error, BAD_INPUT_ERRORS) and _left_to_rank_0(error):
+        time.sleep(RANK_0_REPORT_WAIT)  # rank 0 ends the job (this process too) if it failed alike
+        _report(error, "--debug" in sys.argv, status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world is not None:
+        world.Abort(status)
+
+
+def _handle_stop_signals() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (``_interrupt``); a second one kills the process
+    at once, also while the first waits for its handler (``_kill_on_second_stop``)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _interrupt)
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=_kill_on_second_stop, args=(reader, writer), name="distframe-stop-signals",
+                     daemon=True).start()
 
 
 def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - a signal handler's signature
@@ -201,6 +281,21 @@ def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - a signal h
     terminated parent would leave running) and the run reports its last complete checkpoint.
     A second signal of either kind kills the process at once (the default action), as a stop
     that the teardown does not finish must still end it."""
-    for other in (signal.SIGTERM, signal.SIGHUP):
+    for other in STOP_SIGNALS:
         signal.signal(other, signal.SIG_DFL)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def _kill_on_second_stop(reader: socket.socket, writer: socket.socket) -> None:  # noqa: ARG001
+    """[Note: a second stop signal] Python runs a signal's handler in the main thread, between
+    bytecodes: while that thread waits in C (MPI_Init, a rendezvous, a collective without a
+    timeout) ``_interrupt`` cannot run, nor give the signals their default action back, and
+    every further signal waited behind the first: the process could not be stopped. The C-level
+    handler writes each signal's number to the wakeup fd (``writer``) at once; this thread reads
+    them, and on a second stop signal kills the process (SIGKILL: only the main thread may
+    reset a handler). Once ``_interrupt`` has run, stop signals no longer come here."""
+    stops = 0
+    while data := reader.recv(64):
+        stops += sum(signum in STOP_SIGNALS for signum in data)
+        if stops >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)

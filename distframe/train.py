@@ -13,6 +13,9 @@ import contextlib
 import dataclasses
 import functools
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,9 +24,10 @@ import torch
 from distframe import train_checkpoint
 from distframe.checkpoint.agreement import agree
 from distframe.checkpoint.format import CheckpointError
+from distframe.cli import BAD_INPUT_ERRORS, RANK_0_REPORT_WAIT
 from distframe.data import check_windows
 from distframe.errors import BackendUnavailableError, ConfigError
-from distframe.launch import auto_backend_name, detect_launcher, init_backend, spawn
+from distframe.launch import LAUNCHER_COMMANDS, auto_backend_name, detect_launcher, init_backend, spawn
 from distframe.train_config import DEFAULT_WORLD_SIZE, TrainConfig, timeout_of
 from distframe.train_settings import check_resumed_model, restarted_run_checkpoint, saved_run_named
 from distframe.train_loop import TrainResult, initial_model_state, load_run_corpus, train_on_rank
@@ -39,13 +43,14 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
     ``start_notes`` (the settings' warnings) are printed by rank 0 once the run has started."""
     launcher = detect_launcher()
     if launcher is not None:
+        command = LAUNCHER_COMMANDS[launcher]
         if config.optimizer == "elastic":
             raise ConfigError(f"--optimizer elastic is an in-memory demo that starts its own "
-                              f"workers; run it without {launcher}")
+                              f"workers; run it without {command}")
         if config.backend == "inmemory":  # else each process would train alone, into one --out
             raise ConfigError(f"--backend inmemory starts its own ranks as threads of one process; under "
-                              f"{launcher} use --backend auto (or mpi, gloo, nccl), or run it without "
-                              f"{launcher}, with --world-size N")
+                              f"{command} use --backend auto (or mpi, gloo, nccl), or run it without "
+                              f"{command}, with --world-size N")
         return _run_launched(config, launcher, start_notes)
     config, restart_notes = continue_after_restart(config)
     start_notes = (*start_notes, *restart_notes)
@@ -87,10 +92,11 @@ def run(config: TrainConfig, start_notes: Sequence[str] = ()) -> TrainResult:
 def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]) -> TrainResult:
     # auto: the engine init_backend picks (under torchrun, NCCL only with a GPU per process)
     name = auto_backend_name(launcher) if config.backend == "auto" else config.backend
-    backend = init_backend(name, **timeout_of(config))
+    with _stop_signals_end_the_process():
+        backend = init_backend(name, **timeout_of(config))
     try:
         if config.world_size is not None and config.world_size != backend.world_size:
-            raise ConfigError(f"--world-size {config.world_size}, but {launcher} started "
+            raise ConfigError(f"--world-size {config.world_size}, but {LAUNCHER_COMMANDS[launcher]} started "
                               f"{backend.world_size} ranks; leave --world-size out when a "
                               "launcher starts the ranks")
         config, restart_notes = continue_after_restart(config, backend)
@@ -112,7 +118,12 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
         if config.resume and train_checkpoint.agreed_resume_step(
                 config.out, config.steps, backend) == config.steps:
             return _already_finished(config, rank=backend.rank, backend=backend)
-        corpus = load_run_corpus(config)
+        corpus, error = None, None
+        try:  # each rank reads its own copy of --data: they agree, as on OUT
+            corpus = load_run_corpus(config)
+        except ConfigError as exc:
+            error = exc
+        agree(backend, error, "--data")
         if config.resume:  # each rank reads its own OUT/config.json: they agree on the verdict
             try:
                 check_resumed_model(config, corpus.vocab_size)
@@ -121,8 +132,60 @@ def _run_launched(config: TrainConfig, launcher: str, start_notes: Sequence[str]
                 error = exc
             agree(backend, error, "--resume")
         return train_on_rank(backend, config, backend_name=name, corpus=corpus, start_notes=start_notes)
+    except BaseException as exc:
+        _leave_failed(backend, exc)
+        raise
     finally:
         backend.shutdown()
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_process() -> Iterator[None]:
+    """[Note: stopping a rank that is starting] MPI_Init and torch's rendezvous wait in C, where
+    the console script's Python handlers for SIGTERM and SIGHUP (and Python's for SIGINT) never
+    run: such a rank could not be stopped, by one signal or by several. While the backend starts
+    these signals take their default action (the process ends: there is nothing to save yet),
+    and the handlers are put back once it has started."""
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's
+        yield
+        return
+    signums = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, signal.SIG_DFL) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler that Python did not install, not restorable
+                signal.signal(signum, handler)
+
+
+def _leave_failed(backend: Any, exc: BaseException) -> None:
+    """Departs ``backend`` as failed, so peers waiting for this rank raise RankFailedError naming
+    it (``shutdown`` alone told them it had returned), and sets ``exc.rank_0_reports``: whether
+    rank 0 reports this error, which the CLI then leaves to it ([Note: who reports bad input]
+    in distframe.cli). A rank > 0 with bad input first waits a moment for rank 0 to depart as
+    failed too (it found the same problem, as every rank usually does), before departing itself:
+    rank 0 cannot then have failed because of this rank."""
+    own_bad_input = backend.rank > 0 and isinstance(exc, BAD_INPUT_ERRORS)
+    exc.rank_0_reports = backend.rank == 0 or (own_bad_input and _rank_0_failed(backend))
+    try:
+        backend.depart(failed=True)
+    except Exception:  # noqa: BLE001 - the group is broken: this rank's own error is the one to raise
+        pass
+
+
+def _rank_0_failed(backend: Any) -> bool:
+    """Whether rank 0 departs as failed within RANK_0_REPORT_WAIT seconds, as far as the engine
+    sees (MPI: ranks on rank 0's node only; elsewhere the answer is no)."""
+    deadline = time.monotonic() + RANK_0_REPORT_WAIT
+    while True:
+        try:
+            departure = backend.departures().get(0)
+        except Exception:  # noqa: BLE001 - the group is broken: nothing to learn from it
+            return False
+        if departure is not None or time.monotonic() > deadline:
+            return departure is not None and departure.failed
+        time.sleep(0.05)
 
 
 def world_size_note(config: TrainConfig, given: bool, launcher: str | None = None) -> tuple[str, ...]:
@@ -139,11 +202,16 @@ def world_size_note(config: TrainConfig, given: bool, launcher: str | None = Non
         return ()  # its schedule had reached the saved world, where the resumed run starts
     if saved is None or saved == config.world_size:
         return ()
-    ranks = f"the {config.world_size} ranks {launcher} started" if launcher else \
-        f"{config.world_size} ranks (the default without --world-size)"
-    keep = f"start {saved} ranks with {launcher}" if launcher else f"pass --world-size {saved}"
+    command = LAUNCHER_COMMANDS.get(launcher or "")
+    ranks = f"the {_ranks(config.world_size)} {command} started" if command else \
+        f"{_ranks(config.world_size)} (the default without --world-size)"
+    keep = f"start {_ranks(saved)} with {command}" if command else f"pass --world-size {saved}"
     return (f"distframe train: note: the run in {config.out} was saved at world size {saved}; "
             f"--resume continues it on {ranks}; {keep} to continue at the saved world size",)
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'' if count == 1 else 's'}"
 
 
 def launcher_restarts() -> int:
