@@ -97,7 +97,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "clipping" + _default("max_grad_norm"))
     add("--grad-accum-steps", group=opt, type=int, metavar="N", help="run each rank's share of the "
         "batch in N equal pieces, one forward and backward at a time, synchronised once: the same "
-        "step with 1/N of the activation memory" + _default("grad_accum_steps"))
+        "step with 1/N of the activation memory (dropout masks aside)" + _default("grad_accum_steps"))
     add("--base-optimizer", group=opt, metavar="{" + ",".join(BASE_OPTIMIZERS) + "}",
         help="torch optimizer (--optimizer wraps it)" + _default("base_optimizer"))
     add("--seed", group=opt, type=int, help="seed of the initial model, the batches and the dropout "
