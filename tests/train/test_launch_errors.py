@@ -241,16 +241,21 @@ def test_sigterm_ends_a_rank_blocked_in_the_rendezvous(tmp_path, corpus_file):
         proc = subprocess.Popen(_train(corpus_file, tmp_path / "out", "--backend", "gloo", "--timeout", "60"),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
-        try:
-            connection, _ = server.accept()  # the rank is in TCPStore's C++ client now
-        except socket.timeout:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no rendezvous: {proc.communicate()[1][-2000:]}")
-        with connection:
+        with _connected(server, proc):  # the rank is in TCPStore's C++ client now
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
             status, err = _finish(proc, timeout=10)
     assert status == -signal.SIGTERM, err
+
+
+def _connected(server: socket.socket, proc: subprocess.Popen) -> socket.socket:
+    """The connection ``proc`` made to ``server``; the test fails (and ``proc`` is killed) without one."""
+    try:
+        connection, _ = server.accept()
+    except socket.timeout:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"no connection: {proc.communicate()[1][-2000:]}")
+    return connection
 
 
 BLOCKED_IN_C = """
@@ -274,12 +279,7 @@ def test_a_second_sigterm_kills_a_process_whose_handler_cannot_run(tmp_path):
         proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=_clean_env(STORE_PORT=str(server.getsockname()[1])),
                                 start_new_session=True)
-        try:
-            connection, _ = server.accept()
-        except socket.timeout:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no connection: {proc.communicate()[1][-2000:]}")
-        with connection:
+        with _connected(server, proc):
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
             time.sleep(1)
