@@ -186,6 +186,15 @@ class UnitLifecycle:
         """The units the latest forward with grad ran, by index, in the order of their first call."""
         return self._record.order
 
+    def forward_raised(self) -> None:
+        """The model's forward raised (a bad batch the user skips): the units it left in their
+        forward, gathered, go back to rest, freed, as their post-forward hooks would have left
+        them; otherwise summon_full_parameters() took them for running and their copies stayed."""
+        for unit in self.units:
+            if unit.state is TrainingState.FORWARD:
+                unit.state = TrainingState.IDLE
+                unit.reshard()
+
     # ---- forward -----------------------------------------------------------------------------
     def pre_forward(self, unit: ShardedUnit, args: tuple, kwargs: dict) -> None:
         unit.forward_ran = True

@@ -158,8 +158,11 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         try:
             with self._reads_checked("model's forward"):
                 return super().forward(*args, **kwargs)
-        except RuntimeError as error:  # torch's words for reading freed storage: say which unit
-            found = None if isinstance(error, DistFrameError) else self._unit_in_use_while_freed(error)
+        except BaseException as error:
+            # torch's words for reading freed storage: say which unit (found before any is freed)
+            found = (self._unit_in_use_while_freed(error) if isinstance(error, RuntimeError)
+                     and not isinstance(error, DistFrameError) else None)
+            self.lifecycle.forward_raised()  # a bad batch skipped: no unit stays gathered
             if found is None:
                 raise
             unit, module = found
