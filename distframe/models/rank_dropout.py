@@ -48,25 +48,39 @@ def draw_from(model: nn.Module, rng: TensorParallelRNG, include: Callable[[nn.Mo
     active = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Dropout and include(child) and (inactive or child.p > 0):
+            if not (include(child) and (_drops(child) or inactive and _drawn_from_torch(child))):
+                continue
+            if type(child) is nn.Dropout:
                 full_name = f"{parent_name}.{name}" if parent_name else name
                 setattr(parent, name, ReplicatedDropout.from_dense(child, rng, full_name))
-                active += child.p > 0
-            elif type(child) is DilatedAttention and include(child) and (inactive or child.attention_dropout > 0):
+            else:
                 setattr(parent, name, RankDilatedAttention(child, rng))
-                active += child.attention_dropout > 0
+            active += _drops(child)
     return active
 
 
-def stage_dropout_rng(model: nn.Module, mine: Sequence[nn.Module], dropout_seed: int | None, dims: ParallelDims,
-                      backend: ICommunicationBackend, groups: ParallelGroups,
+def _drawn_from_torch(module: nn.Module) -> bool:
+    """Whether ``module`` is one ``draw_from`` replaces: its draws come from torch's generator."""
+    return type(module) in (nn.Dropout, DilatedAttention)
+
+
+def _drops(module: nn.Module) -> bool:
+    """Whether ``module`` is one ``draw_from`` replaces and it drops something."""
+    if type(module) is nn.Dropout:
+        return module.p > 0
+    return type(module) is DilatedAttention and module.attention_dropout > 0
+
+
+def stage_dropout_rng(model: nn.Module, mine: Sequence[nn.Module], dropout_seed: int | None,
+                      dims: ParallelDims, backend: ICommunicationBackend, groups: ParallelGroups,
                       device: torch.device) -> TensorParallelRNG | None:
     """This rank's dropout generators (collective on ``backend`` when there are any): with tp > 1
     the tensor group's (seed ``dropout_seed``, else rank 0's ``torch.initial_seed()``), which
     tensor parallelism then hands the stage's dropouts; with tp 1 and a ``dropout_seed``, its own,
     already pointed at by the active dropouts of ``mine`` (this rank's layers of ``model``), or None
     where those are none (see the note)."""
-    if not dims.tp_enabled and dropout_seed is None:
+    # The same on every rank (one model): no collective where nothing would draw from the generators.
+    if not dims.tp_enabled and (dropout_seed is None or not any(map(_drops, model.modules()))):
         return None
     rng = TensorParallelRNG.for_groups(agree_on_seed(dropout_seed, backend, device), groups)
     if dims.tp_enabled:
