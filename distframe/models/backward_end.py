@@ -78,3 +78,41 @@ def tensors_in(output: Any) -> Iterator[torch.Tensor]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for field in dataclasses.fields(leaf):
                 yield from tensors_in(getattr(leaf, field.name))
+
+
+class PassAccumulation:
+    """Whether the running backward pass accumulates into any of ``params``' ``.grad``.
+
+    [Note: a pass that only reads gradients] ``torch.autograd.grad(out.sum(), x)`` (a saliency
+    map, an input gradient) and ``backward(inputs=[x])`` run the units' backward hooks, but no
+    parameter's gradient accumulator: ZeRO-3/FSDP reduce-scattered zeros at each unit's end and
+    warned that every parameter got no gradient. A parameter's ``AccumulateGrad`` node is in the
+    engine's plan for a pass exactly when the pass accumulates into it, and which call started the
+    pass is the same on every rank, so the answer is too (a rank whose forward used no parameter
+    at all would differ; its loss would not reach the model). Asked once per pass (autograd's
+    graph task id); outside a backward (``synchronize_gradients``) the answer is yes."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        # The accumulator of a leaf lives as long as a graph or a holder keeps it: holding it
+        # keeps it the one the engine runs (torch's FSDP1 holds them for its hooks too).
+        with torch.enable_grad():
+            self._nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+        self._task, self._answer = -1, True
+
+    def accumulates(self) -> bool:
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            return True
+        if task != self._task:
+            self._task, self._answer = task, any(_will_run(node) for node in self._nodes)
+        return self._answer
+
+
+def _will_run(node: Any) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as error:
+        # autograd.grad(out, inputs=[parameter]): the engine captures the parameter's gradient
+        # instead of accumulating it, and refuses to say so for a node it captures from. Any
+        # other refusal: assume it accumulates (reduce as before rather than skip a reduction).
+        return "autograd.grad" not in str(error)

@@ -94,7 +94,7 @@ import torch
 
 from distframe.backends.types import Work
 from distframe.errors import ConfigError
-from distframe.models.backward_end import BackwardEnd
+from distframe.models.backward_end import BackwardEnd, PassAccumulation
 from distframe.models.config import TrainingState
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
@@ -117,6 +117,8 @@ class UnitLifecycle:
         self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
         self._backward_end = BackwardEnd(self.finish)
+        # See [Note: a pass that only reads gradients] in backward_end.py.
+        self._accumulation = PassAccumulation([p for unit in units for p in unit.params])
         self._record = ForwardRecord()       # units of this step's forward, in order
         # This step's forwards with grad: see [Note: several forwards before one backward].
         self._step_records: list[ForwardRecord] = []
@@ -294,15 +296,15 @@ class UnitLifecycle:
         # Every time: a unit whose gradients complete again in the same step (a second backward
         # over one forward, or a shared unit under reentrant checkpointing, whose nested
         # backwards each accumulate its parameters) has new gradients to reduce.
-        if self.synchronize and self._armed:
+        if self.synchronize and self._armed and self._accumulation.accumulates():
             self._complete_finished()
             self._pending.append((unit, unit.reduce_gradients()))
         unit.reshard()
 
     def finish(self) -> None:
         """Completes this step's gradient reductions (see the module docstring); collective."""
-        synchronising = self._armed
-        if self._armed:
+        synchronising = self._armed and self._accumulation.accumulates()
+        if synchronising:
             for unit in self.units:
                 if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
                     self._pending.append((unit, unit.reduce_gradients()))
