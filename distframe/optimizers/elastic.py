@@ -12,7 +12,8 @@ restart at a new world size), else starts fresh and commits step 0. It never goe
 silently: when the members know the run's newest commit (``ElasticMember.newest_committed_step``,
 set by ElasticController) and every worker that held it failed, it restores a checkpoint of that
 step, or raises ElasticRollbackError naming the steps that would be lost (``allow_rollback=True``:
-goes on from the newest older state, with a warning). Works with DDP, ZeRO-1/2/3 and FSDP models.
+goes on from the newest older state, with a warning). Works with DDP, ZeRO-1/2/3 and FSDP models
+and refuses others (ConfigError): pipeline, tensor and hybrid ranks share a data-parallel slice.
 
 How membership changes on the in-memory engine is ``elastic_membership.py``.
 """
@@ -30,13 +31,18 @@ import torch
 from distframe.backends.objects import all_gather_bytes, broadcast_bytes
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
+from distframe.models.ddp import DDPModel
+from distframe.models.fsdp import FSDPModel
 from distframe.models.sharded_state import RangeReader
+from distframe.models.zero import ZeRO1Model, ZeRO2Model
+from distframe.models.zero3 import ZeRO3Model
 from distframe.optimizers.agreed_settings import check_same_settings, optimizer_settings
 from distframe.optimizers.base import ShardedOptimizerBase
-from distframe.optimizers.elastic_commit import Commit
+from distframe.optimizers.elastic_commit import Commit, ElasticMember
 from distframe.optimizers.elastic_grad_scaler import CommittedGradScaler, refuse_unregistered
-from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source, lost_commit,
-                                                  unsaved_load)
+from distframe.optimizers.elastic_rollback import (ElasticRollbackError, describe_source,
+                                                  latest_checkpoint, latest_checkpoint_and_step,
+                                                  lost_commit, unsaved_load)
 from distframe.optimizers.owned_scheduler import (build_scheduler, group_settings,
                                                    restore_group_settings, scheduler_state)
 from distframe.optimizers.sharded_state import hyperparameters
@@ -44,24 +50,15 @@ from distframe.optimizers.sharded_state import hyperparameters
 __all__ = ["Commit", "ElasticMember", "ElasticOptimizer", "ElasticRollbackError", "latest_checkpoint",
            "latest_checkpoint_and_step"]
 
-
-@dataclasses.dataclass
-class ElasticMember:
-    """One worker's identity across membership changes (owned by whoever runs the workers):
-    the newest commit it holds, the step at which its current group ends cleanly, the step of
-    the run's newest commit (which restoring must reach; None: unknown), and the step of a
-    state loaded by hand that is not committed yet (``ElasticOptimizer.load_state_dict``)."""
-
-    worker_id: int
-    commit: Commit | None = None
-    until_step: int | None = None
-    newest_committed_step: int | None = None
-    loaded_step: int | None = None
+# What local_slice's split of the batch over every rank, and resharding by the strategy's
+# range-keyed state, are exact for; model-parallel ranks share a data-parallel slice.
+_DATA_PARALLEL_MODELS = (DDPModel, ZeRO1Model, ZeRO2Model, ZeRO3Model, FSDPModel)
 
 
 class ElasticOptimizer(ShardedOptimizerBase):
     """Wraps a torch.optim optimizer over any data-parallel model (DDPModel, ZeRO1Model,
-    ZeRO2Model, ZeRO3Model, FSDPModel); ``step()`` behaves as that strategy's optimizer.
+    ZeRO2Model, ZeRO3Model, FSDPModel; ConfigError for a model-parallel one); ``step()`` behaves
+    as that strategy's optimizer.
 
     ``commit_every``: commit after every that many steps (and always at ``member.until_step``).
     ``checkpoint_dir`` / ``checkpoint_every``: every that many regular commits (at steps that are
@@ -124,6 +121,7 @@ class ElasticOptimizer(ShardedOptimizerBase):
                  allow_rollback: bool = False,
                  read_rank_state: Callable[[dict[str, Any], RangeReader], None] | None = None,
                  **optimizer_kwargs: Any) -> None:
+        _refuse_model_parallel(model)
         if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 1:
             raise ConfigError(f"ElasticOptimizer commit_every={commit_every!r}: use a positive int (steps)")
         if checkpoint_every is not None and (isinstance(checkpoint_every, bool) or not isinstance(
@@ -368,16 +366,15 @@ class ElasticOptimizer(ShardedOptimizerBase):
             group["lr"] = lr
 
 
-def latest_checkpoint(directory: Path | None) -> Path | None:
-    """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
-    found = latest_checkpoint_and_step(directory)
-    return found[0] if found else None
-
-
-def latest_checkpoint_and_step(directory: Path | None) -> tuple[Path, int] | None:
-    """``latest_checkpoint(directory)`` and its N, or None."""
-    from distframe.checkpoint import latest_step
-    return None if directory is None else latest_step(directory)
+def _refuse_model_parallel(model: Any) -> None:
+    """ConfigError for any model but the data-parallel ones (_DATA_PARALLEL_MODELS)."""
+    if isinstance(model, _DATA_PARALLEL_MODELS):
+        return
+    names = ", ".join(cls.__name__ for cls in _DATA_PARALLEL_MODELS)
+    fix = getattr(model, "optimizer_name", "that model's own optimizer")
+    raise ConfigError(f"ElasticOptimizer supports only data-parallel models ({names}), got "
+                      f"{type(model).__name__}, whose ranks share batch slices that elastic training "
+                      f"splits by rank; wrap the module in one of those, or train this model with {fix}")
 
 
 def _or_minus_one(step: int | None) -> int:

@@ -1,5 +1,6 @@
 """Commit: the snapshot of training state that ElasticOptimizer keeps on every rank, how it travels
-between ranks (safetensors bytes, no pickle) and how the ranks' pieces merge into one."""
+between ranks (safetensors bytes, no pickle) and how the ranks' pieces merge into one; and
+ElasticMember, the worker that holds its newest commit from one group to the next."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,6 +65,20 @@ class Commit:
         return cls(first.step, model, optimizer, first.world_size, first.lr_scheduler,
                    agreed_state([p.grad_scaler for p in parts], first.step),
                    any(p.unregistered_scaler for p in parts))
+
+
+@dataclasses.dataclass
+class ElasticMember:
+    """One worker's identity across membership changes (owned by whoever runs the workers):
+    the newest commit it holds, the step at which its current group ends cleanly, the step of
+    the run's newest commit (which restoring must reach; None: unknown), and the step of a
+    state loaded by hand that is not committed yet (``ElasticOptimizer.load_state_dict``)."""
+
+    worker_id: int
+    commit: Commit | None = None
+    until_step: int | None = None
+    newest_committed_step: int | None = None
+    loaded_step: int | None = None
 
 
 def _encode_json(obj: Any) -> torch.Tensor:

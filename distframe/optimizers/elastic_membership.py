@@ -9,7 +9,8 @@ ends in one of two ways:
   ElasticOptimizer commits at that step; members beyond the new size leave, new members join
   with nothing and receive the commit when the next group's optimizers are built;
 * by a failure: a worker raises; the others stop at once (RankFailedError) and the survivors
-  roll back to their newest commit in the next generation, one member fewer. A worker that
+  roll back to their newest commit in the next generation, one member fewer (where they hold
+  the commit of a scheduled step, that step's change is made all the same). A worker that
   stalls is a failure too: its peers' collective times out naming it as missing, and it is
   dropped, not they; a thread that has still not returned ``timeout`` seconds after a peer
   ended is abandoned ([Note: a worker that never returns]).
@@ -120,12 +121,7 @@ class ElasticController:
             self._refuse_early_return(outcomes)
             failed = _blamed(outcomes)
             if failed:
-                generation.end = "failed"
-                generation.failed_worker = self.members[failed[0]].worker_id
-                generation.error = self._describe_failure(outcomes, failed[0])
-                self.members = [m for i, m in enumerate(self.members) if i not in failed]
-                if not self.members:
-                    raise RuntimeError(f"every worker failed; the last error: {generation.error}")
+                self._drop_failed(generation, outcomes, failed, change)
                 continue
             errors = [o for o in outcomes if isinstance(o, BaseException)]
             if errors:
@@ -138,10 +134,28 @@ class ElasticController:
             if min(reached) < change:
                 raise RuntimeError(f"generation ended before step {change} (members reached "
                                    f"{reached}); the worker must train until membership_changes")
-            size = self.schedule[change]
-            self.members = self.members[:size] + [self._new_member()
-                                                  for _ in range(size - len(self.members))]
+            self._resize(self.schedule[change])
         raise RuntimeError(f"elastic run did not finish within {self.max_generations} generations")
+
+    def _drop_failed(self, generation: Generation, outcomes: list[Any], failed: list[int],
+                     change: int | None) -> None:
+        """Ends a failed generation: drops the failed workers. Where the survivors hold the
+        commit of the generation's scheduled change (a worker failed after it), makes that
+        change now, as a clean end would have: the next generation starts from that commit and
+        looks only for changes after it."""
+        generation.end = "failed"
+        generation.failed_worker = self.members[failed[0]].worker_id
+        generation.error = self._describe_failure(outcomes, failed[0])
+        self.members = [m for i, m in enumerate(self.members) if i not in failed]
+        if not self.members:
+            raise RuntimeError(f"every worker failed; the last error: {generation.error}")
+        held = [m.commit.step for m in self.members if m.commit is not None]
+        if change is not None and held and max(held) >= change:
+            self._resize(self.schedule[change])
+
+    def _resize(self, size: int) -> None:
+        """The first ``size`` members stay; new members (holding nothing) make up the rest."""
+        self.members = self.members[:size] + [self._new_member() for _ in range(size - len(self.members))]
 
     def _note_newest_commit(self) -> None:
         """After a generation: its members' newest commit, failed members' included, is the

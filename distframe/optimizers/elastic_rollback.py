@@ -1,5 +1,6 @@
-"""What ElasticOptimizer's restore says when it would go back: the error it raises, and the
-messages that name the steps lost and the fix (``ElasticOptimizer._restore`` decides)."""
+"""What ElasticOptimizer's restore says when it would go back: the error it raises, the
+messages that name the steps lost and the fix (``ElasticOptimizer._restore`` decides), and the
+newest checkpoint in ``checkpoint_dir``, which it goes on from where no commit is held."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,6 +53,18 @@ def unsaved_load(loaded: int, source: str, allow: bool) -> str:
     return (f"{what}: going on from {source} would silently drop it. Load it again and call "
             "commit() right after loading, or pass allow_rollback=True to every worker's "
             f"ElasticOptimizer to go on from {source} with a warning")
+
+
+def latest_checkpoint(directory: Path | None) -> Path | None:
+    """The ``step-N`` checkpoint with the largest N in ``directory`` (complete ones only)."""
+    found = latest_checkpoint_and_step(directory)
+    return found[0] if found else None
+
+
+def latest_checkpoint_and_step(directory: Path | None) -> tuple[Path, int] | None:
+    """``latest_checkpoint(directory)`` and its N, or None."""
+    from distframe.checkpoint import latest_step
+    return None if directory is None else latest_step(directory)
 
 
 def _steps(first: int, last: int) -> str:

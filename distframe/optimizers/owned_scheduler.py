@@ -32,13 +32,22 @@ def build_scheduler(builder: Callable[[Any], Any], optimizer: Any, owner: str,
                     instead: str | None = None) -> Any:
     """``builder(optimizer)``; ConfigError when what it built cannot be stepped as ``step()``
     (ReduceLROnPlateau's ``step(metrics)``): the owner steps it with no argument after every
-    optimizer step, where torch's TypeError would fail every rank mid-run. ``instead``: a fix
-    to name for such a scheduler besides a step-based one."""
+    optimizer step, where torch's TypeError would fail every rank mid-run (``instead``: a fix to
+    name for such a scheduler besides a step-based one); ConfigError too when it was built on an
+    optimizer other than ``optimizer``."""
     scheduler = builder(optimizer)
     step = getattr(scheduler, "step", None)
     if not callable(step):
         raise ConfigError(f"{owner} lr_scheduler built {type(scheduler).__name__}, which has no "
                           "step(); return a torch lr scheduler, such as LambdaLR(opt, f)")
+    # One built on another optimizer (the torch optimizer from before wrapping) would set that
+    # one's rates, never these: refused, unless it holds these very groups (a wrapper and the
+    # optimizer it wraps). Without an ``optimizer`` attribute there is nothing to check.
+    built_on = getattr(scheduler, "optimizer", optimizer)
+    if built_on is not optimizer and getattr(built_on, "param_groups", None) is not optimizer.param_groups:
+        raise ConfigError(f"{owner} lr_scheduler built {type(scheduler).__name__} on another optimizer "
+                          f"({type(built_on).__name__}), whose rates {owner} never uses; build it on the "
+                          "optimizer passed to the builder: lambda opt: LambdaLR(opt, f)")
     try:
         parameters = inspect.signature(step).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: let its first step tell
