@@ -40,7 +40,11 @@ class DDPModel(ShardedModelBase):
 
     ``register_comm_hook(hook)`` replaces the per-bucket all_reduce: ``hook(backend, bucket)``
     returns a Work whose ``wait()`` gives the averaged flat gradient (or None when the hook wrote
-    ``bucket.buffer`` in place). Gradient compression plugs in here.
+    ``bucket.buffer`` in place). Gradient compression plugs in here. A hook that an optimizer
+    registered (``owner``) lasts while that optimizer is the model's: building another optimizer
+    for the model restores the all_reduce, so a DDPOptimizer that follows a
+    GradientCompressionOptimizer trains as plain DDP. A hook registered by the user stays, and a
+    plain torch.optim optimizer, which is not built for the model, changes no hook.
     """
 
     accepts_plain_optimizer = True
@@ -61,6 +65,7 @@ class DDPModel(ShardedModelBase):
                 group, first_cap_bytes=self.config.first_bucket_cap_bytes,
                 cap_bytes=self.config.bucket_cap_bytes)]
         self._comm_hook: CommHook = allreduce_hook
+        self._hook_owner: Any = None  # the optimizer that registered the hook, if one did
         self.gradient_buckets = GradientBuckets(
             spaces, grad_dtype=None, launch=self._launch, complete=self._complete, keep_buffers=True,
             usage=self._parameter_usage,
@@ -71,11 +76,18 @@ class DDPModel(ShardedModelBase):
                       "for DDP compute in lower precision under torch.autocast (or cast the model "
                       "yourself), or use ZeRO1Model for a MixedPrecisionPolicy")
 
-    def register_comm_hook(self, hook: CommHook) -> None:
-        """Replaces the per-bucket gradient all_reduce (see the class docstring)."""
+    def register_comm_hook(self, hook: CommHook, *, owner: Any = None) -> None:
+        """Replaces the per-bucket gradient all_reduce (see the class docstring). ``owner``: the
+        optimizer registering it, whose hook ends when another optimizer is built for the model."""
         if not callable(hook):
             raise ConfigError("register_comm_hook needs a callable hook(backend, bucket) -> Work")
-        self._comm_hook = hook
+        self._comm_hook, self._hook_owner = hook, owner
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """The optimizer built for this model takes it over: an earlier optimizer's hook ends."""
+        super().attach_optimizer(optimizer)
+        if self._hook_owner is not None and self._hook_owner is not optimizer:
+            self._comm_hook, self._hook_owner = allreduce_hook, None
 
     def _launch(self, bucket: GradBucket) -> Work:
         return self._comm_hook(self.backend, bucket)

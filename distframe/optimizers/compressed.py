@@ -47,7 +47,6 @@ scale 1, it refused a resume with the right scaler and let one at another scale 
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,9 +63,10 @@ from distframe.optimizers.base import ShardedOptimizerBase, state_reader
 from distframe.optimizers.compression import Compressor, Payload, PowerSGDCompressor
 from distframe.optimizers.compression_residuals import (ResidualScale, add_residual, load_residuals,
                                                         residual_dtype)
-from distframe.optimizers.compression_state import (compression_pieces, load_compressor_state,
-                                                    saved_iteration)
-from distframe.optimizers.compressor_checks import check_compress_signature, check_same_compression
+from distframe.optimizers.compression_state import (RECORD, compression_pieces, compression_record,
+                                                    load_compressor_state, saved_record)
+from distframe.optimizers.compressor_checks import (check_compress_result, check_compress_signature,
+                                                    check_same_compression, claim)
 
 
 class _Then(Work):
@@ -86,31 +86,6 @@ class _Then(Work):
         return self._done
 
 
-def _claim(compressor: Compressor, backend: ICommunicationBackend) -> None:
-    """A compressor with state of its own (``state_dict``: int8's rounding generator, PowerSGD's
-    warm start) serves one rank. In-memory ranks are threads of one process, so one object built
-    outside ``spawn``'s function reached every rank, which then raced on its state and drew the
-    same rounding noise: results silently off. Stateless compressors may be shared. A compressor
-    whose rank has shut its backend down (an earlier run) may serve again."""
-    if type(compressor).state_dict is Compressor.state_dict:
-        return
-    holder = compressor.__dict__.get("_holder")
-    other = holder() if holder is not None else None
-    if (other is not None and other is not backend and other.rank != backend.rank
-            and not getattr(other, "is_shut_down", False)):
-        raise ConfigError(
-            f"this {type(compressor).__name__} already serves rank {other.rank}'s "
-            f"GradientCompressionOptimizer: it keeps per-rank state, so give rank {backend.rank} its "
-            "own (build it inside the function each rank runs, or copy.deepcopy(compressor))")
-    compressor._holder = weakref.ref(backend)
-
-
-def _describe(result: Any) -> str:
-    if isinstance(result, tuple):
-        return "(" + ", ".join(type(part).__name__ for part in result) + ")"
-    return type(result).__name__
-
-
 def _split(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
     return list(flat.split(numels)) if numels else []
 
@@ -127,7 +102,8 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     groups, compressor, error feedback) and raises ConfigError on every rank, naming what differs.
     Collectives per gradient bucket (each rank ends with the same averaged gradient):
     identity, or PowerSGD before its ``start_iter``: one ``all_reduce(AVG)``, exactly DDP's;
-    fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket; int8/top-k: one
+    fp16/bf16: one ``all_reduce(SUM)`` of the cast shares of the bucket (an "all_reduce" compressor
+    of one's own: of every payload part, one per wire dtype); int8/top-k: one
     ``all_gather`` per payload part (int8 values and scales; top-k values and indices), then
     every rank decompresses every rank's payload and sums them in rank order; PowerSGD: one
     ``all_reduce(AVG)`` of the uncompressible parameters and one ``all_reduce(SUM)`` of the P
@@ -139,10 +115,14 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
     rescales the residuals (a plain ``torch.amp.GradScaler`` is refused at ``step()``: see
     [Note: residuals under loss scaling]); without it, or for lossless compressors, either will do.
 
+    The model compresses while this optimizer is its optimizer: building another for it (say
+    ``DDPOptimizer``) ends the hook, and DDP's all_reduce returns (``DDPModel.attach_optimizer``).
+
     ``state_dict()`` adds, beside the wrapped optimizer's pieces, this rank's residuals
-    (``compression.residual.rank<r>/<name>@0``) and stochastic int8 rounding generator, and on
-    rank 0 PowerSGD's warm-start factors, the step count and the residuals' loss scale (the same on
-    every rank: see [Note: state written once] in ``compression_state.py``).
+    (``compression.residual.rank<r>/<name>@0``) and compressor state (int8's rounding generator),
+    on rank 0 PowerSGD's warm-start factors, the step count and the residuals' loss scale (the same
+    on every rank: see [Note: state written once] in ``compression_state.py``), and on every rank
+    the record with which a rank loads its own state back ([Note: one rank's state_dict]).
     """
 
     model_class = DDPModel
@@ -155,7 +135,10 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         if not isinstance(error_feedback, bool):
             raise ConfigError("GradientCompressionOptimizer.error_feedback must be True or False")
         check_compress_signature(compressor)
-        _claim(compressor, model.backend)
+        if not isinstance(model, self.model_class):  # before model.backend; the base class checks later
+            raise ConfigError(f"{type(self).__name__} belongs with DDPModel, got {type(model).__name__}: "
+                              "wrap the module first, as DDPModel(module, backend)")
+        claim(compressor, model.backend)
         super().__init__(model, optimizer, **optimizer_kwargs)
         self.compressor = compressor
         compressor.bind(model.backend.rank)
@@ -170,7 +153,7 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         # Before the hook: ranks built unlike would exchange payloads that do not fit together.
         check_same_compression(model.backend, self.wrapped_optimizer, compressor, self.error_feedback,
                                type(self).__name__)
-        model.register_comm_hook(self._communicate)
+        model.register_comm_hook(self._communicate, owner=self)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -273,18 +256,13 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
 
     def _compress(self, tensor: torch.Tensor, name: str) -> tuple[Any, Any]:
         """``compressor.compress``, its result checked: (a tuple of tensors, ctx)."""
-        result = self.compressor.compress(tensor, key=name)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], tuple)
-                and all(isinstance(t, torch.Tensor) for t in result[0])):
-            raise ConfigError(
-                f"{type(self.compressor).__name__}.compress must return (payload, ctx) with payload a "
-                f"tuple of tensors (the wire parts), e.g. ((values,), shape); got {_describe(result)}")
-        return result
+        return check_compress_result(self.compressor, self.compressor.compress(tensor, key=name))
 
     def _exchange_summable(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
-        """Payloads that add up: one all_reduce(SUM) of their concatenation, each rank sending
-        its share of the mean (see [Note: shares on the wire])."""
+        """Payloads that add up: every part of every payload summed, one all_reduce(SUM) per wire
+        dtype (one for fp16 and bf16), each rank sending its share of the mean (see
+        [Note: shares on the wire]); ``decompress`` gets the summed parts."""
         world = backend.world_size
         share = power_of_two_at_least(world)
         compressed = [self._compress(v / share, n) for n, v in zip(names, views)]
@@ -292,17 +270,26 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
             # Exact (a power of two); not in place: for fp16 gradients the payload is what decompress returns.
             sent = self.compressor.decompress(payload, ctx) * share
             self._keep_residual(name, view, sent)
-        wire = torch.cat([payload[0].reshape(-1) for payload, _ in compressed])
-        numels = [v.numel() for v in views]
+        parts = [part for payload, _ in compressed for part in payload]
+        by_dtype: dict[torch.dtype, list[int]] = {}  # wire dtype -> the parts it carries
+        for k, part in enumerate(parts):
+            by_dtype.setdefault(part.dtype, []).append(k)
+        wires = [torch.cat([parts[k].reshape(-1) for k in ks]) for ks in by_dtype.values()]
 
         def finish(results: list[Any]) -> None:
-            for view, part, (_, ctx) in zip(views, _split(wire, numels), compressed):
-                total = self.compressor.decompress((part.view(view.shape),), ctx)
+            summed: list[torch.Tensor] = list(parts)
+            for ks, wire in zip(by_dtype.values(), wires):
+                for k, piece in zip(ks, _split(wire, [parts[k].numel() for k in ks])):
+                    summed[k] = piece.view(parts[k].shape)
+            first = 0
+            for view, (payload, ctx) in zip(views, compressed):
+                total = self.compressor.decompress(tuple(summed[first:first + len(payload)]), ctx)
+                first += len(payload)
                 # At least float32: fp16 gradients' sum of shares times p would pass 65504 where
                 # the mean fits.
                 wide = total.to(torch.promote_types(total.dtype, torch.float32))
                 view.copy_(wide.mul_(share).div_(world))
-        return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True)], finish)
+        return _Then([backend.all_reduce(wire, ReduceOp.SUM, async_op=True) for wire in wires], finish)
 
     def _exchange_gathered(self, backend: ICommunicationBackend, names: list[str],
                            views: list[torch.Tensor]) -> Work:
@@ -374,25 +361,28 @@ class GradientCompressionOptimizer(ShardedOptimizerBase):
         return [*self.residuals.values(), *self.compressor.state_dict().values()]
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's pieces plus this rank's residuals and compressor state and, on
-        rank 0, the state every rank holds alike (``compression_state``)."""
+        """The wrapped optimizer's pieces and this rank's compression state (see the class doc)."""
         state = super().state_dict()
+        backend = self.model.backend
         own = compression_pieces(self.compressor, self.residuals, self.iteration, self._residual_scale,
-                                 self.model.backend.rank)
-        return {**state, "tensors": {**state["tensors"], **own}}
+                                 backend.rank)
+        record = compression_record(self.compressor, self.residuals, self.iteration, self._residual_scale,
+                                    backend.world_size)
+        return {**state, "tensors": {**state["tensors"], **own}, RECORD: record}
 
     def load_state_dict(self, state: dict[str, Any], reader: RangeReader | None = None) -> None:
         """Loads the optimizer pieces, then this rank's residuals (under another world size see
         [Note: residuals across world sizes]), the compressor state and the step."""
         reader = reader or state_reader(state, type(self).__name__)
         super().load_state_dict(state, reader)
+        record = saved_record(state, reader)
         # A checkpoint of another optimizer holds no step count: this optimizer's steps start
         # again, as a new one's would (not at the count of the steps the load abandons).
-        iteration = saved_iteration(reader)
-        self.iteration = 0 if iteration is None else iteration
+        self.iteration = 0 if record["step"] is None else int(record["step"])
         self.gradients_cleared()  # what was staged for the next step belongs to the abandoned ones
         params = dict(self.model.wrapped_model.named_parameters())
         backend = self.model.backend
-        self.residuals = load_residuals(reader, reader.kinds(), params, backend.rank, backend.world_size)
-        self._residual_scale.load(reader, reader.kinds())
-        load_compressor_state(self.compressor, reader, params, backend.rank)
+        self.residuals = load_residuals(reader, reader.kinds(), params, backend.rank, backend.world_size,
+                                        record["world_size"])
+        self._residual_scale.load(record["loss_scale"])
+        load_compressor_state(self.compressor, reader, params, backend.rank, record)

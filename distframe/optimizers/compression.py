@@ -15,7 +15,8 @@ payloads, and each compressor's ``exchange`` says how the ranks' payloads combin
                   methods ``project``, ``orthogonalize``, ``back_project``, ``approximate``).
 
 ``lossy`` compressors lose information (the optimizer keeps an error-feedback residual); stateful
-ones key their state by ``key``, the parameter's name (``state_dict`` / ``load_state_dict``)."""
+ones key their state by ``key``, the parameter's name: ``state_dict()`` keys are ``"<what>/<key>"``
+(``"<what>/"``: the whole compressor's), and a load hands ``load_state_dict`` every saved entry."""
 from __future__ import annotations
 
 import abc
@@ -53,7 +54,7 @@ class Compressor(abc.ABC):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) serves no rank yet: _claim
+    def __getstate__(self) -> dict[str, Any]:  # a copy (deepcopy, pickle) serves no rank yet: claim
         return {key: value for key, value in self.__dict__.items() if key != "_holder"}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional
@@ -216,7 +217,7 @@ class PowerSGDCompressor(Compressor):
     """Rank-``rank`` PowerSGD (Vogels et al., 2019) with warm start.
 
     A gradient of shape (n, ...) is viewed as an n x m matrix M. It is compressed only when
-    ``compressible``: a matrix (2 or more dims) whose factors hold at most half its elements,
+    ``compressible``: a matrix (2 or more dims, not empty) whose factors hold at most half its elements,
     2 * (n + m) * r <= n * m with r = min(rank, n, m); anything else goes uncompressed. Before
     ``start_iter`` optimizer steps nothing is compressed (plain all_reduce, as DDP).
 
@@ -255,7 +256,7 @@ class PowerSGDCompressor(Compressor):
         return n, math.prod(shape[1:]) if len(shape) > 1 else 1
 
     def compressible(self, shape: torch.Size | tuple[int, ...]) -> bool:
-        if len(shape) < 2:
+        if len(shape) < 2 or math.prod(shape) == 0:  # an empty one has nothing to factor
             return False
         n, m = self.matrix_shape(shape)
         r = min(self.rank, n, m)
@@ -350,9 +351,7 @@ class PowerSGDCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         shape, dtype = ctx
-        if dtype is None:
-            return payload[0]
-        return self.approximate(payload[0], payload[1], shape).to(dtype)
+        return payload[0] if dtype is None else self.approximate(payload[0], payload[1], shape).to(dtype)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -44,10 +44,12 @@ def add_residual(view: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | N
 
 
 def load_residuals(reader: RangeReader, kinds: set[str], params: Mapping[str, torch.Tensor],
-                   rank: int, world_size: int) -> dict[str, torch.Tensor]:
+                   rank: int, world_size: int, saved_world: int | None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s residuals, in ``residual_dtype`` of their parameter; saved under another
     world size, re-dealt so that their mean over ranks, the part of the averaged gradient still
-    to be sent, stays what it was.
+    to be sent, stays what it was. ``saved_world``: the saving run's world size (None: one more
+    than the highest rank whose residuals ``reader`` holds). ConfigError where ``reader`` lacks a
+    saved rank's residuals that this rank takes (one rank's state, loaded at another world size).
 
     [Note: residuals across world sizes] The averaged gradient carries (1/W) * sum of the
     W residuals. Loaded at W' ranks, rank j takes the sum of saved ranks r = j (mod W')
@@ -56,7 +58,16 @@ def load_residuals(reader: RangeReader, kinds: set[str], params: Mapping[str, to
     prefix = RESIDUAL_KIND.format(rank="")
     saved = sorted(int(k.removeprefix(prefix)) for k in kinds
                    if k.startswith(prefix) and k.removeprefix(prefix).isdigit())
-    saved_world = saved[-1] + 1 if saved else world_size
+    if saved_world is None:
+        saved_world = saved[-1] + 1 if saved else world_size
+    # Every rank of a run keeps residuals of the same parameters: none saved, or all ranks'.
+    lacking = [r for r in range(rank, saved_world, world_size) if r not in saved]
+    if saved and lacking:
+        raise ConfigError(
+            f"the optimizer state loaded holds the error-feedback residuals of rank(s) {saved} of the "
+            f"saving run's {saved_world}, and rank {rank} of {world_size} takes those of rank(s) "
+            f"{lacking} too: load a distframe checkpoint, or every rank's state_dict()['tensors'] "
+            "merged; a rank's own state_dict() loads back only at its own rank and world size")
     sources = [RESIDUAL_KIND.format(rank=r) for r in saved if r % world_size == rank]
     residuals = {}
     for name, param in params.items():
@@ -109,5 +120,11 @@ class ResidualScale:
     def save(self, tensors: dict[str, torch.Tensor]) -> None:
         tensors[f"{SCALE_KIND}/scale@0"] = torch.tensor([float(self.scale)], dtype=torch.float64)
 
-    def load(self, reader: RangeReader, kinds: set[str]) -> None:
-        self.loaded = float(reader.read(SCALE_KIND, "scale", 0, 1)[0]) if SCALE_KIND in kinds else None
+    def load(self, saved: float | None) -> None:
+        """The saved scale (None: none saved), which the first step checks."""
+        self.loaded = saved
+
+
+def saved_loss_scale(reader: RangeReader, kinds: set[str]) -> float | None:
+    """The loss scale ``ResidualScale.save`` stored, or None."""
+    return float(reader.read(SCALE_KIND, "scale", 0, 1)[0]) if SCALE_KIND in kinds else None
