@@ -48,8 +48,8 @@ from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, C
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.sharded_state import RangeReader, numel_of, piece_key
-from distframe.optimizers.sharded_state import (hyperparameters, load_optimizer_pieces,
-                                                optimizer_pieces)
+from distframe.optimizers.sharded_state import (check_state_outside_model, hyperparameters,
+                                                load_optimizer_pieces, optimizer_pieces)
 from distframe.checkpoint.tables import RANK_STATE
 
 
@@ -202,6 +202,7 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
         else:
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
+            check_state_outside_model(optimizer, model.parameters(), saving=False)
     dropout_rng.restore(path, meta, reader, model, enabled=restore_dropout_rng)
     if read_rank_state is not None:
         read_rank_state(meta, reader)
@@ -276,6 +277,7 @@ def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
     model.check_optimizer(optimizer)
     b = model.backend
     layout = model.shard_layout()
+    check_state_outside_model(optimizer, model.parameters(), saving=True)  # before any writes
     tensors, scalars = optimizer_pieces(layout, optimizer, b.rank, b.world_size)
     return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer, layout)}
 

@@ -7,11 +7,13 @@ parameter name; hyperparameters per group. A 0-d shard (a 0-d parameter held who
 state of both kinds: a key is per-element there when another shard has it per-element; when no
 shard of the rank tells, it is kept as a scalar, and loading reads a parameter's per-element
 state from its scalar when no piece holds it (so a shard that mixes parameters still loads it).
-Pure copies; no communication.
+A plain torch optimizer may hold some of the shards only (fine-tuning the norms; two optimizers
+over disjoint parts): it saves and loads the state of those. Pure copies; no communication.
 """
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -152,32 +154,12 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
 def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, reader: RangeReader,
                           scalars: dict[str, dict[str, list]], groups: list[dict[str, Any]],
                           trained: list[list[str]] | None = None) -> None:
-    """Rebuilds ``optimizer``'s state for this rank's shards from pieces of any layout; each
-    param group takes the settings of the saved one that trained its parameters (those its shards
-    hold here, or ``trained[k]``: see ``hyperparameters``)."""
-    kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
-    whole_kinds = sorted(k for k in reader.kinds() if k.startswith(WHOLE))
-    fallback = next(iter(scalars.values()), {})
-    saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
-                                          if any(reader.holds(kind, s.name) for kind in kinds + whole_kinds)}
+    """Rebuilds ``optimizer``'s state for the shards of this rank that it holds (a plain optimizer
+    may train some of them: fine-tuning the norms) from pieces of any layout; each param group
+    takes the settings of the saved one that trained its parameters (those its shards hold here,
+    or ``trained[k]``: see ``hyperparameters``)."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state: dict[int, dict[str, Any]] = {}
-    for shard, segs in zip(layout.shards, layout.segments):
-        if id(shard) not in index:
-            raise ConfigError("the optimizer does not optimise this model's local shards; build it "
-                              "from model.local_parameter_shard() (or use the strategy's optimizer)")
-        if (kinds or scalars) and not _saved_state_covers(segs, saved):
-            continue  # state starts fresh on the parameters' first step, as with torch
-        entry: dict[str, Any] = {}
-        for kind in _kinds_held(kinds, segs, reader, scalars):
-            tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
-            _fill_state(tensor, segs, reader, kind, scalars)
-            entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
-        entry.update(_whole_state(shard, segs, reader, whole_kinds))
-        for key, (value, dtype) in _shard_scalars(segs, scalars, fallback, kinds).items():
-            entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
-        if entry:
-            state[index[id(shard)]] = entry
+    state = _loaded_state(layout, index, reader, scalars)
     param_groups = []
     names = _shard_names(layout)
     ours = [set(trained[k]) if trained is not None
@@ -192,6 +174,68 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
                          if key not in settings and key != TRAINED})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _loaded_state(layout: ShardLayout, index: dict[int, int], reader: RangeReader,
+                  scalars: dict[str, dict[str, list]]) -> dict[int, dict[str, Any]]:
+    """The state of each shard the optimizer holds (by its position there, ``index``), as
+    ``optimizer.load_state_dict`` takes it. ConfigError when the checkpoint holds state for a
+    shard it does not hold (the saved run's optimizer trained it): that state would be dropped."""
+    kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
+    whole_kinds = sorted(k for k in reader.kinds() if k.startswith(WHOLE))
+    fallback = next(iter(scalars.values()), {})
+    saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
+                                          if any(reader.holds(kind, s.name) for kind in kinds + whole_kinds)}
+    state: dict[int, dict[str, Any]] = {}
+    dropped: set[str] = set()
+    for shard, segs in zip(layout.shards, layout.segments):
+        if id(shard) not in index:  # trainable, but not by this optimizer (as it was saved, or not)
+            dropped |= {s.name for s in segs if s.name in saved}
+            continue
+        if (kinds or scalars) and not _saved_state_covers(segs, saved):
+            continue  # state starts fresh on the parameters' first step, as with torch
+        entry: dict[str, Any] = {}
+        for kind in _kinds_held(kinds, segs, reader, scalars):
+            tensor = torch.zeros(shard.numel(), dtype=shard.dtype, device=shard.device)
+            _fill_state(tensor, segs, reader, kind, scalars)
+            entry[kind.removeprefix("optim.")] = tensor.view_as(shard)
+        entry.update(_whole_state(shard, segs, reader, whole_kinds))
+        for key, (value, dtype) in _shard_scalars(segs, scalars, fallback, kinds).items():
+            entry[key] = value if dtype is None else torch.tensor(value, dtype=getattr(torch, dtype))
+        if entry:
+            state[index[id(shard)]] = entry
+    if dropped:
+        shown = sorted(dropped)
+        raise ConfigError(
+            f"the checkpoint holds optimizer state for {shown[:3]}{' ...' if len(shown) > 3 else ''} "
+            f"({len(shown)} parameter(s) this model trains), and the optimizer does not hold them, "
+            "so loading would drop it: build the optimizer, after wrapping, over this model's "
+            "parameters that the saved run's optimizer trained, freeze those it should not train "
+            "(requires_grad_(False)), or load the model without the optimizer")
+    return state
+
+
+def check_state_outside_model(optimizer: torch.optim.Optimizer, model_parameters: Iterable[torch.Tensor],
+                              saving: bool) -> None:
+    """ConfigError when a plain ``optimizer`` holds state for a tensor that is none of
+    ``model_parameters`` (the model's on this rank, frozen ones included): a learnable loss
+    temperature beside ``model.parameters()``. A checkpoint keeps optimizer state by parameter
+    name, so such state was dropped at save, and a load would discard what it has now, without
+    a word. Such a tensor without state has nothing to lose (the parameters of the other
+    pipeline stages, which an optimizer built before the pipeline wrap holds, never get any)."""
+    ours = {id(p) for p in model_parameters}
+    outside = [(k, p) for k, group in enumerate(optimizer.param_groups) for p in group["params"]
+               if id(p) not in ours and optimizer.state.get(p)]
+    if not outside:
+        return
+    shown = "; ".join(f"shape {tuple(p.shape)} in param group {k}" for k, p in outside[:3])
+    what = ("a checkpoint cannot save it" if saving
+            else "the checkpoint holds none, so loading would discard it")
+    raise ConfigError(
+        f"the optimizer holds state for {len(outside)} tensor(s) that are not this model's parameters "
+        f"({shown}{'; ...' if len(outside) > 3 else ''}), and {what} (it keeps optimizer state by "
+        "parameter name): register each on the model as an nn.Parameter of one of its modules, "
+        "before wrapping it, so that it is saved with the model's")
 
 
 def _whole_parameter(shard: torch.Tensor, segments: list) -> bool:
