@@ -194,15 +194,17 @@ def _load_locally(path: Path, model: ShardedModelBase, optimizer: Any, restore_d
         if meta.get("optimizer") is None:
             raise CheckpointError(f"{path / METADATA} holds no optimizer state; load without an optimizer")
         _check_optimizer_class(meta["optimizer"].get("class"), optimizer)
-        state = {**meta["optimizer"].get("extra", {}), "tensors": {},
+        # The checkpoint's step, unless the optimizer saved its own count (an ElasticOptimizer
+        # loading a plain optimizer's checkpoint resumes at its step, as its restore does).
+        state = {"step_count": meta.get("step"), **meta["optimizer"].get("extra", {}), "tensors": {},
                  "scalars": meta["optimizer"]["scalars"], "param_groups": meta["optimizer"]["param_groups"]}
         if hasattr(optimizer, "wrapped_optimizer"):
             model.check_optimizer(optimizer)
             optimizer.load_state_dict(state, reader)
         else:
+            check_state_outside_model(optimizer, model.parameters(), saving=False)
             load_optimizer_pieces(model.shard_layout(), optimizer, reader, state["scalars"],
                                   state["param_groups"])
-            check_state_outside_model(optimizer, model.parameters(), saving=False)
     dropout_rng.restore(path, meta, reader, model, enabled=restore_dropout_rng)
     if read_rank_state is not None:
         read_rank_state(meta, reader)
@@ -275,9 +277,9 @@ def _optimizer_state(model: ShardedModelBase, optimizer: Any) -> dict[str, Any]:
         model.check_optimizer(optimizer)
         return dict(optimizer.state_dict())
     model.check_optimizer(optimizer)
+    check_state_outside_model(optimizer, model.parameters(), saving=True)  # before any writes
     b = model.backend
     layout = model.shard_layout()
-    check_state_outside_model(optimizer, model.parameters(), saving=True)  # before any writes
     tensors, scalars = optimizer_pieces(layout, optimizer, b.rank, b.world_size)
     return {"tensors": tensors, "scalars": scalars, "param_groups": hyperparameters(optimizer, layout)}
 

@@ -91,12 +91,7 @@ def test_a_scheduled_change_survives_a_failure_after_its_commit(initial, schedul
         assert _max_diff(params, reference) <= 1e-10
 
 
-# [Note: the checkpoint's step] checkpoint.load hands the optimizer the state its save stored
-# (a plain optimizer's holds no step count), not the checkpoint's step, and calls finish_load()
-# with nothing: ElasticOptimizer cannot see meta["step"]. Fixed by one line in
-# distframe/checkpoint/io.py (_load_locally): state = {"step_count": meta.get("step"), **extra, ...}.
-@pytest.mark.xfail(strict=True, reason="needs the checkpoint's step in the loaded state "
-                                       "(distframe/checkpoint/io.py; see [Note: the checkpoint's step])")
+# A plain optimizer's checkpoint holds no step count of its own: the checkpoint's step is used.
 def test_a_plain_checkpoint_loaded_by_hand_resumes_at_its_step(tmp_path):
     def save(b):
         model = ZeRO2Model(copy.deepcopy(MLP), b)
