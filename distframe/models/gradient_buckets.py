@@ -28,6 +28,7 @@ from torch import nn
 from distframe.backends.types import Work
 from distframe.models import deferred_finish
 from distframe.models.backward_end import BackwardEnd
+from distframe.models.weak_hooks import weak_hook
 from distframe.models.flat import FlatSpace
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.precision import finer
@@ -97,7 +98,7 @@ class GradientBuckets:
         self._peers_on_thread = peers_on_thread
         self._owner_thread = threading.current_thread()  # the rank's: the one that runs forward
         self._pending: list[tuple[GradBucket, Work]] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient_accumulated)
+        self._handles = [p.register_post_accumulate_grad_hook(weak_hook(self._on_gradient_accumulated))
                          for bucket in self.buckets for p in bucket.parameters]
 
     # ---- life cycle --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.models.hybrid_state import LocalParameter, all_reduce_grads
+from distframe.models.weak_hooks import weak_hook
 
 
 class TiedGradients:
@@ -33,7 +34,7 @@ class TiedGradients:
             for p in params:
                 self._accumulated[id(p)] = 0
                 if p.requires_grad:  # frozen ones never get a gradient (and take no hook)
-                    p.register_post_accumulate_grad_hook(self._count)
+                    p.register_post_accumulate_grad_hook(weak_hook(self._count))
 
     def _count(self, param: torch.Tensor) -> None:
         self._accumulated[id(param)] += 1

@@ -99,6 +99,7 @@ from distframe.models.config import TrainingState
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_order import ForwardRecord, hook_inputs, in_backward, unit_ancestors
+from distframe.models.weak_hooks import weak_hook
 
 
 class UnitLifecycle:
@@ -140,8 +141,8 @@ class UnitLifecycle:
                 lambda module, args, output, unit=unit: self.post_forward(unit, output)))
             for param in unit.params:
                 if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(
-                        lambda p, unit=unit, i=index: self._on_gradient_accumulated(unit, p, i)))
+                    self._handles.append(param.register_post_accumulate_grad_hook(  # weak_hooks.py
+                        weak_hook(self._on_gradient_accumulated, unit.index, index)))
                 index += 1
 
     def begin_forward(self, synchronize: bool) -> None:
@@ -279,7 +280,8 @@ class UnitLifecycle:
         if self.prefetch:
             self._prefetch_after(unit.index, self._record.order[::-1])
 
-    def _on_gradient_accumulated(self, unit: ShardedUnit, param: torch.nn.Parameter, index: int) -> None:
+    def _on_gradient_accumulated(self, unit_index: int, index: int, param: torch.nn.Parameter) -> None:
+        unit = self.units[unit_index]
         if not unit.forward_ran:  # see [Note: a unit whose forward does not run]
             raise self.misuse_error(unit, "its parameters got gradients in a step in which its forward "
                                           "did not run (or ran before the last optimizer step, which "
