@@ -6,9 +6,12 @@ ends at once with an error that names the failed call. Running them would cost e
 timeout when a peer is gone, and any that still ran when the next synchronous call reported the
 failure would run beside whatever the caller did next, out of issue order. So the next
 synchronous call waits for every earlier asynchronous call (which, after a failure, takes no
-longer than the failed one) and raises the first failure; from then on calls run again. Every
-rank learns of a failure at its own pace, so a group whose call failed may be out of step: what
-the error says to do (rebuild the group, or stop) still applies.
+longer than the failed one) and raises the first failure; from then on calls run again. So do
+the asynchronous calls issued after a ``Work.wait()`` that raised the failure (or the refusal of
+a call queued behind it): the caller has seen it, and nothing is queued behind it any more (they
+were refused as queued behind it, which only a synchronous call cleared). Every rank learns of a
+failure at its own pace, so a group whose call failed may be out of step: what the error says to
+do (rebuild the group, or stop) still applies.
 """
 from __future__ import annotations
 
@@ -32,8 +35,14 @@ class AsyncCalls:
     _executor: ThreadPoolExecutor | None
     _pending: list[Future]
     #: "op (sequence number n) failed (error)" for the first asynchronous call that failed since
-    #: the last synchronous call; set and read on the communication thread, cleared by ``_drain``.
+    #: the last synchronous call; set and read on the communication thread, cleared by ``_drain``
+    #: or by the first call issued after a wait that saw it ([Note: after a failed asynchronous
+    #: call]). ``_failed_seq``: that call's sequence number; ``_failure_seen_at``: the last one
+    #: issued when a wait saw it (None until then). All three under ``_lock``.
     _async_failure: str | None
+    _failed_seq: int = 0
+    _failure_seen_at: int | None = None
+    _seq: int
     _check_call: Callable[[Call], None]
     _stall_check: Callable[[Call], Callable[[], BaseException | None] | None]
 
@@ -52,16 +61,19 @@ class AsyncCalls:
     def _submit(self, call: Call, fn: Callable[[Call], Any]) -> FutureWork:
         """Queues ``fn(call)`` on the communication thread."""
         def execute() -> Any:
-            if self._async_failure is not None:
+            failure = self._failure_before(call.seq)
+            if failure is not None:
                 raise DistFrameError(f"{call.op} (sequence number {call.seq}) was not run: "
-                                     f"{self._async_failure}, and the calls queued behind a "
+                                     f"{failure}, and the calls queued behind a "
                                      "failed asynchronous call are not run")
             try:
                 self._check_call(call)
                 return fn(call)
             except BaseException as exc:
-                self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "
-                                       f"with async_op=True, failed ({type(exc).__name__}: {exc})")
+                with self._lock:
+                    self._failed_seq, self._failure_seen_at = call.seq, None
+                    self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "
+                                           f"with async_op=True, failed ({type(exc).__name__}: {exc})")
                 raise
         future = self._communication_thread().submit(execute)
         with self._lock:
@@ -69,9 +81,29 @@ class AsyncCalls:
         # A call that succeeded has nothing left for _drain to re-raise: forget it at once, so
         # its result (a gathered tensor, say) lives only as long as the caller keeps it.
         future.add_done_callback(self._forget_if_succeeded)
-        return FutureWork(future, call.op, call.seq, on_done=lambda: self._forget(future),
+        return FutureWork(future, call.op, call.seq, on_done=lambda: self._waited(future, call.seq),
                           stall=self._stall_check(call), missing=lambda: self._missing_ranks(call.seq),
                           world_ranks=self._ranks_in_world())
+
+    def _failure_before(self, seq: int) -> str | None:
+        """The failure that call ``seq`` is queued behind, None to run it: none, or one that a
+        wait saw before ``seq`` was issued (then cleared)."""
+        with self._lock:
+            if self._async_failure is not None and self._failure_seen_at is not None and (
+                    seq > self._failure_seen_at):
+                self._async_failure = self._failure_seen_at = None
+            return self._async_failure
+
+    def _waited(self, future: Future, seq: int) -> None:
+        """A wait on call ``seq`` has returned or raised: a failure it raised (the call's own, or
+        its refusal behind the current failure) has been seen by the caller, so the calls issued
+        from now on run ([Note: after a failed asynchronous call])."""
+        self._forget(future)
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            with self._lock:
+                if self._async_failure is not None and self._failed_seq <= seq and (
+                        self._failure_seen_at is None):  # the first wait that saw it counts
+                    self._failure_seen_at = self._seq
 
     def _communication_thread(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -100,6 +132,7 @@ class AsyncCalls:
             self._forget(future)
             if first is None:
                 first = error
-        self._async_failure = None  # nothing issued before this call is left running
+        with self._lock:  # nothing issued before this call is left running
+            self._async_failure = self._failure_seen_at = None
         if first is not None:
             raise first

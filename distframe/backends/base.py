@@ -135,7 +135,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                    async_op: bool = False) -> torch.Tensor | Work:
         """Reduces ``tensor`` across ranks, in place on every rank; returns it."""
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
-        data = self._check_tensor("all_reduce", tensor)
+        data = self._check_tensor("all_reduce", tensor, written=True)
         applied = effective_op(op, tensor.dtype)
         if self._may_post(async_op) and data.is_cpu and validation.is_dense(data) and not (
                 applied is ReduceOp.AVG and data.dtype in LOW_PRECISION) and self._posted(
@@ -210,7 +210,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> torch.Tensor | Work:
         """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank; returns it."""
-        self._check_tensor("broadcast", tensor)
+        self._check_tensor("broadcast", tensor, written=True)
         src = self._check_peer("broadcast", "src", src)
         sig = lambda: Signature("broadcast", tuple(tensor.shape), tensor.dtype, (("src", src),))
         return self._run("broadcast", sig, tensor.nbytes, lambda call: self._in_place(
@@ -220,7 +220,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
                async_op: bool = False) -> torch.Tensor | Work:
         """Reduces into ``tensor`` on rank ``dst`` (other ranks' tensors are left unchanged)."""
         op = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
-        self._check_tensor("reduce", tensor)
+        self._check_tensor("reduce", tensor, written=True)
         dst = self._check_peer("reduce", "dst", dst)
         applied = effective_op(op, tensor.dtype)
         sig = lambda: Signature("reduce", tuple(tensor.shape), tensor.dtype, (("dst", dst), ("op", op.name)))
@@ -367,8 +367,8 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
             raise ValueError(f"{op} called on {self!r} after shutdown(); create a new backend "
                              "(or call it inside spawn) instead of reusing a closed one")
 
-    def _check_tensor(self, op: str, tensor: object) -> torch.Tensor:
-        return validation.check_tensor(op, tensor)
+    def _check_tensor(self, op: str, tensor: object, *, written: bool = False) -> torch.Tensor:
+        return validation.check_tensor(op, tensor, written=written)
 
     def _check_peer(self, op: str, name: str, peer: object) -> int:
         return validation.check_peer(op, name, peer, self._world_size)

@@ -243,9 +243,10 @@ class _RecvWork(Work):
                  tag: int, seq: int) -> None:
         self._backend, self._tensor, self._src, self._tag, self._seq = backend, tensor, src, tag, seq
         self._done = False
-        # A message of another shape or dtype was taken with this error: every later wait raises
-        # it too (waiting for the taken message again ran into the timeout).
-        self._error: CollectiveMismatchError | None = None
+        # The receive failed after it took its message (one of another shape or dtype, or a copy
+        # into the tensor that raised): every later wait raises the same error (waiting for the
+        # taken message again ran into the timeout).
+        self._error: Exception | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         timeout = check_wait_timeout(timeout)
@@ -262,19 +263,24 @@ class _RecvWork(Work):
                 f"{payload.dtype} with tag {self._tag}, rank {b.rank} expects shape "
                 f"{tuple(self._tensor.shape)} {self._tensor.dtype}")
             raise self._error
-        self._tensor.copy_(payload)
+        try:
+            self._tensor.copy_(payload)
+        except Exception as exc:  # noqa: BLE001 - the message is taken: every wait raises it
+            self._error = exc
+            raise
         self._done = True
         return self._tensor
 
     def is_completed(self) -> bool:
         """True once the message is in the tensor (taken now if it has arrived, as MPI and Gloo
-        fill the tensor before they say so), or once a mismatched one was taken (wait raises)."""
+        fill the tensor before they say so), or once it failed after taking it (wait raises why)."""
         if self._done or self._error is not None:
             return True
         if not self._backend._rdv.has_message(self._src, self._backend.rank, self._tag, self._seq):
             return False
         try:
             self.wait()
-        except CollectiveMismatchError:
-            pass  # kept in self._error for wait()
+        except Exception:  # a receive that failed after taking its message has completed
+            if self._error is None:
+                raise
         return True

@@ -96,7 +96,8 @@ class P2PWork(Work):
         self._peer, self._tag, self._buffer, self._target = peer, tag, buffer, target
         self._header = header
         self._status, self._done = backend._MPI.Status(), False
-        self._error: CollectiveMismatchError | None = None  # a receive of another size: every wait raises it
+        # A receive of another size, or whose copy into its tensor raised: every wait raises it.
+        self._error: Exception | None = None
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         timeout = check_wait_timeout(timeout)
@@ -159,7 +160,10 @@ class P2PWork(Work):
             if sent is not None:
                 self._error = self._other_message(sent)
                 return
-        write_back(self._target, self._buffer)
+        try:
+            write_back(self._target, self._buffer)
+        except Exception as exc:  # noqa: BLE001 - raised by every wait, as a mismatch is
+            self._error = exc
 
     def _settled(self) -> bool:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 
 import torch
 
@@ -72,6 +73,17 @@ class Signature:
             parts.append(f"dtype={str(dtype).removeprefix('torch.')}")
         parts.append(f"args#{values[4 + _MAX_DIMS] & 0xFFFF:04x}")
         return f"{op}({', '.join(parts)}) at sequence number {values[1]}"
+
+    @staticmethod
+    def decode_nbytes(codes: torch.Tensor) -> int | None:
+        """The size in bytes of the tensor an encoded signature describes; None where the encoding
+        does not tell (no shape, more than 8 dims, a dtype unknown here)."""
+        values = [int(c) for c in codes.tolist()]
+        dtype = DTYPES[values[2]] if 0 <= values[2] < len(DTYPES) else None
+        dims = values[4:4 + values[3]]
+        if not isinstance(dtype, torch.dtype) or not 0 <= values[3] <= _MAX_DIMS or min(dims, default=0) < 0:
+            return None
+        return math.prod(dims) * dtype.itemsize
 
 
 def _digest(value: object) -> int:

@@ -57,6 +57,7 @@ from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, depa
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.sent_messages import exchanged_sent_messages
+from distframe.backends.torch_dist_debug_p2p import DebugPayloads
 from distframe.backends.torch_dist_p2p import HEADER_TAG, RecvWork, debug_payload_tag, message_tag
 from distframe.backends.torch_dist_sends import UnfinishedSends
 from distframe.backends.torch_dist_waits import TorchDistWaits
@@ -119,6 +120,7 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
             self._pg = self._create_process_group(store("pg"), rank, world_size, timeout_delta)
             wait_for_members(store("ready"), rank, world_size, timeout_delta)  # every peer mapped ours
         self._sends = UnfinishedSends(waited=bool(self._wait_slice))
+        self._debug_payloads = DebugPayloads()  # [Note: debug payloads in message order]
         self._shared.groups.add(self)
         # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
         # departs after the last call it entered (shutdown departs and cancels this).

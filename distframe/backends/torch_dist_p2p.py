@@ -96,9 +96,8 @@ def message_tag(tag: int, tensor: torch.Tensor, seq: int) -> int:
 def debug_payload_tag(tag: int, seq: int) -> int:
     """The tag Gloo sees for the payload of message ``seq`` on the channel with user tag ``tag`` in
     debug mode: the message's number (mod 512) in bits 22-30, clear of ``HEADER_TAG``'s bit 21.
-    Its receive is posted only once its header has arrived, when the receive is first waited
-    for: on the user's tag alone Gloo matched payloads in wait order, so receives waited out of
-    order swapped their messages."""
+    Its receive is posted once its header has arrived, after those of the channel's earlier
+    messages (``torch_dist_debug_p2p``, [Note: debug payloads in message order])."""
     return tag | ((seq & 0x1FF) << 22)
 
 
@@ -120,7 +119,8 @@ def mismatch_hint(backend: TorchDistributedBackend, tensor: torch.Tensor, src: i
 
 class RecvWork(Work):
     """A posted receive. In debug mode the payload's receive is posted only after the header
-    matched, so a mismatch raises here instead of aborting the process.
+    matched, so a mismatch raises here instead of aborting the process, and after those of the
+    channel's earlier messages ([Note: debug payloads in message order]).
 
     [Note: a receive's own timeout] When a receive's ``wait(timeout)`` expires, Gloo closes the
     connection to the sender (NCCL marks the work failed), which broke every later call with that
@@ -139,14 +139,16 @@ class RecvWork(Work):
         self._waiter: Future | None = None  # the thread's outcome ([Note: a receive's own timeout])
         self._header: torch.Tensor | None = None
         self._header_work = self._payload_work = None
-        self._error: CollectiveMismatchError | None = None  # raised by every wait once found
+        self._error: Exception | None = None  # raised by every wait once found
         # [Note: what a Gloo receive checks]: the message refused before posting; whether to
         # read the sender's description once the message has arrived.
         self._refused: OtherMessage | None = None
         self._compare_after = False
         if backend.debug:
             self._header = torch.empty(ENCODED_LENGTH, dtype=torch.int64, device=backend._device)
+            self._header_lock, self._header_arrived = threading.Lock(), False
             self._header_work = self._post(self._header, tag + HEADER_TAG)
+            backend._debug_payloads.opened(self)
         else:
             self._payload_work = self._post_payload(message_tag(tag, tensor, seq))
 
@@ -188,17 +190,20 @@ class RecvWork(Work):
 
     def _wait_here(self) -> torch.Tensor:
         """Waits for the receive on this thread, within the backend's timeout."""
-        if self._payload_work is None:
-            self._await(self._header_work)
-            self._check_header()
-            self._payload_work = self._post(movable(self._buffer), debug_payload_tag(self._tag, self._seq))
-        self._await(self._payload_work)
-        error = self._other_message()
+        if self._payload_work is None and self._error is None:  # debug mode, first wait
+            self._await_header()
+            self._backend._debug_payloads.post_through(self)
+        if self._payload_work is not None:
+            self._await(self._payload_work)
+        error = self._error or self._other_message()
+        if error is None and self._buffer is not self._tensor:
+            try:
+                self._tensor.copy_(self._buffer)
+            except Exception as exc:  # noqa: BLE001 - the message is taken: every wait raises it
+                error = exc
         if error is not None:
             self._done, self._error = True, error
             raise error
-        if self._buffer is not self._tensor:
-            self._tensor.copy_(self._buffer)
         self._done = True
         return self._tensor
 
@@ -314,10 +319,41 @@ class RecvWork(Work):
             "which never matched this receive" + mismatch_hint(backend, self._tensor, self._src, self._tag),
             early=True)
 
-    def _check_header(self) -> None:
-        expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)
-        got = self._header.cpu()
-        if not bool((got == expected.encode(self._seq)).all()):
-            raise CollectiveMismatchError(
+    def _await_header(self) -> None:
+        """Waits for a debug-mode header once: a second wait on a Gloo receive's work waits for
+        another message, until the timeout (another thread may be waiting for this one)."""
+        with self._header_lock:
+            if not self._header_arrived:
+                self._await(self._header_work)
+                self._header_arrived = True
+
+    def post_payload(self, unreceived: set[int]) -> None:
+        """Posts the payload's receive of this debug-mode receive once its header has arrived, in
+        its channel's message order ([Note: debug payloads in message order]): into its buffer if
+        the header matches, else into one of the size the header gives (every wait raises the
+        mismatch). ``unreceived``: the channel's tags on the wire of payloads never received."""
+        try:
+            self._await_header()  # at once: this or a later message's header has arrived
+            wire_tag = debug_payload_tag(self._tag, self._seq)
+            if wire_tag in unreceived:
+                self._error = CollectiveMismatchError("recv", self._seq, (
+                    f"message {self._seq} from rank {self._src} with tag {self._tag} cannot be told "
+                    "from the payload of an earlier message of another shape or dtype, still "
+                    "unreceived on the same tag on the wire; the channel is out of step: rebuild the group"))
+                return
+            got = self._header.cpu()
+            expected = Signature("send", tuple(self._tensor.shape), self._tensor.dtype)
+            if bool((got == expected.encode(self._seq)).all()):
+                self._payload_work = self._post(movable(self._buffer), wire_tag)
+                return
+            self._error = CollectiveMismatchError(
                 "recv", self._seq, f"rank {self._src} sent {Signature.decode(got)} with tag "
                 f"{self._tag}; rank {self._backend.rank} expects {expected.describe()}")
+            nbytes = Signature.decode_nbytes(got)
+            if nbytes is None:
+                unreceived.add(wire_tag)
+            else:  # taken, so the channel's next message is the next one received
+                self._payload_work = self._post(torch.empty(nbytes, dtype=torch.uint8,
+                                                            device=self._backend._device), wire_tag)
+        except Exception as exc:  # noqa: BLE001 - raised by this receive's waits
+            self._error = self._error or exc

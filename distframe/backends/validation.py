@@ -34,17 +34,31 @@ def check_wait_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
-def check_tensor(op: str, tensor: object) -> torch.Tensor:
+def check_tensor(op: str, tensor: object, *, written: bool = False) -> torch.Tensor:
     """``tensor`` as the engines see it (:func:`plain`); TypeError if it is no tensor, ValueError
     if it holds no values in memory to move: every engine moves a strided tensor's memory, and a
     sparse tensor (no ``nbytes``, no contiguous form) or a meta tensor (no data; every one's
     data_ptr is 0, which the in-memory engine took for shared memory) failed deep in torch.
+    ``written``: ``op`` writes into ``tensor`` (a receive, an in-place collective), so one whose
+    elements share memory is refused too (:func:`has_internal_overlap`).
     Two attribute reads per call (about 0.1 us), on the hot path of every call."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op} expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout is not _STRIDED or tensor.is_meta:
         raise ValueError(_unmovable(op, tensor))
+    if written and not tensor.is_contiguous() and has_internal_overlap(tensor):
+        raise ValueError(f"{op} writes into its tensor, and this one has internal overlap (shape "
+                         f"{tuple(tensor.shape)}, stride {tensor.stride()}: an expanded view, whose "
+                         "elements share memory); pass a tensor without internal overlap, such as "
+                         "t.clone() or t.contiguous(), and read the result from it")
     return plain(tensor)
+
+
+def has_internal_overlap(tensor: torch.Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory: a dim of size above 1 with stride 0 (an
+    ``expand``ed view), the overlap torch itself refuses to write into. Such a tensor failed in
+    the first wait of a receive, with torch's error, after its message had been taken."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 _STRIDED = torch.strided
@@ -108,7 +122,7 @@ def check_peer(op: str, name: str, peer: object, world_size: int) -> int:
 def check_p2p(op: str, tensor: object, peer: object, tag: object, rank: int, world_size: int,
               tag_limit: int) -> tuple[torch.Tensor, int, int]:
     """(the tensor as the engines see it, the peer and the tag as ints)."""
-    data = check_tensor(op, tensor)
+    data = check_tensor(op, tensor, written="recv" in op)
     peer = check_peer(op, "dst" if "send" in op else "src", peer, world_size)
     if peer == rank:
         raise ValueError(f"{op}: rank {peer} is this rank; send to and receive from other ranks")
@@ -122,7 +136,8 @@ def check_out(op: str, out: object, shape: tuple[int, ...], like: torch.Tensor) 
     """``out`` as the engines write it (:func:`plain`: a detached alias when it requires grad)."""
     out = check_tensor(op, out)
     if out.shape != shape or out.dtype != like.dtype or not is_dense(out):
-        kind = ("non-contiguous " if not out.is_contiguous() else
+        kind = ("internally overlapping (an expanded view's elements share memory) "
+                if has_internal_overlap(out) else "non-contiguous " if not out.is_contiguous() else
                 "lazily negated or conjugated (neg or conj bit) " if not is_dense(out) else "")
         raise ValueError(f"{op}: out must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, "
                          f"got {kind}{out.dtype} {tuple(out.shape)}")
