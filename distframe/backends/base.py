@@ -29,7 +29,7 @@ from distframe.backends.async_calls import AsyncCalls
 from distframe.backends.composed import RESERVED_TAG, Call, ComposedCollectives
 from distframe.backends.departures import Departure
 from distframe.backends.posted import PostedCollectives
-from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor
+from distframe.backends.reduction import LOW_PRECISION, average_, work_tensor, copy_result
 from distframe.backends.signature import Signature
 from distframe.backends.types import CommStats, ReduceOp, Work, effective_op
 
@@ -153,7 +153,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
             if applied is ReduceOp.AVG:
                 average_(work, self._world_size, self._keeps_half_dtype)
             if work is not data:
-                data.copy_(work)
+                copy_result(data, work)
             return tensor
         return self._run("all_reduce", sig, tensor.nbytes, run, async_op)
 
@@ -359,7 +359,7 @@ class CommunicationBackendBase(ComposedCollectives, PostedCollectives, AsyncCall
         work = work_tensor(data, op, self._world_size, self._keeps_half_dtype)
         apply(work)
         if work is not data and write_back:
-            data.copy_(work)
+            copy_result(data, work)
         return tensor
 
     def _check_open(self, op: str) -> None:

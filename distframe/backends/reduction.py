@@ -41,7 +41,14 @@ def work_tensor(tensor: torch.Tensor, op: ReduceOp | None, world_size: int = 1,
             return tensor.to(accumulation_dtype(tensor.dtype), memory_format=torch.contiguous_format)
         if tensor.dtype == torch.float16:
             return tensor.div(power_of_two_at_least(world_size)).contiguous()
-    return dense(tensor)  # written back with copy_, which respects neg and conj bits
+    return dense(tensor)  # written back with copy_result
+
+
+def copy_result(data: torch.Tensor, work: torch.Tensor) -> None:
+    """Copies ``work_tensor``'s result into ``data``. Cast to ``data``'s dtype first: torch's
+    ``copy_`` respects a neg bit (``x.conj().imag`` of complex32) within one dtype, but a float32
+    to float16 ``copy_`` wrote the value as if the bit were clear, negating the mean."""
+    data.copy_(work if work.dtype == data.dtype else work.to(data.dtype))
 
 
 def average_(work: torch.Tensor, world_size: int, keep_dtype: bool = False) -> torch.Tensor:

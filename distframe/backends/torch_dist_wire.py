@@ -22,7 +22,13 @@ def movable(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or a flat view of its bytes when the transport lacks its dtype."""
     if tensor.dtype in NATIVE_DTYPES:
         return tensor
-    return tensor.reshape(-1).view(torch.uint8)
+    flat = tensor.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        # torch calls a tensor of 0 or 1 elements contiguous whatever its stride (``t[::2]`` of a
+        # 2-element one), and ``view(uint8)`` refuses a stride other than 1: the same element
+        # under stride 1 (Gloo failed with "must be 1 to view Short as Byte").
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def movable_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
