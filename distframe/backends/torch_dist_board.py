@@ -35,6 +35,7 @@ import dataclasses
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -216,6 +217,19 @@ class ProgressBoard:
                 except RuntimeError:  # the store is gone: nobody is left to read the board
                     return
                 self._written[key] = seq
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What a world backend and all its subgroups share within one process."""
+
+    store: dist.Store
+    board: ProgressBoard
+    failed: bool = False
+    groups: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # its live backends
+
+    def __post_init__(self) -> None:  # the board's thread ends with the last group that shares it
+        weakref.finalize(self, self.board.close)
 
 
 @dataclasses.dataclass(eq=False)

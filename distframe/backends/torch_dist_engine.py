@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import datetime
 import weakref
 from collections.abc import Callable
@@ -52,8 +51,8 @@ from distframe.backends.nan_flags import (ORDER_OPS, needs_nan_flags, pack_with_
                                           unpack_with_nan_flags)
 from distframe.backends.reduction import reduce_into
 from distframe.backends.signature import Signature
-from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, departures_key, meet_in_store,
-                                                 peer_lost, wait_for_members)
+from distframe.backends.torch_dist_board import (WAIT_SLICE, ProgressBoard, _Shared, departures_key,
+                                                 meet_in_store, peer_lost, wait_for_members)
 from distframe.backends.torch_dist_options import (ALLREDUCE_OPTIONS, REDUCE_SCATTER_OPTIONS, TORCH_OPS,
                                                    options)
 from distframe.backends.sent_messages import exchanged_sent_messages
@@ -69,16 +68,6 @@ from distframe.errors import CollectiveTimeoutError, RankFailedError
 _SCATTER_MAX_DIMS = 16
 # What the post-first path reduces as it is (bool travels as uint8 on the general path).
 _POSTABLE = NATIVE_DTYPES - {torch.bool}
-
-
-@dataclasses.dataclass
-class _Shared:
-    """What a world backend and all its subgroups share within one process."""
-
-    store: dist.Store
-    board: ProgressBoard
-    failed: bool = False
-    groups: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet)  # its live backends
 
 
 class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
@@ -122,10 +111,9 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
         self._sends = UnfinishedSends(waited=bool(self._wait_slice))
         self._debug_payloads = DebugPayloads()  # [Note: debug payloads in message order]
         self._shared.groups.add(self)
-        # A backend that is garbage, or alive when the interpreter exits, makes no further call: it
-        # departs after the last call it entered (shutdown departs and cancels this).
-        self._departs_when_gone = weakref.finalize(self, self._shared.board.depart, self._my_progress_key,
-                                                   {}, False)
+        # Holds no reference to this backend, or it would never run (shutdown cancels it).
+        self._departs_when_gone = weakref.finalize(self, _collected, self._shared.board,
+                                                   self._my_progress_key, self._sends)
 
     @property
     def has_failed(self) -> bool:
@@ -389,3 +377,11 @@ class TorchDistributedBackend(TorchDistWaits, CommunicationBackendBase):
     def _wait_posted(self, op: str, seq: int, handle: Any) -> None:
         self._shared.board.reached(self._my_progress_key, seq)
         self._await(handle, op, seq)
+
+
+def _collected(board: ProgressBoard, progress_key: str, sends: UnfinishedSends) -> None:
+    """A backend that is garbage, or alive when the interpreter exits, makes no further call: it
+    departs after the last call it entered, and its sends' thread ends once they have completed,
+    letting go of the process group and its sockets (the board's ends with ``_Shared``)."""
+    board.depart(progress_key, {}, False)
+    sends.close()

@@ -43,6 +43,12 @@ class UnfinishedSends:
         """How many sends (with their buffers) are held now."""
         return len(self._waiter.remaining()) if self._waiter is not None else len(self._sends)
 
+    def close(self) -> None:
+        """The group is garbage (``shutdown`` calls ``finish`` instead): no more sends come, and
+        the waiter's thread ends once it has waited for those it holds."""
+        if self._waiter is not None:
+            self._waiter.close()
+
     def finish(self, sender: int, timeout: float,
                departures: Callable[[], dict[int, Departure]]) -> None:
         """At shutdown: ``finish_sends`` for the sends still unfinished."""
@@ -131,6 +137,7 @@ class SendWaiter(threading.Thread):
                     send[0].wait()
                 except RuntimeError:  # the receiver's connections closed: nothing to deliver to
                     pass
+            del send  # an idle thread holds no work: one keeps its process group, and sockets, alive
             with self._cond:
                 self._sends.popleft()
 
