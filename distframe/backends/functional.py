@@ -157,6 +157,16 @@ def _pass(name: str, *tensors: torch.Tensor) -> contextlib.AbstractContextManage
     return tagged_calls(("autograd", f"{name}{', recording a backward' if records else ''}"))
 
 
+def _forward(name: str, backend: ICommunicationBackend | None,
+             *tensors: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """``_pass(name, *tensors)`` once ``backend`` is a group: ``new_group`` gives None to the
+    ranks outside it, which failed with "'NoneType' object has no attribute 'all_gather'"."""
+    if backend is None:
+        raise ValueError(f"{name}: the backend is None, which new_group returns on ranks outside the "
+                         "group; call it on the group's members only (if group is not None: ...)")
+    return _pass(name, *tensors)
+
+
 def _last_dim_slice(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     if tensor.dim() == 0:
         raise ValueError("scatter_to_parallel_region splits the last dim: pass a tensor with at least "
@@ -170,18 +180,21 @@ def _last_dim_slice(tensor: torch.Tensor, backend: ICommunicationBackend) -> tor
 def _gather_last_dim(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     # all_gather concatenates along dim 0; move the last dim to the front and back.
     moved = tensor.movedim(-1, 0).contiguous()
-    return backend.all_gather(moved).movedim(0, -1).contiguous()
+    # A new tensor, never a view: where the moved-back gather is contiguous already (one row, a
+    # 1-d input), contiguous() returned a view made inside the autograd Function, and an in-place
+    # op after it (nn.ReLU(inplace=True) after a gathered column layer) raised.
+    return backend.all_gather(moved).movedim(0, -1).clone(memory_format=torch.contiguous_format)
 
 
 def all_gather(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Concatenation of every rank's tensor along dim 0; backward reduce-scatters the gradient."""
-    with _pass("all_gather", tensor):
+    with _forward("all_gather", backend, tensor):
         return _AllGather.apply(tensor, backend)
 
 
 def reduce_scatter(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Sum over ranks, chunk ``rank`` of dim 0; backward all-gathers the gradient."""
-    with _pass("reduce_scatter", tensor):
+    with _forward("reduce_scatter", backend, tensor):
         return _ReduceScatter.apply(tensor, backend)
 
 
@@ -191,35 +204,35 @@ def all_reduce(tensor: torch.Tensor, backend: ICommunicationBackend,
     op = ReduceOp.parse(op)
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise ValueError(f"differentiable all_reduce supports SUM and AVG, not {op.name}")
-    with _pass("all_reduce", tensor):
+    with _forward("all_reduce", backend, tensor):
         return _AllReduce.apply(tensor, backend, op)
 
 
 def all_to_all(chunks: Sequence[torch.Tensor], backend: ICommunicationBackend) -> list[torch.Tensor]:
     """Chunk j goes to rank j; backward sends each gradient back where its chunk came from."""
-    with _pass("all_to_all", *chunks):
+    with _forward("all_to_all", backend, *chunks):
         return list(_AllToAll.apply(backend, *chunks))
 
 
 def copy_to_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce backward (before a column-parallel layer)."""
-    with _pass("copy_to_parallel_region", tensor):
+    with _forward("copy_to_parallel_region", backend, tensor):
         return _CopyToParallel.apply(tensor, backend)
 
 
 def reduce_from_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Megatron g: all-reduce forward, identity backward (after a row-parallel layer)."""
-    with _pass("reduce_from_parallel_region", tensor):
+    with _forward("reduce_from_parallel_region", backend, tensor):
         return _ReduceFromParallel.apply(tensor, backend)
 
 
 def scatter_to_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """Keep this rank's slice of the last dim; backward all-gathers the gradient."""
-    with _pass("scatter_to_parallel_region", tensor):
+    with _forward("scatter_to_parallel_region", backend, tensor):
         return _ScatterToParallel.apply(tensor, backend)
 
 
 def gather_from_parallel_region(tensor: torch.Tensor, backend: ICommunicationBackend) -> torch.Tensor:
     """All-gather along the last dim; backward keeps this rank's slice of the gradient."""
-    with _pass("gather_from_parallel_region", tensor):
+    with _forward("gather_from_parallel_region", backend, tensor):
         return _GatherFromParallel.apply(tensor, backend)

@@ -157,3 +157,15 @@ def test_differentiable_all_reduce_rejects_max():
     b = InMemoryCommunicationBackend(0, 1)
     with pytest.raises(ValueError, match="SUM and AVG"):
         F.all_reduce(torch.ones(1), b, "max")
+
+
+@pytest.mark.parametrize("name", ["all_gather", "reduce_scatter", "all_reduce", "copy_to_parallel_region",
+                                  "reduce_from_parallel_region", "scatter_to_parallel_region",
+                                  "gather_from_parallel_region"])
+def test_the_none_group_of_a_non_member_is_named(name):
+    # new_group gives None to ranks outside the group; it failed with "'NoneType' object has no
+    # attribute 'all_gather'".
+    with pytest.raises(ValueError, match=rf"^{name}: the backend is None, which new_group returns"):
+        getattr(F, name)(torch.ones(2, requires_grad=True), None)
+    with pytest.raises(ValueError, match=r"^all_to_all: the backend is None"):
+        F.all_to_all([torch.ones(2)], None)

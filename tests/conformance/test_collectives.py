@@ -149,3 +149,7 @@ def test_zero_dim_all_to_all_chunks_are_named(runner):
 
 def test_functional_all_to_all_outputs_take_in_place_ops(runner):
     runner.run(checks_functional.check_functional_all_to_all_outputs_take_in_place_ops)
+
+
+def test_functional_gathered_last_dim_takes_in_place_ops(runner):
+    runner.run(checks_functional.check_functional_gathered_last_dim_takes_in_place_ops)
