@@ -268,13 +268,12 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._optimizer = optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients. ``set_to_none=False`` keeps them as zeros, as torch does, where the
-        optimizer sees each parameter (DDP): it then still steps them (weight decay, momentum).
-        A flat shard gets a whole new gradient at each synchronisation, so there it changes
-        nothing, and zeros kept there could alias the buffers the next reduction writes."""
-        keep = not set_to_none and self.skips_unused_parameters
+        """Clears gradients. ``set_to_none=False`` keeps them as zeros, as torch does: a step
+        without a backward in between still moves the parameters (weight decay, momentum, Adam's
+        moments), and the next synchronisation adds to them. A zero gradient that is a chunk of
+        ZeRO-1's kept bucket gets storage of its own there (its ``_zero_grad``)."""
         for shard in self.local_parameter_shard():
-            if keep and shard.grad is not None:
+            if not set_to_none and shard.grad is not None:
                 shard.grad.zero_()
             else:
                 shard.grad = None

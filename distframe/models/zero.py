@@ -186,6 +186,14 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
                 for space, master, flat in zip(self.spaces, self.masters, self.flat_parameters)]
 
     def _zero_grad(self) -> None:
+        """A zero master ``.grad`` kept by ``zero_grad(set_to_none=False)`` that is ZeRO-1's chunk
+        of a kept bucket gets storage of its own: the next reduction writes the average into that
+        chunk, then adds it to the master's ``.grad``, which would count it twice."""
+        for master, bucket in zip(self.masters, self.gradient_buckets.buckets):
+            grad = master.grad
+            if grad is not None and bucket.buffer is not None and (
+                    grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()):
+                master.grad = torch.zeros_like(grad)
         self.gradient_buckets.zero_grad()
         self._reduced_buckets.clear()
 

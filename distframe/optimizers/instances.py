@@ -45,7 +45,8 @@ _HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
 def adopt_instance(instance: torch.optim.Optimizer, rebuilt: torch.optim.Optimizer,
                    owner: Any) -> torch.optim.Optimizer:
     """``instance`` (the optimizer a user passed) made the ``rebuilt`` one, over the shards: its
-    param groups, state and defaults become the rebuilt one's, so what was built on it before the
+    param groups take the rebuilt one's tensors and settings in place (the same list and dicts),
+    its state and defaults become the rebuilt one's, so what was built on it before the
     wrapping (an LR scheduler, a reference to set ``lr`` by hand, its ``state_dict()``) acts on
     the optimizer that trains (DeepSpeed, too, keeps the instance it is given). Stepping it
     directly would skip ``owner``'s synchronisation: plain_optimizer_guard refuses that. Its
@@ -61,17 +62,22 @@ def adopt_instance(instance: torch.optim.Optimizer, rebuilt: torch.optim.Optimiz
         raise ConfigError(f"the torch.optim.{type(instance).__name__} handed over has hooks ({hooks[0]}); "
                           "a sharded optimizer takes none: run that code around step() / state_dict() "
                           "in the training loop instead")
-    extras = {k: v for k, v in instance.param_groups[0].items() if k != "params"}
-    if len(instance.param_groups) == 1:  # keys others put there (a scheduler's initial_lr)
-        for group in rebuilt.param_groups:
-            for key, value in extras.items():
-                group.setdefault(key, value)
     # From a list, not the dict: instances of one class share their attribute dicts' keys in
     # CPython, and another rank's thread adding an attribute to its instance while this update
     # iterated ``rebuilt.__dict__`` raised "dict mutated during update" (in-memory ranks, the
     # first adoption of a class, about 1 run in 10 at 8 ranks). Making the list runs in C
     # without releasing the GIL.
-    instance.__dict__.update(list(rebuilt.__dict__.items()))
+    attributes = list(rebuilt.__dict__.items())
+    # The param_groups list and its dicts stay the instance's, which the user (``head =
+    # opt.param_groups[0]``) and a scheduler may hold: each takes its rebuilt group's tensors and
+    # settings and keeps keys others put there (a scheduler's initial_lr). Groups of one setting
+    # that build_optimizer made one leave the list; any beyond the instance's join it.
+    groups = instance.param_groups
+    for group, rebuilt_group in zip(groups, rebuilt.param_groups):
+        group.update(rebuilt_group)
+    del groups[len(rebuilt.param_groups):]
+    groups.extend(rebuilt.param_groups[len(groups):])
+    instance.__dict__.update([(name, value) for name, value in attributes if name != "param_groups"])
     route_zero_grad(instance, owner)
     adopted_by(instance, owner)
     return instance

@@ -167,13 +167,27 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
             for k, group in enumerate(optimizer.param_groups)]
     for group, chosen in zip(optimizer.param_groups, _saved_groups(ours, groups)):
         saved = {} if chosen is None else groups[chosen]
-        settings = {key: saved.get(key, value) for key, value in group.items() if key != "params"}
+        settings = {key: _restored(value, saved[key]) if key in saved else value
+                    for key, value in group.items() if key != "params"}
         # What others put on the saved group (a scheduler's initial_lr) comes back too, as with
         # torch's load_state_dict, so a scheduler can resume with last_epoch=step - 1.
         settings.update({key: value for key, value in saved.items()
                          if key not in settings and key != TRAINED})
         param_groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def _restored(current: Any, saved: Any) -> Any:
+    """A setting as ``hyperparameters`` saved it, in the form the group holds it now, as torch's
+    own round trip keeps it: a one-element tensor (Adam's ``lr=torch.tensor(0.01)``, saved as its
+    exact value) comes back a tensor of its dtype, shape and device (a float stepped differently:
+    7e-10 off after three Adam steps), a tuple (betas, of tensors too) a tuple."""
+    if isinstance(current, torch.Tensor) and current.numel() == 1 and isinstance(saved, numbers.Number):
+        return torch.full_like(current, saved)
+    if isinstance(current, (list, tuple)) and isinstance(saved, list) and len(current) == len(saved):
+        items = [_restored(c, s) for c, s in zip(current, saved)]
+        return tuple(items) if isinstance(current, tuple) else items
+    return saved
 
 
 def _loaded_state(layout: ShardLayout, index: dict[int, int], reader: RangeReader,
