@@ -32,8 +32,6 @@ prefetch, is what kept FSDPModel's peak RSS above FSDP2's (BENCHMARKS.md, issue 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -44,10 +42,12 @@ from distframe.models.flat import FlatSpace
 from distframe.precision import MixedPrecisionPolicy, finer
 
 
-@functools.cache
 def stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The one 0-dim NaN of ``dtype`` on ``device`` that every resharded parameter of that dtype
-    expands (see [Note: parameters between uses]): one element of storage per process."""
+    """The 0-dim NaN of ``dtype`` on ``device`` that a unit's resharded parameters expand (see
+    [Note: parameters between uses]): one element of storage per unit. (One per process, shared
+    by every model's units, took an edit between steps (``nn.init.zeros_`` on a bias: torch sees
+    no overlap in writing one value) into every resharded parameter of the process, whose reads
+    then gave 0, not NaN, in models that were never edited.)"""
     return torch.full((), float("nan"), dtype=dtype, device=device)
 
 

@@ -27,6 +27,7 @@ from distframe.models.config import ShardingConfig, TrainingState
 from distframe.models.direct_calls import DirectCalls
 from distframe.models.full_parameters import Summonable
 from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
+from distframe.models.module_state_guard import guard_module_state
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
@@ -73,6 +74,7 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         # See [Note: reads of a resharded parameter] in stand_in_reads.py.
         resharded = [u for u in self.units if not u.persistent]
         self._stand_in_pointers = frozenset().union(*(u.stand_in_pointers for u in resharded))
+        guard_module_state(module, self._stand_in_pointers, type(self).__name__)
         self._unit_of_param = {id(e.param): (u, e.name) for u in self.units for e in u.space.entries}
         self._reads_seen: set[tuple[str, bool, bool]] = set()  # kinds of call checked without a read
         # Last: its pre-hook runs before the units' (prepended too), and a refused construction adds none.
