@@ -236,10 +236,8 @@ class HybridShardedModel(ShardedModelBase):
         return self.dims.dp, self.groups.dp_index
 
     def parameter_metadata(self) -> dict[str, dict[str, Any]]:
-        """Name, dense shape and dtype of every parameter of the unsplit model (the same on every
-        rank), for checkpoint metadata; ``wrapped_model`` holds only this rank's stage and shards."""
-        return {e.name: {"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch.")}
-                for e in self.catalog.params}
+        """The unsplit model's parameters, for checkpoint metadata (``ParameterCatalog.metadata``)."""
+        return self.catalog.metadata()
 
     def _buffer_replicas(self) -> tuple[list[torch.Tensor], ICommunicationBackend]:
         return list(self.local_buffers.values()), self.groups.replicas  # this stage's, over dp x cp
@@ -292,9 +290,11 @@ class HybridShardedModel(ShardedModelBase):
         return self._parameters_list() if self.zero is None else [self.zero.master]
 
     def synchronize_gradients(self) -> None:
-        """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG)
-        (ddp), or ZeRO's reduce_scatter into the master chunk. Once per backward: further calls
-        before the next backward (or forward_backward) do nothing."""
+        """Tied weights: all_reduce(SUM) across their stages; then over dp (x cp): all_reduce(AVG) (ddp),
+        or ZeRO's reduce_scatter into the master chunk, which takes in-place edits first (local, each call).
+        Once per backward: further calls before the next backward (or forward_backward) do nothing."""
+        if self.zero is not None:  # see hybrid_zero's docstring: before the optimizer steps the masters
+            self.zero.take_in_place_edits()
         if self._gradients_synchronized or not self._synchronize:
             return
         keep_unused = self.config.find_unused_parameters

@@ -14,6 +14,7 @@ tensor parallelism split it. From those two:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,6 +67,12 @@ class ParameterCatalog:
         self.state_keys = [(k, canonical.get(id(t), k)) for k, t in model.state_dict(keep_vars=True).items()]
         self.by_name = {e.name: e for e in self.params + self.buffers}
         self.non_persistent = non_persistent_buffers(model)  # not checkpointed, as with torch
+
+    def metadata(self) -> dict[str, dict[str, Any]]:
+        """Name, dense shape and dtype of every parameter of the unsplit model (the same on every
+        rank), for checkpoint metadata; ``wrapped_model`` holds only this rank's stage and shards."""
+        return {e.name: {"shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch.")}
+                for e in self.params}
 
     def shared_across_stages(self) -> dict[tuple[int, ...], list[str]]:
         """Parameters held by more than one stage (tied weights), grouped by the stages."""

@@ -14,6 +14,17 @@ parameter's ``.grad`` holds this rank's own gradient, with the chunk it owns rep
 average. ZeRO-2 keeps only the chunk's averaged gradient. A further backward before the step (no
 zero_grad) adds to the averages, as with torch DDP: ``restart_accumulation`` sets the average
 aside before it, and the next reduction adds the new average to it.
+
+In-place edits of the parameters after wrapping (``model.module.load_state_dict(pretrained)``,
+``module.apply(init_fn)``, ``p.mul_(0.5)`` under ``torch.no_grad()`` between steps) edit what
+forward computes with, not the master chunk the optimizer steps, whose next gather would overwrite
+them. So, as ZeRO1Model/ZeRO2Model do ([Note: in-place edits after wrapping] in master_weights.py),
+each parameter's ``_version`` is recorded after every write of the masters into the parameters (and
+of the parameters into the masters), and ``take_in_place_edits`` (each ``synchronize_gradients``, so
+before the optimizer steps) copies this rank's range of a parameter whose version moved into the
+master: one attribute read per parameter, no communication (every rank makes the same edit). A write
+through ``p.data`` moves no version and is lost, as under ZeRO-1/2 with a MixedPrecisionPolicy;
+write through the parameter under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -48,6 +59,7 @@ class ZeroShards:
         dtype = params[0].dtype if params else torch.get_default_dtype()
         self.master = torch.zeros(self.chunk, dtype=dtype, device=params[0].device if params else device)
         self._reduced = False  # the parameters' .grad holds gradients already reduced
+        self._versions: list[int] = []
         self.refresh_master()
 
     def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -61,6 +73,27 @@ class ZeroShards:
         """Copies the parameters' values into the master chunk (after construction or a load)."""
         with torch.no_grad():
             self.master.copy_(self._flat([p.detach() for p in self.params])[self.lo:self.lo + self.chunk])
+        self._record_versions()
+
+    def _record_versions(self) -> None:
+        """The parameters' ``_version`` (count of in-place writes) when they and the master agree."""
+        self._versions = [p._version for p in self.params]
+
+    def take_in_place_edits(self) -> None:
+        """Copies this rank's range of each parameter written in place since the masters and the
+        parameters last agreed into the master chunk (see the module docstring); local."""
+        edited = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        if not edited:
+            return
+        hi = self.lo + self.chunk
+        with torch.no_grad():
+            for i in edited:
+                p, offset = self.params[i], self.offsets[i]
+                start, end = max(offset, self.lo), min(offset + p.numel(), hi)
+                if start < end:
+                    values = p.detach().reshape(-1)[start - offset:end - offset]
+                    self.master[start - self.lo:end - self.lo] = values
+        self._record_versions()
 
     def reduce_gradients(self) -> None:
         flat = self._flat([p.grad for p in self.params])
@@ -97,6 +130,7 @@ class ZeroShards:
         with torch.no_grad():
             for p, offset in zip(self.params, self.offsets):
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        self._record_versions()  # these writes are the masters', not edits
 
     def layout(self, param_segments: list[list[Segment]]) -> ShardLayout:
         """Which dense ranges the master chunk holds, from each local parameter's segments."""
