@@ -17,6 +17,7 @@ from distframe.backends.types import ReduceOp
 from distframe.compile_support import refuse_on_threads, uncompiled
 from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
+from distframe.models.casts import copy_refused, refuse_new_storage
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
 from distframe.models.direct_calls import DirectCalls
 from distframe.models.extra_state import copy_replicated
@@ -27,14 +28,14 @@ from distframe.models.inputs import call_with, train_batch
 from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.plain_optimizer_guard import guard
-from distframe.models.replica_buffers import ReplicaBuffers, UsageThenBuffers
+from distframe.models.replica_buffers import ReplicaBuffers
 from distframe.models.replicas import (broadcast_module_state, check_initialised, check_same_structure,
                                       check_unwrapped)
 from distframe.models.sharded_state import (RangeReader, ShardLayout, check_replicated, current_pieces,
                                             fill_shards, replicated_state, replicated_state_names,
                                             shard_pieces, state_names, trainable_metadata)
 from distframe.models.state_checks import incompatible_keys, loading_reader, refuse_nested_state_dict
-from distframe.models.wrapped_parameters import WrappedParameters
+from distframe.models.wrapped_parameters import WrappedParameters, parameter_usage
 from distframe.models.zero_grad_route import route_submodule_zero_grad, route_zero_grad
 
 
@@ -99,15 +100,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
 
     def _parameter_usage(self, names: list[str], params: list[nn.Parameter]) -> ParameterUsage:
         """What a strategy's gradient buckets record and do about parameters without a gradient."""
-        if self.skips_unused_parameters:
-            fix = ("Pass find_unused_parameters=True (one small all_reduce per step) to leave "
-                   ".grad None for them, as torch DDP does.")
-        else:
-            fix = (f"{type(self).__name__}'s flat shards cannot skip one parameter; "
-                   f"{self.skipping_alternative} with find_unused_parameters=True trains it as one process")
-        return UsageThenBuffers(names, params, self.backend, owner=type(self).__name__, fix=fix,
-                                find_unused=self.config.find_unused_parameters,
-                                then=self._replica_buffers.after_step)
+        return parameter_usage(self, names, params)
 
     @property
     def module(self) -> nn.Module:
@@ -389,6 +382,15 @@ class ShardedModelBase(nn.Module, abc.ABC):
         loaded = getattr(self._optimizer, "model_loaded", None)
         if loaded is not None:
             loaded()
+
+    # ---- conversions and copies (casts.py) ---------------------------------------------------
+    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModelBase:
+        if not self.accepts_plain_optimizer:  # .to(), .half(): refused where the strategy cannot follow
+            refuse_new_storage(self, fn)
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # copy.deepcopy, copy.copy and pickle ask this
+        raise copy_refused(self)
 
     # ---- memory ------------------------------------------------------------------------------
     def memory_footprint(self) -> dict[str, int]:

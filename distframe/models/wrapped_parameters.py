@@ -12,15 +12,20 @@ torch's "assign a gradient with dtype" or "mat1 and mat2 must have the same dtyp
 ConfigError naming the parameter and the fix, raised alike on every rank that made the change,
 before any collective. The data-parallel strategies and HybridShardedModel (and so
 TensorParallelModel and PipelineParallelModel, each stage its own parameters) check it.
+``parameter_usage``: what the strategy's gradient buckets do about wrapped parameters without a
+gradient. Casts after wrapping that give parameters new storage: casts.py.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
 from distframe.errors import ConfigError
+from distframe.models.parameter_usage import ParameterUsage
+from distframe.models.replica_buffers import UsageThenBuffers
 from distframe.precision import MixedPrecisionPolicy
 
 
@@ -101,3 +106,18 @@ def trainable_changed(strategy: str, name: str, was: bool, now: bool) -> ConfigE
         f"and now has requires_grad={now}; the strategy decided at wrapping which parameters it "
         "trains (its gradient buckets and shards), so set requires_grad before wrapping (to freeze "
         "or unfreeze during training, wrap the model again)")
+
+
+def parameter_usage(model: Any, names: list[str], params: list[nn.Parameter]) -> ParameterUsage:
+    """What ``model``'s (a ShardedModelBase's) gradient buckets record and do about the wrapped
+    parameters ``params`` that get no gradient, with the fix its warning offers."""
+    strategy = type(model).__name__
+    if model.skips_unused_parameters:
+        fix = ("Pass find_unused_parameters=True (one small all_reduce per step) to leave "
+               ".grad None for them, as torch DDP does.")
+    else:
+        fix = (f"{strategy}'s flat shards cannot skip one parameter; "
+               f"{model.skipping_alternative} with find_unused_parameters=True trains it as one process")
+    return UsageThenBuffers(names, params, model.backend, owner=strategy, fix=fix,
+                            find_unused=model.config.find_unused_parameters,
+                            then=model._replica_buffers.after_step)
