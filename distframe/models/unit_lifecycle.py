@@ -70,6 +70,12 @@ class) leaves nothing to hook, and a unit freed after such a forward would run i
 freed storage; so it stays gathered until its backward ends (its inputs' hook, or ``finish``),
 as with ``reshard_after_forward=False``.
 
+[Note: hooks added later] A unit's post-forward hook reshards it, so it must run after every
+other forward hook of its module: torch runs them in the order they were registered, and a
+user's hook registered after wrapping (reading ``module.weight``) read the NaN stand-in. Each
+forward moves the unit's hook to the end of its module's hooks where another came after it (an
+ordered dict: one comparison per unit call when none did).
+
 [Note: double backward] A backward with ``create_graph=True`` (a gradient penalty) builds a graph
 over the unit's gathered parameters, which the unit frees when its backward ends, so a second
 backward through it read freed storage (torch's "setStorage ... out of bounds for storage of size
@@ -130,6 +136,7 @@ class UnitLifecycle:
         self._ancestors = unit_ancestors(root, [u.module for u in units])
         self._pending: list[tuple[ShardedUnit, Work]] = []
         self._handles = []
+        self._post_hook_ids: list[int] = []  # each unit's post-forward hook: [Note: hooks added later]
         index = 0
         for unit in units:
             # First of the unit's pre-hooks, as FSDP2's: one registered before wrapping (the
@@ -139,6 +146,7 @@ class UnitLifecycle:
                 with_kwargs=True, prepend=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit: self.post_forward(unit, output)))
+            self._post_hook_ids.append(self._handles[-1].id)
             for param in unit.params:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(  # weak_hooks.py
@@ -213,6 +221,9 @@ class UnitLifecycle:
             self._output_reached(unit, self._record, None)
             return
         unit.state = TrainingState.FORWARD
+        hooks, own = unit.module._forward_hooks, self._post_hook_ids[unit.index]
+        if next(reversed(hooks)) != own:  # see [Note: hooks added later]
+            hooks.move_to_end(own)
         record = self._record
         position = record.add(unit.index) if self._recording else None
         unit.unshard()
