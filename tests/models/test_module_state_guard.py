@@ -8,6 +8,8 @@
   parameter of the process, so an unrelated model's parameters read 0 where NaN marks them.
 See [Note: the wrapped module's own state dict] in distframe/models/module_state_guard.py.
 """
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -67,3 +69,20 @@ def test_an_edit_of_one_models_stand_in_reaches_no_other_model(strategy):
 
     for values in spawn(run, 2, timeout=20):
         assert torch.isnan(values).all(), values
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_a_deep_copy_of_the_module_is_refused_with_the_way_to_keep_one(strategy):
+    def run(backend):
+        model = STRATEGIES[strategy][0](build_model(), backend, **SETTINGS[strategy])
+        with pytest.raises(ConfigError, match=r"copy\.deepcopy\(model\.module\) would copy NaN.*"
+                                              r"ema\.load_state_dict\(model\.gather_full_parameters\(\)\)"):
+            copy.deepcopy(model.module)
+        ema = build_model()
+        ema.load_state_dict(model.gather_full_parameters())  # the way the error gives
+        return ema.state_dict()
+
+    want = build_model().state_dict()
+    for got in spawn(run, 2, timeout=20):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0)
