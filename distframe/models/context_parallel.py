@@ -32,6 +32,7 @@ from attention.dilated import DilatedAttention
 from attention.ring import RingDilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.replaced_modules import refuse_hooked
 from distframe.models.pipeline_outputs import flatten_output, unflatten_output
 from distframe.models.tensor_parallel_attention import HeadShardedDilatedAttention
 
@@ -63,6 +64,7 @@ def apply_context_parallel(modules: list[nn.Module], group: ICommunicationBacken
                                           "which RingDilatedAttention does not support; set it to 0.0")
                     # A tensor-parallel rank's attention holds a slice of the heads: the ring
                     # keeps reading what those heads read in the dense module.
+                    refuse_hooked(child, name, "context parallelism")  # [Note: hooks on replaced modules]
                     setattr(module, name, RingDilatedAttention(
                         child.segment_lengths, child.dilation_rates, child.softmax_scale, backend=group,
                         head_start=getattr(child, "head_start", 0), total_heads=getattr(child, "total_heads", None)))

@@ -23,6 +23,7 @@ from torch import nn
 from attention.dilated import DilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.mesh import ParallelDims, ParallelGroups
+from distframe.models.replaced_modules import refuse_hooked
 from distframe.models.tensor_parallel_rng import ReplicatedDropout, TensorParallelRNG, agree_on_seed
 
 
@@ -50,8 +51,9 @@ def draw_from(model: nn.Module, rng: TensorParallelRNG, include: Callable[[nn.Mo
         for name, child in list(parent.named_children()):
             if not (include(child) and (_drops(child) or inactive and _drawn_from_torch(child))):
                 continue
+            full_name = f"{parent_name}.{name}" if parent_name else name
+            refuse_hooked(child, full_name, "dropout_seed")  # [Note: hooks on replaced modules]
             if type(child) is nn.Dropout:
-                full_name = f"{parent_name}.{name}" if parent_name else name
                 setattr(parent, name, ReplicatedDropout.from_dense(child, rng, full_name))
             else:
                 setattr(parent, name, RankDilatedAttention(child, rng))

@@ -43,6 +43,7 @@ from torch.nn.utils import parametrize
 from attention.multihead import MultiheadDilatedAttention
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
+from distframe.models.replaced_modules import refuse_hooked
 from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                               ShardedLayerNorm, VocabParallelEmbedding)
 from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
@@ -125,6 +126,7 @@ def _places(model: nn.Module) -> dict[int, list[str]]:
 def _replace(model: nn.Module, places: dict[int, list[str]], dense: nn.Module, parallel: nn.Module) -> None:
     """Puts ``parallel`` in ``dense``'s place under each of its names: an alias left holding the
     dense module would compute with the full weights, which no longer train."""
+    refuse_hooked(dense, places[id(dense)][0], "tensor parallelism")  # [Note: hooks on replaced modules]
     for name in places[id(dense)]:
         owner_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner_name) if owner_name else model, attr, parallel)

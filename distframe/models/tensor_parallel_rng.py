@@ -36,6 +36,7 @@ from attention.autograd_path import generator_dropout
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.mesh import ParallelGroups
+from distframe.models.replaced_modules import refuse_hooked
 
 _SEED_BITS = 63  # torch.Generator.manual_seed takes a signed 64-bit seed: stay positive
 
@@ -210,6 +211,7 @@ def replace_dropouts(model: nn.Module, rng: TensorParallelRNG,
         for name, child in list(parent.named_children()):
             if type(child) is nn.Dropout and (include is None or include(child)):
                 full_name = f"{parent_name}.{name}" if parent_name else name
+                refuse_hooked(child, full_name, "the shared dropout RNG")  # [Note: hooks on replaced modules]
                 setattr(parent, name, ReplicatedDropout.from_dense(child, rng, full_name))
                 replaced += 1
     return replaced
