@@ -93,10 +93,7 @@ class PassAccumulation:
     graph task id); outside a backward (``synchronize_gradients``) the answer is yes."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        # The accumulator of a leaf lives as long as a graph or a holder keeps it: holding it
-        # keeps it the one the engine runs (torch's FSDP1 holds them for its hooks too).
-        with torch.enable_grad():
-            self._nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+        self._params = [p for p in params if p.requires_grad]
         self._task, self._answer = -1, True
 
     def accumulates(self) -> bool:
@@ -104,8 +101,16 @@ class PassAccumulation:
         if task < 0:
             return True
         if task != self._task:
-            self._task, self._answer = task, any(_will_run(node) for node in self._nodes)
+            self._task, self._answer = task, any(_will_run(_accumulator(p)) for p in self._params)
         return self._answer
+
+
+def _accumulator(param: torch.nn.Parameter) -> Any:
+    """``param``'s gradient accumulator now, asked for each pass, not kept: a change of ``.data``'s
+    dtype (``summon_full_parameters`` under a MixedPrecisionPolicy) gives the parameter a new one,
+    and a kept one was never run again (so no pass accumulated, and no step reduced)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def _will_run(node: Any) -> bool:

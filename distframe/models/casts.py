@@ -14,8 +14,7 @@ parameters themselves (``accepts_plain_optimizer`` False), a conversion that wou
 trainable parameter new storage is a ConfigError at the call, found by applying it to each
 trainable parameter first (one at a time, dropped at once): nothing is converted, so training goes
 on exactly. (Converting, then putting the old storage back, is not the same: a dtype change
-through ``param.data`` gives the parameter a new gradient accumulator, which the unit models'
-backward-end tracking holds.) A conversion that changes nothing (``.double()`` of a float64
+through ``param.data`` gives the parameter a new gradient accumulator, and FSDP still drifted.) A conversion that changes nothing (``.double()`` of a float64
 model, ``.to("cpu")`` on the CPU) is no change, and one that changes only buffers or frozen
 parameters is kept, as the strategies hold neither.
 Gap: a conversion of ``model.module`` itself (not the wrapper) is nn.Module's own, unchecked.
