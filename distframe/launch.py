@@ -278,6 +278,9 @@ def _shut_down_at_exit() -> None:
                 backend.shutdown()
             except Exception:  # noqa: BLE001 - exiting anyway; the peers were told it departed
                 pass
+    retiring = sys.modules.get("distframe.backends.mpi_retire")  # imported where MPI was used
+    if retiring is not None:
+        retiring.settle_at_exit()
 
 
 def _depart_after_script() -> None:

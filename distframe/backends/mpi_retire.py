@@ -24,6 +24,8 @@ The cost at shutdown: two small non-blocking messages per peer.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import time
 from typing import Any
 
 import numpy as np
@@ -134,6 +136,25 @@ def free_retired() -> None:
             retiring.comm.Free()
         else:
             _kept.append((retiring.comm, []))
+
+
+def settle_at_exit(timeout: float = 1.0) -> None:
+    """At exit, once the script's backends are shut down (launch's exit hook, which may run after
+    ``_cancel_at_exit``): waits up to ``timeout`` for the numbers of the communicators still
+    retiring (the peers shut down at exit too), then cancels the receives left. MPI finalizes after
+    Python has freed the receives' buffers, and numbers that arrived then were written into freed
+    memory: "malloc(): unsorted double linked list corrupted" at exit, about 1 run in 6 at 4
+    ranks. The buffers of abandoned requests kept for good are never freed from here on."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (_retiring or _dropped) and time.monotonic() < deadline:
+            free_retired()
+            if _retiring:
+                time.sleep(0.001)
+    finally:
+        _cancel_at_exit()
+        if _kept:  # one reference that nothing drops: finalization frees none of them
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))
 
 
 def _cancel_at_exit() -> None:
