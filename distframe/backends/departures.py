@@ -230,8 +230,18 @@ def world_note(missing, world_ranks: list[int] | None) -> str:
 
 def in_world(error: BaseException | None, world_ranks: list[int] | None) -> BaseException | None:
     """``error``, or a copy of a CollectiveTimeoutError that names its missing ranks in the world
-    too ([Note: ranks of the world]), for engines that build their errors without knowing it."""
-    if world_ranks is None or not isinstance(error, CollectiveTimeoutError) or not error.missing_ranks:
+    too ([Note: ranks of the world]), or of a RankFailedError its failed rank (a subgroup's rank 1
+    named alone sent every peer looking at the world's rank 1), for engines that build their errors
+    without knowing it."""
+    if world_ranks is None:
+        return error
+    if isinstance(error, RankFailedError) and error.failed_rank is not None:
+        rank, detail = error._args
+        note = f"global rank {world_ranks[rank]} of the world this group was made from"
+        if world_ranks[rank] == rank or note in detail:
+            return error
+        return RankFailedError(rank, f"{note}; {detail}" if detail else note)
+    if not isinstance(error, CollectiveTimeoutError) or not error.missing_ranks:
         return error
     note = world_note(error.missing_ranks, world_ranks)
     if note in str(error):

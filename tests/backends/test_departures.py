@@ -375,3 +375,18 @@ def test_a_rank_that_leaves_under_torchrun_stops_its_waiting_peer(tmp_path, how)
 
 if __name__ == "__main__":
     torchrun_main()
+
+
+def test_a_failed_rank_of_a_subgroup_is_named_in_the_world_too():
+    # The MPI and torch.distributed engines build RankFailedError in the subgroup's numbering:
+    # under mpiexec every peer of a hybrid model's failed rank 2 blamed "rank 1" (or "rank 0").
+    from distframe.backends.departures import in_world
+    from distframe.errors import RankFailedError
+
+    error = in_world(RankFailedError(1, "all_reduce (sequence number 3): it raised and left the group"), [0, 2])
+    assert isinstance(error, RankFailedError) and error.failed_rank == 1
+    assert str(error) == ("rank 1 failed: global rank 2 of the world this group was made from; all_reduce "
+                          "(sequence number 3): it raised and left the group; this rank stopped")
+    assert in_world(error, [0, 2]) is error  # named once
+    same = RankFailedError(1, "x")
+    assert in_world(same, [0, 1]) is same and in_world(same, None) is same
