@@ -42,13 +42,17 @@ from distframe.models.flat import FlatSpace
 from distframe.precision import MixedPrecisionPolicy, finer
 
 
-def stand_in(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 0-dim NaN of ``dtype`` on ``device`` that a unit's resharded parameters expand (see
-    [Note: parameters between uses]): one element of storage per unit. (One per process, shared
-    by every model's units, took an edit between steps (``nn.init.zeros_`` on a bias: torch sees
-    no overlap in writing one value) into every resharded parameter of the process, whose reads
-    then gave 0, not NaN, in models that were never edited.)"""
-    return torch.full((), float("nan"), dtype=dtype, device=device)
+def stand_in(held: dict[tuple[torch.dtype, torch.device], torch.Tensor], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """The 0-dim NaN of ``dtype`` on ``device`` that a model's resharded parameters of that dtype
+    expand (see [Note: parameters between uses]), kept in the model's ``held``: one element of
+    storage per model and dtype. (One per process, shared by every model, took an edit between
+    steps (``nn.init.zeros_`` on a bias: torch sees no overlap in writing one value) into every
+    resharded parameter of the process, whose reads then gave 0, not NaN, in models never edited;
+    the edited model itself raises at its next forward.)"""
+    if (dtype, device) not in held:
+        held[dtype, device] = torch.full((), float("nan"), dtype=dtype, device=device)
+    return held[dtype, device]
 
 
 class ShardedUnit:
@@ -56,7 +60,8 @@ class ShardedUnit:
     gathered between steps (only their master, gradient and optimizer state are sharded)."""
 
     def __init__(self, index: int, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
-                 backend: ICommunicationBackend, policy: MixedPrecisionPolicy, *, persistent: bool) -> None:
+                 backend: ICommunicationBackend, policy: MixedPrecisionPolicy, *, persistent: bool,
+                 stand_ins: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
         self.index = index
         self.module = module
         self.backend = backend
@@ -75,7 +80,7 @@ class ShardedUnit:
         # From the model's own values: ``full`` holds them rounded to the compute dtype.
         self.master = nn.Parameter(self.space.chunk(originals, backend.rank, policy.master(dtype)))
         self._views = list(self.space.views(self.full))
-        nan = stand_in(self.full.dtype, self.full.device)  # what the parameters hold while resharded
+        nan = stand_in(stand_ins, self.full.dtype, self.full.device)  # held while resharded
         # To torch a one-element view is no overlap, so an in-place edit between steps (fill_ on a
         # scalar temperature) would land in the NaN every parameter of the dtype expands, and they
         # would all read that value: such a parameter gets a NaN of its own.
