@@ -147,10 +147,8 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
         to a ``.grad`` of its own and the buffers restart from zero."""
         for index in sorted(self._reduced_buckets):
             bucket, master = self.gradient_buckets.buckets[index], self.masters[index]
-            grad = master.grad
-            buffer_storage = bucket.buffer.untyped_storage().data_ptr()
-            if grad is not None and grad.untyped_storage().data_ptr() == buffer_storage:
-                master.grad = grad.clone()
+            if _in_kept_buffer(master.grad, bucket):
+                master.grad = master.grad.clone()
             bucket.buffer.zero_()
         self._reduced_buckets.clear()
 
@@ -190,10 +188,8 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
         of a kept bucket gets storage of its own: the next reduction writes the average into that
         chunk, then adds it to the master's ``.grad``, which would count it twice."""
         for master, bucket in zip(self.masters, self.gradient_buckets.buckets):
-            grad = master.grad
-            if grad is not None and bucket.buffer is not None and (
-                    grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()):
-                master.grad = torch.zeros_like(grad)
+            if _in_kept_buffer(master.grad, bucket):
+                master.grad = torch.zeros_like(master.grad)
         self.gradient_buckets.zero_grad()
         self._reduced_buckets.clear()
 
@@ -233,3 +229,10 @@ class ZeRO2Model(_ReplicatedParametersShardedState):
 
     optimizer_name = "ZeRO2Optimizer"
     free_gradients = True
+
+
+def _in_kept_buffer(grad: torch.Tensor | None, bucket: Any) -> bool:
+    """Whether ``grad`` (a master's) is a chunk of ``bucket``'s kept buffer (ZeRO-1), which the
+    next reduction writes: such a gradient needs storage of its own to be kept."""
+    return grad is not None and bucket.buffer is not None and (
+        grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr())
