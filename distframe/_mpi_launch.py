@@ -315,7 +315,7 @@ def _portable_exception(exc: BaseException) -> Any:
 
 
 def _restore_exception(state: Any) -> BaseException:
-    from distframe.launch import rebuild_exception
+    from distframe.errors import rebuild_exception
     cls, args, attributes, text = state
     exc = rebuild_exception(cls, args, attributes)
     exc.add_note("remote traceback:\n" + text.rstrip())

@@ -43,9 +43,8 @@ from distframe._launcher_watch import watch_launcher
 from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.validation import check_timeout
 from distframe.backends.torch_dist_board import clear_departures
-from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError
-from distframe.launch import (messages_unmatched, p2p_counts, raise_first_failure, rebuild_exception,
-                              unpicklable_result)
+from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError, rebuild_exception
+from distframe.launch import messages_unmatched, p2p_counts, raise_first_failure, unpicklable_result
 
 _GRACE_S = 1.0
 _STOP_S = 10.0

@@ -69,3 +69,17 @@ class RankFailedError(DistFrameError, RuntimeError):
 
     def __reduce__(self):
         return type(self), self._args
+
+
+def rebuild_exception(cls: type, args: tuple, attributes: dict) -> BaseException:
+    """An exception raised in a rank's process, from its class, ``args`` and ``__dict__``: most of
+    distframe's errors take other constructor arguments than their ``args``, so pickle alone
+    cannot rebuild them."""
+    exc = cls.__new__(cls, *args)
+    if cls.__module__ == "builtins":
+        # Their __init__ sets fields that are not in __dict__ (SystemExit.code, which
+        # raise_first_failure reports; OSError.errno): without it they came back None.
+        cls.__init__(exc, *args)
+    exc.args = args
+    exc.__dict__.update(attributes)
+    return exc

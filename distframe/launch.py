@@ -149,20 +149,6 @@ def raise_first_failure(errors: dict[int, BaseException]) -> None:
     raise exc
 
 
-def rebuild_exception(cls: type, args: tuple, attributes: dict) -> BaseException:
-    """An exception raised in a rank's process, from its class, ``args`` and ``__dict__``: most of
-    distframe's errors take other constructor arguments than their ``args``, so pickle alone
-    cannot rebuild them."""
-    exc = cls.__new__(cls, *args)
-    if cls.__module__ == "builtins":
-        # Their __init__ sets fields that are not in __dict__ (SystemExit.code, which
-        # raise_first_failure reports; OSError.errno): without it they came back None.
-        cls.__init__(exc, *args)
-    exc.args = args
-    exc.__dict__.update(attributes)
-    return exc
-
-
 def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:
     """The error a rank process reports when ``fn``'s result cannot be pickled back to the caller."""
     return TypeError(f"{getattr(fn, '__qualname__', fn)!r} returned a {type(result).__name__} that "

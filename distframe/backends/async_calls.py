@@ -11,7 +11,9 @@ the asynchronous calls issued after a ``Work.wait()`` that raised the failure (o
 a call queued behind it): the caller has seen it, and nothing is queued behind it any more (they
 were refused as queued behind it, which only a synchronous call cleared). Every rank learns of a
 failure at its own pace, so a group whose call failed may be out of step: what the error says to
-do (rebuild the group, or stop) still applies.
+do (rebuild the group, or stop) still applies. The error of a call that was not run is a copy of
+the failure's (``queued_behind``): its class and fields, which callers act on, with a message that
+names the call first.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from distframe.backends.composed import Call
 from distframe.backends.types import FutureWork
-from distframe.errors import DistFrameError
+from distframe.errors import DistFrameError, rebuild_exception
 
 
 class AsyncCalls:
@@ -40,6 +42,7 @@ class AsyncCalls:
     #: call]). ``_failed_seq``: that call's sequence number; ``_failure_seen_at``: the last one
     #: issued when a wait saw it (None until then). All three under ``_lock``.
     _async_failure: str | None
+    _async_error: BaseException | None = None  # that call's error
     _failed_seq: int = 0
     _failure_seen_at: int | None = None
     _seq: int
@@ -63,15 +66,13 @@ class AsyncCalls:
         def execute() -> Any:
             failure = self._failure_before(call.seq)
             if failure is not None:
-                raise DistFrameError(f"{call.op} (sequence number {call.seq}) was not run: "
-                                     f"{failure}, and the calls queued behind a "
-                                     "failed asynchronous call are not run")
+                raise queued_behind(call, *failure)
             try:
                 self._check_call(call)
                 return fn(call)
             except BaseException as exc:
                 with self._lock:
-                    self._failed_seq, self._failure_seen_at = call.seq, None
+                    self._failed_seq, self._failure_seen_at, self._async_error = call.seq, None, exc
                     self._async_failure = (f"{call.op} (sequence number {call.seq}), issued before it "
                                            f"with async_op=True, failed ({type(exc).__name__}: {exc})")
                 raise
@@ -85,14 +86,14 @@ class AsyncCalls:
                           stall=self._stall_check(call), missing=lambda: self._missing_ranks(call.seq),
                           world_ranks=self._ranks_in_world())
 
-    def _failure_before(self, seq: int) -> str | None:
-        """The failure that call ``seq`` is queued behind, None to run it: none, or one that a
-        wait saw before ``seq`` was issued (then cleared)."""
+    def _failure_before(self, seq: int) -> tuple[str, BaseException] | None:
+        """The failure that call ``seq`` is queued behind (its text and error), None to run it:
+        none, or one that a wait saw before ``seq`` was issued (then cleared)."""
         with self._lock:
             if self._async_failure is not None and self._failure_seen_at is not None and (
                     seq > self._failure_seen_at):
-                self._async_failure = self._failure_seen_at = None
-            return self._async_failure
+                self._async_failure = self._failure_seen_at = self._async_error = None
+            return None if self._async_failure is None else (self._async_failure, self._async_error)
 
     def _waited(self, future: Future, seq: int) -> None:
         """A wait on call ``seq`` has returned or raised: a failure it raised (the call's own, or
@@ -133,6 +134,30 @@ class AsyncCalls:
             if first is None:
                 first = error
         with self._lock:  # nothing issued before this call is left running
-            self._async_failure = self._failure_seen_at = None
+            self._async_failure = self._failure_seen_at = self._async_error = None
         if first is not None:
             raise first
+
+
+def queued_behind(call: Call, failure: str, error: BaseException) -> BaseException:
+    """The error of ``call``, not run because it was queued behind a failed asynchronous call
+    (``failure``: that call and its error, which was ``error``). A copy of ``error``, of its class
+    and with its fields, because callers act on them: a launcher re-raises the original exception
+    of the rank that failed rather than its peers' RankFailedErrors, and an elastic run drops the
+    ranks that a CollectiveTimeoutError names. A ZeRO-3 backward waits for a prefetched all_gather
+    queued behind a reduce_scatter before it waits for that, so a plain DistFrameError there passed
+    a peer's failure off as this rank's own. Only the message changes, to name this call first."""
+    text = (f"{call.op} (sequence number {call.seq}) was not run: {failure}, and the calls queued "
+            "behind a failed asynchronous call are not run")
+    if isinstance(error, Exception) and len(error.args) == 1 and isinstance(error.args[0], str):
+        try:
+            attributes = {k: v for k, v in vars(error).items() if k != "__notes__"}
+            copy = rebuild_exception(type(error), (text,), attributes)
+        except Exception:  # noqa: BLE001 - a class that cannot be rebuilt: the plain error below
+            pass
+        else:
+            copy.__cause__ = error
+            return copy
+    queued = DistFrameError(text)
+    queued.__cause__ = error
+    return queued

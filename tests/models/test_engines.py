@@ -55,3 +55,36 @@ def test_a_parameter_some_ranks_leave_unused_on_process_engines(pool, strategy):
     from tests.models.test_unused_parameters_sharded import assert_matches_without_spare, train_gated
     data = batches(3, 12)
     assert_matches_without_spare(pool.run(train_gated, strategy, data), data)
+
+
+class Boom(Exception):
+    pass
+
+
+def _raise_boom(grad):
+    raise Boom("raised in backward on purpose")
+
+
+def rank_raises_in_a_sharded_backward(backend):
+    """Rank 1 raises in backward (a hook on an activation); rank 0's prefetched all_gather is
+    queued behind the reduce_scatter its peer never joins."""
+    from distframe.models import ZeRO3Model
+    from distframe.optimizers import ZeRO3Optimizer
+    model = ZeRO3Model(build_model(), backend)
+    opt = ZeRO3Optimizer(model, torch.optim.Adam, lr=1e-2)
+
+    def raise_on_rank_1(module, inputs, output):
+        if backend.rank == 1:
+            output.register_hook(_raise_boom)
+    model.wrapped_model[1].register_forward_hook(raise_on_rank_1)
+    batch = global_batches(1, 12)[0]
+    model.train_step(rank_slice(batch, backend.rank, backend.world_size), loss_fn, opt)
+
+
+def test_a_rank_that_raises_in_a_sharded_backward_is_the_error_reported(pool):
+    # Last in the module: the pool restarts its workers after a failed run. Before, rank 0's
+    # follow-on error (a plain DistFrameError: "all_gather ... was not run: reduce_scatter ...
+    # failed (RankFailedError ...)") was re-raised, and Boom's text reached the caller nowhere.
+    with pytest.raises(Boom, match="on purpose") as info:
+        pool.run(rank_raises_in_a_sharded_backward)
+    assert any("raised on rank 1" in note for note in info.value.__notes__)

@@ -358,6 +358,38 @@ def test_a_hung_or_late_worker_is_dropped_and_its_peers_go_on(stall):
         assert steps == total and _max_diff(params, reference) <= 1e-10
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_stalled_in_a_zero3_backward_is_the_one_dropped():
+    """Worker 1 stalls in its backward: its peers' reduce_scatter times out, and the all_gather
+    prefetched behind it is refused. Before, that refusal was a plain DistFrameError, which the
+    controller took for the peers' own failure: it dropped workers 0 and 2 and went on with 1."""
+    release = threading.Event()
+    total = 5
+
+    def worker(backend, member):
+        model = ZeRO3Model(copy.deepcopy(MLP), backend)
+        opt = ElasticOptimizer(model, torch.optim.Adam, lr=LR, member=member)
+
+        def stall(module, inputs, output):
+            if member.worker_id == 1 and opt.step_count == 2 and output.requires_grad:
+                output.register_hook(lambda grad: release.wait(60))
+        model.wrapped_model[3].register_forward_hook(stall)
+        while opt.step_count < total and not opt.membership_changes:
+            model.train_step(opt.local_slice(_global_batch(opt.step_count)), nn.functional.mse_loss, opt)
+        return opt.step_count, model.gather_full_parameters()
+    controller = ElasticController(worker, initial_world=3, timeout=2)
+    try:
+        generations = controller.run()
+    finally:
+        release.set()
+    assert [(g.members, g.start_step, g.end) for g in generations] == [
+        ([0, 1, 2], 0, "failed"), ([0, 2], 2, "finished")]
+    assert generations[0].failed_worker == 1
+    reference = _reference(total)
+    for steps, params in generations[-1].results:
+        assert steps == total and _max_diff(params, reference) <= 1e-10
+
+
 @pytest.mark.parametrize("kwargs", [{"member": "x"}, {"checkpoint_dir": 123, "checkpoint_every": 1}],
                          ids=["member", "checkpoint_dir"])
 def test_a_member_or_checkpoint_dir_of_another_type_is_a_config_error(kwargs):
