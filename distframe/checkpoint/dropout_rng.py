@@ -1,16 +1,21 @@
 """The tensor-parallel dropout generators (``TensorParallelRNG``) in a checkpoint.
 
-Each rank of a model with ``tp > 1`` saves its generators' ``state_dict()`` as pieces
+Each rank of a model with ``tp > 1`` (or with tp 1 and a ``dropout_seed``, where its stage has an
+active dropout: ``models.rank_dropout``) saves its generators' ``state_dict()`` as pieces
 ``dropout_rng/stage<p>.replica<r>.tp<t>/<entry>@0`` (its pipeline stage, data-parallel x context
 replica and tensor rank; ``<entry>`` is ``seeds`` or ``<region>.<device type>``), and the
-metadata records the layout, ``{"dp", "tp", "pp", "cp"}``, under ``dropout_rng``. A load into a
-model of the same layout gives each rank its own generators back, so the resumed run draws the
-uninterrupted run's masks. Other cases:
+metadata records the layout, ``{"dp", "tp", "pp", "cp"}``, under ``dropout_rng``: any rank's, as
+each puts its ``layout`` into the file table the save gathers (``agreed_layout``), for with tp 1
+world rank 0's stage may hold no active dropout, and so no generators, while later stages save
+theirs. A load into a model of the same layout gives each rank its own generators back, so the
+resumed run draws the uninterrupted run's masks. Other cases:
 
 * a checkpoint without them (saved before distframe kept them, or by a model without tensor
   parallelism): the model keeps its own generators, from its seed;
-* a model without tensor parallelism: nothing to restore (plain ``nn.Dropout`` draws from torch's
-  global generator, which no checkpoint holds);
+* a model without tensor parallelism or ``dropout_seed``: nothing to restore (plain
+  ``nn.Dropout`` draws from torch's global generator, which no checkpoint holds); with tp 1, a
+  stage whose saved model had no active dropout saved none, and its generators start from the
+  seed;
 * another layout: the masks of the saved run cannot be continued (which rank's stream would a new
   rank take?), so CheckpointError if the saved generators had drawn any mask, unless the caller
   passes ``restore_dropout_rng=False`` and takes new streams from its own seed; generators that
@@ -41,6 +46,13 @@ def layout(model: ShardedModelBase) -> dict[str, int] | None:
     return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
 
 
+def agreed_layout(tables: list[dict[str, Any]]) -> dict[str, int] | None:
+    """The layout any rank's file table gives (each rank's ``layout``, taken out of ``tables``),
+    or None when no rank saved generators."""
+    found = [table.pop(KIND, None) for table in tables]
+    return next((layout for layout in found if layout is not None), None)
+
+
 def pieces(model: ShardedModelBase) -> dict[str, torch.Tensor]:
     """This rank's generator state, as 1-D pieces keyed by its coordinates."""
     rng = _generators(model)
@@ -62,13 +74,15 @@ def restore(path: Path, meta: dict[str, Any], reader: RangeReader, model: Sharde
     if saved != ours:
         if any(k.startswith(f"{KIND}/") and not k.endswith(f"/{_SEEDS}@0") for k in reader.keys):
             raise CheckpointError(
-                f"{path} holds the dropout generators of a tensor-parallel run laid out as "
+                f"{path} holds the dropout generators of a run laid out as "
                 f"{_layout(saved)}, but this model is {_layout(ours)}: its masks cannot continue that "
                 "run's. Load it with that layout to resume the run exactly, or pass "
                 "restore_dropout_rng=False to checkpoint.load to draw new masks from this model's seed")
         return
     where = _coordinates(model)
     state = reader.wholes(KIND, f"{where}/")
+    if not state and saved.get("tp") == 1:  # the saved stage had no active dropout: it drew nothing
+        return
     if _SEEDS not in state:
         raise CheckpointError(f"{path} lists the dropout generators of layout {_layout(saved)} but holds "
                               f"none for {where}: the checkpoint is incomplete; load an earlier one")

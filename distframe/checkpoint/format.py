@@ -6,7 +6,8 @@ A checkpoint is a directory holding ``metadata.json`` and one safetensors file p
 distframe.models.sharded_state) plus whole ``buffer/<name>`` tensors, so any strategy at any world
 size can read the ranges it needs. Metadata records the format version, strategy, world size,
 step, every parameter's shape and dtype, each file's pieces, size and sha256, and the optimizer's
-hyperparameters and per-parameter scalars.
+hyperparameters and per-parameter scalars. A complex tensor is stored as its real view, which the
+file's own metadata names (``complex_views``); the reader gives it back complex.
 
 [Note: the metadata's own checksum]
 The shard files are checked against the sha256 the metadata records, but the metadata itself
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from distframe.checkpoint import complex_views
 from distframe.errors import DistFrameError
 from distframe.models.sharded_state import RangeReader
 
@@ -191,24 +193,26 @@ def open_reader(path: Path, meta: dict[str, Any], aliases: dict[str, str] | None
                 where[served] = (entry["file"], key)
                 pieces.append((served, numel))
     handles: dict[str, Any] = {}
+    complex_held: dict[str, set[str]] = {}  # by file: the keys stored as real views (complex_views)
 
-    def stored(key: str) -> tuple[Any, str]:
+    def stored(key: str) -> tuple[Any, str, bool]:
         name, stored_key = where[key]
         if name not in handles:
             if verify:
                 _check_sha256(path / name, entries[name])
             handles[name] = _open_shard(path / name)
-        return handles[name], stored_key
+            complex_held[name] = complex_views.complex_keys(handles[name])
+        return handles[name], stored_key, stored_key in complex_held[name]
 
     def fetch(key: str, lo: int, hi: int | None) -> torch.Tensor:
-        handle, stored_key = stored(key)
+        handle, stored_key, is_complex = stored(key)
         if hi is None:
-            return handle.get_tensor(stored_key)
-        return handle.get_slice(stored_key)[lo:hi]
+            return complex_views.restored(handle.get_tensor(stored_key), is_complex)
+        return complex_views.restored(handle.get_slice(stored_key)[lo:hi], is_complex)
 
     def shape_of(key: str) -> list[int]:
-        handle, stored_key = stored(key)
-        return handle.get_slice(stored_key).get_shape()
+        handle, stored_key, is_complex = stored(key)
+        return complex_views.restored_shape(handle.get_slice(stored_key).get_shape(), is_complex)
     return RangeReader(pieces, fetch, shape_of)
 
 

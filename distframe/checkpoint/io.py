@@ -39,7 +39,7 @@ import torch
 from distframe.backends.objects import all_gather_bytes
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.checkpoint.agreement import agree, describe_error, failure
-from distframe.checkpoint import dropout_rng, tables, temporary
+from distframe.checkpoint import complex_views, dropout_rng, tables, temporary
 from distframe.checkpoint.matching import check_parameters
 from distframe.checkpoint.format import (FORMAT_VERSION, METADATA, SHARD_FILE, CheckpointError,
                                          fsync_path, open_reader, read_metadata, sha256_of,
@@ -139,7 +139,8 @@ def _write_shard(tmp: Path, path: Path, model: ShardedModelBase, optimizer: Any,
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         temporary.write_writer_record(tmp, model.backend.rank)  # before the shard: see temporary
-        safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
+        stored, file_metadata = complex_views.stored_form(tensors)  # safetensors has no complex dtypes
+        safetensors.torch.save_file(stored, str(file), metadata=file_metadata)
         fsync_path(file)
     except (OSError, safetensors.SafetensorError) as exc:  # a full disk, no permission: the place
         raise ConfigError(f"cannot write its files in {tmp.parent} ({exc}): free space there, fix its "
@@ -147,7 +148,7 @@ def _write_shard(tmp: Path, path: Path, model: ShardedModelBase, optimizer: Any,
     table = {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256_of(file),
              "tensors": {k: v.numel() for k, v in tensors.items()},
              "scalars": opt_state.pop("scalars", {}), "param_groups": opt_state.pop("param_groups", None),
-             "path": os.path.abspath(path)}
+             "path": os.path.abspath(path), dropout_rng.KIND: dropout_rng.layout(model)}
     return table, opt_state
 
 
@@ -304,6 +305,7 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
         scalars.update(table.pop("scalars"))
         table.pop("path")
     param_groups = tables.merged_param_groups(file_tables)  # [Note: every stage's param groups]
+    rng_layout = dropout_rng.agreed_layout(file_tables)  # rank 0's stage may hold no generators
     return {
         "format_version": FORMAT_VERSION, "strategy": type(model).__name__,
         "world_size": model.backend.world_size, "step": step,
@@ -313,7 +315,7 @@ def _metadata(model: ShardedModelBase, optimizer: Any, opt_state: dict[str, Any]
                               if k.startswith("buffer/")}),
         "aliases": model.state_aliases(),
         "files": file_tables,
-        "dropout_rng": dropout_rng.layout(model),
+        "dropout_rng": rng_layout,
         "optimizer": None if optimizer is None else {
             "class": type(getattr(optimizer, "wrapped_optimizer", optimizer)).__name__,
             "param_groups": param_groups, "scalars": scalars,

@@ -4,9 +4,10 @@ State tensors with one value per shard element (Adam's exp_avg, exp_avg_sq, SGD'
 shard's shape, even when that is one element) become ``optim.<key>/<name>@<offset>`` pieces over
 the same segments as the parameters; per-parameter scalars (Adam's step, 0-d) are kept per
 parameter name; hyperparameters per group. A 0-d shard (a 0-d parameter held whole) has 0-d
-state of both kinds: a key is per-element there when another shard has it per-element; when no
-shard of the rank tells, it is kept as a scalar, and loading reads a parameter's per-element
-state from its scalar when no piece holds it (so a shard that mixes parameters still loads it).
+state of both kinds: a key is per-element there when another shard has it per-element (or it is
+complex: no optimizer counts steps in complex numbers); when no shard of the rank tells, it is
+kept as a scalar, and loading reads a parameter's per-element state from its scalar when no
+piece holds it (so a shard that mixes parameters still loads it; [Note: 0-dim parameters only]).
 A plain torch optimizer may hold some of the shards only (fine-tuning the norms; two optimizers
 over disjoint parts): it saves and loads the state of those. Pure copies; no communication.
 """
@@ -126,7 +127,7 @@ def optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer, rank
             # one element, a padded flat chunk of one); scalars (Adam's step) are 0-d, and so is
             # the per-element state of a 0-d parameter (Adam's exp_avg of a learned temperature).
             if isinstance(value, torch.Tensor) and value.shape == shard.shape and (
-                    value.dim() > 0 or key in element_keys):
+                    value.dim() > 0 or key in element_keys or value.is_complex()):
                 per_key.setdefault(key, [None] * len(layout.shards))[i] = value
             elif isinstance(value, torch.Tensor) and value.dim() > 0 and _whole_parameter(
                     shard, layout.segments[i]):
@@ -159,7 +160,10 @@ def load_optimizer_pieces(layout: ShardLayout, optimizer: torch.optim.Optimizer,
     takes the settings of the saved one that trained its parameters (those its shards hold here,
     or ``trained[k]``: see ``hyperparameters``)."""
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    state = _loaded_state(layout, index, reader, scalars)
+    kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
+    if not kinds and scalars and any(s.dim() > 0 and id(s) in index for s in layout.shards):
+        kinds = [f"optim.{key}" for key in sorted(_probed_element_keys(optimizer, scalars))]
+    state = _loaded_state(layout, index, reader, scalars, kinds)
     param_groups = []
     names = _shard_names(layout)
     ours = [set(trained[k]) if trained is not None
@@ -191,11 +195,11 @@ def _restored(current: Any, saved: Any) -> Any:
 
 
 def _loaded_state(layout: ShardLayout, index: dict[int, int], reader: RangeReader,
-                  scalars: dict[str, dict[str, list]]) -> dict[int, dict[str, Any]]:
+                  scalars: dict[str, dict[str, list]], kinds: list[str]) -> dict[int, dict[str, Any]]:
     """The state of each shard the optimizer holds (by its position there, ``index``), as
-    ``optimizer.load_state_dict`` takes it. ConfigError when the checkpoint holds state for a
-    shard it does not hold (the saved run's optimizer trained it): that state would be dropped."""
-    kinds = sorted(k for k in reader.kinds() if k.startswith("optim."))
+    ``optimizer.load_state_dict`` takes it; ``kinds``: its per-element state. ConfigError when the
+    checkpoint holds state for a shard it does not hold (the saved run's optimizer trained it):
+    that state would be dropped."""
     whole_kinds = sorted(k for k in reader.kinds() if k.startswith(WHOLE))
     fallback = next(iter(scalars.values()), {})
     saved = {name for name in scalars} | {s.name for shard_segs in layout.segments for s in shard_segs
@@ -227,6 +231,42 @@ def _loaded_state(layout: ShardLayout, index: dict[int, int], reader: RangeReade
             "parameters that the saved run's optimizer trained, freeze those it should not train "
             "(requires_grad_(False)), or load the model without the optimizer")
     return state
+
+
+# [Note: 0-dim parameters only]
+# Where every parameter is 0-dim (saved under DDPModel, whose shards are the parameters), all of
+# the optimizer's state is 0-dim too: Adam's moments as much as its step count, so the checkpoint
+# keeps them all as per-parameter scalars and holds no piece that tells which are per-element.
+# Loaded into a flat shard (ZeRO, FSDP), the moments must take the shard's shape and the step
+# stay 0-dim; only the optimizer knows which is which. So a throwaway instance of its class,
+# over a zero tensor of two elements with a zero gradient and each group's settings, takes one
+# step, and the state it makes in that tensor's shape is per-element. An optimizer that cannot
+# be built from its parameters and settings alone, or stepped so, is a ConfigError.
+def _probed_element_keys(optimizer: torch.optim.Optimizer, scalars: dict[str, dict[str, list]]) -> set[str]:
+    """The state keys ``optimizer``'s class keeps per element: [Note: 0-dim parameters only]."""
+    keys: set[str] = set()
+    for group in optimizer.param_groups:
+        like = next(iter(group["params"]), None)
+        if like is None:
+            continue
+        probe = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        settings = {k: v for k, v in group.items() if k != "params"}
+        try:
+            twin = type(optimizer)([{**settings, "params": [probe]}])
+            twin.step()
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's class: the fix is the same
+            names = sorted(scalars)
+            raise ConfigError(
+                f"the checkpoint holds the optimizer state of 0-dim parameters only ({names[:3]}"
+                f"{' ...' if len(names) > 3 else ''}), where per-element state (Adam's moments) and "
+                "scalars (its step) are alike; telling them apart for this model's flat shards needs "
+                f"{type(optimizer).__name__}(params, **settings) and one step of it, which failed "
+                f"({type(exc).__name__}: {exc}): load the checkpoint under DDPModel, or load the model "
+                "without the optimizer") from exc
+        keys |= {key for key, value in twin.state[probe].items()
+                 if isinstance(value, torch.Tensor) and value.shape == probe.shape}
+    return keys
 
 
 def check_state_outside_model(optimizer: torch.optim.Optimizer, model_parameters: Iterable[torch.Tensor],
