@@ -87,6 +87,23 @@ def warn_batch_norm_per_microbatch(chunks: Sequence[nn.Module], dense: nn.Module
         f"that is per sample (LayerNorm, GroupNorm)", UserWarning, stacklevel=4)
 
 
+def weights_tied_across_stages(chunks: Sequence[nn.Module],
+                               dense: nn.Module) -> list[tuple[str, torch.Tensor, list[str]]]:
+    """``(name, parameter, its names elsewhere)`` for each parameter of ``chunks`` (this rank's)
+    that a module of ``dense`` (the model they were cut from) outside them holds too: a weight
+    tied to a layer of another pipeline rank, which holds a copy of its own."""
+    here = {id(m) for chunk in chunks for m in chunk.modules()}
+    mine = {id(p): p for chunk in chunks for p in chunk.parameters()}
+    names: dict[int, list[str]] = {}
+    elsewhere: dict[int, list[str]] = {}
+    for module_name, module in dense.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) in mine:
+                name = f"{module_name}.{attr}" if module_name else attr
+                (names if id(module) in here else elsewhere).setdefault(id(param), []).append(name)
+    return [(names.get(key, others)[0], mine[key], others) for key, others in elsewhere.items()]
+
+
 class PipelineRunner:
     """Rank ``backend.rank`` of a pipeline over ``backend``, holding ``chunks`` (its model chunks,
     in chunk order; global stage of chunk c is ``c * p + rank``)."""
@@ -96,6 +113,7 @@ class PipelineRunner:
                  shared_buffers: Sequence[tuple[str, torch.Tensor, list[int]]] = ()) -> None:
         warn_batch_norm_per_microbatch(chunks, dense, num_microbatches)
         self.shared_buffers = [(name, b, b._version, ranks) for name, b, ranks in shared_buffers]
+        self.tied_weights = weights_tied_across_stages(chunks, dense) if dense is not None else []
         self.chunks, self.backend = list(chunks), backend
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.ranks = backend.world_size
@@ -137,6 +155,7 @@ class PipelineRunner:
         self.memory.reset_peak()
         held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses = []
+        versions = [p._version for _, p, _ in self.tied_weights]
         start = time.perf_counter()
         for action in self.actions:
             key = (action.chunk, action.microbatch)
@@ -159,6 +178,7 @@ class PipelineRunner:
         self.links.wait_sends()
         self._close_timeline(start)
         self._check_shared_buffers()
+        self._check_tied_weights(versions)
         return torch.stack(losses).sum() if self.is_last else None
 
     def _check_shared_buffers(self) -> None:
@@ -175,6 +195,26 @@ class PipelineRunner:
                     "part. Put the layers that share it on one stage (split_points), or give each "
                     "layer a buffer of its own")
 
+    def _check_tied_weights(self, versions: list[int]) -> None:
+        """[Note: weights tied across stages changed in place] A weight tied across stages (an
+        embedding and its head) is one copy per rank holding it, kept equal by summing their
+        gradients (``TiedGradients``) and stepping them alike. A forward that changes its copy in
+        place (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up) changes that copy
+        only: the other stages compute with the stale one, and the pipeline trains another model
+        than one process, silently. Refused after the step (or evaluation) that did it (the
+        version counter moved since ``versions``), on the rank whose copy changed; its peers, left
+        waiting for it, stop with RankFailedError. A tied weight that tensor parallelism splits is
+        not watched: its layers change nothing in place (a 'vocab' embedding refuses max_norm)."""
+        for (name, param, elsewhere), version in zip(self.tied_weights, versions):
+            if param._version != version:
+                raise ConfigError(
+                    f"parameter {name!r} is tied to {', '.join(map(repr, elsewhere))}, which another "
+                    "pipeline rank holds: each rank holds its own copy, and the forward changed this "
+                    "rank's copy in place (as nn.Embedding(max_norm=...) renormalises the rows it looks "
+                    "up), so the copies part and the pipeline would train another model than one "
+                    "process. Untie the weights, drop the in-place change from the forward (max_norm="
+                    "None), or keep the layers that share the weight on one stage (split_points)")
+
     def forward_only(self, inputs: Any) -> Any:
         """Forward of every micro-batch without autograd; on the last rank the outputs joined
         along dim 0 (leaf by leaf for a tuple, list or dict: ``pipeline_outputs``), else None.
@@ -184,6 +224,7 @@ class PipelineRunner:
         self.links.new_step(m)
         self.timeline = StepTimeline()
         outputs = []
+        versions = [p._version for _, p, _ in self.tied_weights]
         start = time.perf_counter()
         with torch.no_grad():
             # Chunk-major order is a valid schedule: stage g only waits for stage g - 1.
@@ -195,6 +236,7 @@ class PipelineRunner:
         self.links.wait_sends()
         self._close_timeline(start)
         self._check_shared_buffers()
+        self._check_tied_weights(versions)
         return concat_microbatches(outputs) if self.is_last else None
 
     def _close_timeline(self, start: float) -> None:

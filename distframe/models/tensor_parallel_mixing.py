@@ -33,7 +33,9 @@ layer's dtype is common and right, though a shape read gets the local size.
 
 [Note: draws from the global generator]
 A forward that draws from torch's global generator itself (``F.dropout`` in a module's forward
-rather than an ``nn.Dropout`` module, ``torch.randn`` noise) gives each tensor rank another draw
+rather than an ``nn.Dropout`` module, ``torch.randn`` noise, the dropout of an attention op, which
+takes no generator: ``F.scaled_dot_product_attention(dropout_p > 0)``, ``nn.MultiheadAttention(dropout
+> 0)`` in training; ``mp_global_draws.DRAWS`` lists them) gives each tensor rank another draw
 where its activations are replicated: in-memory ranks are threads sharing that generator, and
 process ranks are seeded by the user (alike or not). The ranks' replicated parameters then drift
 apart, silently ([Note: dropout and the tensor group] in tensor_parallel_rng). So the first
@@ -56,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from distframe.compile_support import _compiling_around
 from distframe.errors import ConfigError
+from distframe.models.mp_global_draws import DRAWS, attention_names, draws_from_global, global_draw_error
 from distframe.models.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, ShardedLayerNorm,
                                               VocabParallelEmbedding)
 from distframe.models.tensor_parallel_attention import TensorParallelDilatedAttention
@@ -86,16 +89,6 @@ _VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "ex
 # Ops that may move the last dim elsewhere though its size stays: not followed.
 _MOVES = {"transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "t", "mT", "T", "mH",
           "H", "adjoint", "rot90"}
-# Ops that draw from a generator: (position of ``p``, of ``training`` and its default) for the
-# dropouts, which draw nothing at p == 0 or outside training; None for the rest (they always do).
-_DRAWS = {name: (1, 2, True) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d",
-                                          "native_dropout")}
-_DRAWS.update({"alpha_dropout": (1, 2, False), "feature_alpha_dropout": (1, 2, False),
-               "rrelu": (None, 3, False)})
-_DRAWS.update({name: None for name in (
-    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
-    "randperm", "normal", "normal_", "uniform_", "exponential_", "geometric_", "cauchy_",
-    "log_normal_", "random_", "multinomial", "poisson", "gumbel_softmax")})
 # What a read of a split parameter may ask: what it is, not its values (see the note on them).
 _METADATA = {"dtype", "device", "shape", "ndim", "layout", "requires_grad", "is_leaf", "grad", "grad_fn",
              "_version", "is_cuda", "is_meta", "is_sparse", "is_quantized", "size", "dim", "numel",
@@ -118,6 +111,7 @@ class FeatureMixingCheck:
     def __init__(self, chunks: list[nn.Module], last: list[nn.Module]) -> None:
         self.aware = [m for c in chunks for m in c.modules() if isinstance(m, _AWARE)]
         self.split_parameters = _split_parameters(chunks)
+        self.attentions = attention_names(chunks)  # names them in the error for their dropout
         self.reach = {id(c) for c in last}
         self.handles: dict[int, list[Any]] = {}
         self.tracker: _Tracker | None = None
@@ -131,7 +125,7 @@ class FeatureMixingCheck:
         if _compiling_around(chunk):
             self._done(chunk)
             return
-        self.tracker = _Tracker(self.aware, self.split_parameters)
+        self.tracker = _Tracker(self.aware, self.split_parameters, self.attentions)
         self.tracker.__enter__()
 
     def _end(self, chunk: nn.Module, args: Any, output: Any) -> None:
@@ -157,9 +151,11 @@ class _Tracker(TorchFunctionMode):
     """Follows the split outputs of one forward (see the note); refuses a read of a split parameter
     outside its layer ([Note: split parameters read outside their layer])."""
 
-    def __init__(self, aware: list[nn.Module], split_parameters: dict[int, str]) -> None:
+    def __init__(self, aware: list[nn.Module], split_parameters: dict[int, str],
+                 attentions: dict[int, str]) -> None:
         super().__init__()
         self.split_parameters = split_parameters  # id -> name, see the note on them
+        self.attentions = attentions  # see mp_global_draws.attention_names
         self.split: dict[int, tuple[weakref.ref, Any]] = {}  # last dim split: -> its column
         self.taint: dict[int, tuple[weakref.ref, Any]] = {}  # holds split values, any layout
         self.depth = 0  # inside distframe's split-aware layers
@@ -211,8 +207,8 @@ class _Tracker(TorchFunctionMode):
         if self.depth:
             return out
         name = getattr(func, "__name__", "")
-        if name in _DRAWS and _draws_from_global(name, args, kwargs):
-            raise _global_draw_error(name)
+        if name in DRAWS and draws_from_global(name, args, kwargs):
+            raise global_draw_error(name, args, kwargs, self.attentions)
         inputs = [t for t in _tensors((args, kwargs)) if self.tainted(t)]
         if not inputs:
             return out
@@ -320,30 +316,6 @@ def _dims_taken(item: Any) -> int:
 
 def _whole(item: Any) -> bool:
     return isinstance(item, slice) and item == slice(None)
-
-
-def _draws_from_global(name: str, args: tuple, kwargs: dict) -> bool:
-    """Whether this call of a drawing op draws, from torch's global generator."""
-    if kwargs.get("generator") is not None:
-        return False
-    spec = _DRAWS[name]
-    if spec is None:
-        return True
-    p_at, training_at, training_default = spec
-    p = kwargs.get("p", args[p_at] if p_at is not None and len(args) > p_at else 1.0)
-    training = kwargs.get("training", kwargs.get("train", args[training_at] if len(args) > training_at
-                                                 else training_default))
-    return bool(training) and p != 0
-
-
-def _global_draw_error(op: str) -> ConfigError:
-    return ConfigError(
-        f"the model's forward calls {op!r}, which draws from torch's global generator: under tensor "
-        "parallelism each tensor rank would draw differently where its activations are replicated "
-        "(in-memory ranks share that generator; process ranks are seeded apart or alike), and the "
-        "ranks' replicated parameters would drift apart. Use an nn.Dropout module instead of "
-        "F.dropout (distframe draws its mask alike on every tensor rank), pass the op a generator "
-        "of your own, seeded alike on the tensor ranks, or p=0")
 
 
 def _in_place(name: str, kwargs: dict) -> bool:
