@@ -11,6 +11,7 @@ from distframe.backends.types import ReduceOp, Work
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
+from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.flat import FlatSpace, Segment, partition_into_buckets
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
 from distframe.models.replicas import mark_wrapped
@@ -36,7 +37,9 @@ class DDPModel(ShardedModelBase):
     backward finishes (so a plain optimizer, or clipping, sees averaged gradients), or at the latest
     in ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
     ``no_sync()`` nothing is communicated. With ``find_unused_parameters=True`` a parameter that
-    no rank gave a gradient keeps ``.grad = None``, as in torch DDP (see ParameterUsage).
+    no rank gave a gradient keeps ``.grad = None``, as in torch DDP (see ParameterUsage). Each
+    nn.SyncBatchNorm adds one all_gather per training forward and one reduce_scatter in backward
+    (sync_batchnorm.py).
 
     ``register_comm_hook(hook)`` replaces the per-bucket all_reduce: ``hook(backend, bucket)``
     returns a Work whose ``wait()`` gives the averaged flat gradient (or None when the hook wrote
@@ -56,6 +59,7 @@ class DDPModel(ShardedModelBase):
                  config: ShardingConfig | None = None, **settings: Any) -> None:
         super().__init__(module, backend, config=config, **settings)
         module = self.wrapped_model  # the module itself where a torch.compile'd one was given
+        prepare_replicated_modules(self, module, backend)  # SyncBatchNorm, max_norm: dp_modules.py
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         self._named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         spaces = []

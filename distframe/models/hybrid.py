@@ -47,6 +47,7 @@ from distframe.models.config import ShardingConfig
 from distframe.models.context_parallel import (apply_context_parallel, batch_slices, gather_output,
                                                input_slices, sequence_slice)
 from distframe.models.devices import module_device
+from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.hybrid_checks import check_arguments, check_find_unused, check_not_dense
 from distframe.models.hybrid_stages import (apply_stage_tensor_parallel, build_chunks, cross_rank_buffers,
                                             stage_layers, stage_ranges)
@@ -81,14 +82,12 @@ class HybridShardedModel(ShardedModelBase):
                  split_points: Sequence[int] | None = None, virtual_stages: int = 1,
                  config: ShardingConfig | None = None, dropout_seed: int | None = None,
                  **settings: Any) -> None:
-        if isinstance(model, (list, tuple)):
-            model = nn.Sequential(*model)
+        model = nn.Sequential(*model) if isinstance(model, (list, tuple)) else model
         check_arguments(dims, backend, num_microbatches, schedule, data_parallel, virtual_stages)
         super().__init__(model, backend, config=config, **settings)
         check_find_unused(self.config.find_unused_parameters, data_parallel)
         self.dims, self.num_microbatches, self.schedule = dims, num_microbatches, schedule
-        self.virtual_stages = virtual_stages
-        self.data_parallel = data_parallel
+        self.virtual_stages, self.data_parallel = virtual_stages, data_parallel
         self.skips_unused_parameters = data_parallel == "ddp"  # ZeRO steps a flat master chunk
         self.groups = dims.build_groups(backend)
         self._device = module_device(model)
@@ -98,6 +97,7 @@ class HybridShardedModel(ShardedModelBase):
         ranges = stage_ranges(model, dims, virtual_stages, split_points)
         every_stage = stage_layers(model, ranges, dims.pp, virtual_stages)
         self.catalog = ParameterCatalog(model, every_stage)
+        prepare_replicated_modules(self, model, self.groups.replicas)  # SyncBatchNorm, max_norm: dp_modules
         mark_wrapped(model, type(self).__name__)  # the model changes from here (layers split, stages kept)
         origins: dict[int, int] = {}
         self.dropout_rng = stage_dropout_rng(model, every_stage[self.groups.pp_index], dropout_seed, dims,

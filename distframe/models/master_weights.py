@@ -35,9 +35,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
+from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
+from distframe.models.config import ShardingConfig
+from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.flat import FlatSpace
 from distframe.precision import cast_floating
 
@@ -51,6 +55,13 @@ class MasterWeightsModelBase(ShardedModelBase):
 
     #: The dtype floating forward inputs are cast to (a policy's ``input_dtype``); None: none.
     _input_dtype: torch.dtype | None = None
+
+    def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
+                 config: ShardingConfig | None = None, **settings: Any) -> None:
+        super().__init__(module, backend, config=config, **settings)
+        # SyncBatchNorm, max_norm: dp_modules.py. Before the subclasses' checks: a wrapper they
+        # refuse is freed, and its SyncBatchNorms, which hold it weakly, run torch's forward again.
+        prepare_replicated_modules(self, self.wrapped_model, backend)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """As ShardedModelBase's, with floating inputs cast to ``param_dtype`` under a policy that
