@@ -27,7 +27,9 @@ how the code is written (a tied head, a penalty), the same at every step, so the
 the first call of each kind (its forward with and without grad, in training and in eval mode;
 train_step's loss function) that completes, and every call when the backend was made with
 ``debug=True``. A read on a path the first call did not take (a branch on the data, on the step) is
-found only under ``debug``.
+found only under ``debug``. The mode is off in the forwards of torch's modules that may take a fused
+inference path, which an active mode would keep off it ([Note: torch's fused inference paths] in
+stand_in_fast_paths.py).
 """
 from __future__ import annotations
 
@@ -84,6 +86,12 @@ class StandInReads(TorchFunctionMode):
                     self._check(func, value)
             return func(*args, **kwargs)
         return func(*args)
+
+    def check_read(self, param: nn.Parameter) -> None:
+        """Raises ``refuse(param)`` if ``param`` holds one of the stand-ins: for a read made where
+        the mode was off ([Note: torch's fused inference paths] in stand_in_fast_paths.py)."""
+        if param.data_ptr() in self.stand_ins and param.numel():
+            raise self.refuse(param)
 
     def _check(self, func: Callable, param: nn.Parameter) -> None:
         # A parameter of no elements has no value to read (its stand-in shares the NaN's pointer)

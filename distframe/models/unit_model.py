@@ -31,6 +31,7 @@ from distframe.models.module_state_guard import guard_module_state
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
+from distframe.models.stand_in_fast_paths import reads_checked
 from distframe.models.stand_in_reads import StandInReads
 from distframe.models.unit_lifecycle import UnitLifecycle
 from distframe.models.unit_order import forward_orders, in_backward
@@ -140,7 +141,8 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         if not self._stand_in_pointers or (kind in self._reads_seen and not every_call):
             yield
             return
-        with StandInReads(self._stand_in_pointers, lambda param: self._stand_in_read_error(param, where)):
+        mode = StandInReads(self._stand_in_pointers, lambda param: self._stand_in_read_error(param, where))
+        with reads_checked(mode, self._call[0]):
             yield
         self._reads_seen.add(kind)  # only once the call completed: one that raised is checked again
 
