@@ -27,7 +27,7 @@ from distframe.models.grad_norm import clip_sharded_grad_norm
 from distframe.models.inputs import call_with, train_batch
 from distframe.models.memory import storage_footprint
 from distframe.models.parameter_usage import ParameterUsage
-from distframe.models.plain_optimizer_guard import guard
+from distframe.models.plain_optimizer_guard import guard, refuse_in_train_step
 from distframe.models.replica_buffers import ReplicaBuffers
 from distframe.models.replicas import (broadcast_module_state, check_initialised, check_same_structure,
                                       check_unwrapped)
@@ -242,14 +242,13 @@ class ShardedModelBase(nn.Module, abc.ABC):
         return float(total)
 
     def check_optimizer(self, optimizer: Any, *, stepping: bool = False) -> None:
-        """ConfigError unless ``optimizer`` belongs with this model and, ``stepping`` (train_step),
-        steps every rank together: train_step all-reduces the loss, which no parameter server joins."""
+        """ConfigError unless ``optimizer`` belongs with this model and, ``stepping``, can be stepped
+        by train_step (``plain_optimizer_guard.refuse_in_train_step``)."""
         name, sharded = type(optimizer).__name__, hasattr(optimizer, "wrapped_optimizer")
         if sharded and getattr(optimizer, "model", None) is not self:
             raise ConfigError(f"{name} was built for a different model; build it as {name}(this_model, ...)")
-        if sharded and stepping and getattr(optimizer, "steps_independently", False):
-            raise ConfigError(f"{name}'s ranks step on their own, and model.train_step all-reduces the loss: "
-                              "call optimizer.train_step(batch, loss_fn) (on its server: optimizer.serve())")
+        if stepping:
+            refuse_in_train_step(optimizer)
         if not sharded and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a ShardedOptimizer, got {name}")
         if not sharded and not self.accepts_plain_optimizer:

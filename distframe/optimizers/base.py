@@ -207,8 +207,11 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Any = None) -> Any:
-        self.synchronize_gradients()
-        if closure is not None and self._grouped is not None:
+        # A closure's backward makes the gradients to step: synchronised after each evaluation (a
+        # hybrid model finishes no reduction at the end of backward, as the others do).
+        if closure is None:
+            self.synchronize_gradients()
+        else:
             closure = self._taking_gradients(closure)
         self._stepping = True  # the wrapped optimizer steps here only (adopt_instance)
         try:
