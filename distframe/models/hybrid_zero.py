@@ -22,9 +22,13 @@ them. So, as ZeRO1Model/ZeRO2Model do ([Note: in-place edits after wrapping] in 
 each parameter's ``_version`` is recorded after every write of the masters into the parameters (and
 of the parameters into the masters), and ``take_in_place_edits`` (each ``synchronize_gradients``, so
 before the optimizer steps) copies this rank's range of a parameter whose version moved into the
-master: one attribute read per parameter, no communication (every rank makes the same edit). A write
-through ``p.data`` moves no version and is lost, as under ZeRO-1/2 with a MixedPrecisionPolicy;
-write through the parameter under ``torch.no_grad()``.
+master: one attribute read per parameter, no communication (every rank makes the same edit). A
+replaced ``.data`` (``p.data = p.data * 0.5``), which moves no version, is found by its data pointer
+(one more read), taken the same way, and its values copied into the parameter's own storage, which
+it points at again ([Note: a replaced .data] in replaced_data.py; forward computes with it until
+then, as one process would). A write in place through ``p.data`` (``p.data.mul_(2)``) moves neither
+and is lost, as under ZeRO-1/2 with a MixedPrecisionPolicy; write through the parameter under
+``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.flat import Segment
+from distframe.models.replaced_data import check_replacement
 from distframe.models.sharded_state import ShardLayout
 
 
@@ -60,6 +65,8 @@ class ZeroShards:
         self.master = torch.zeros(self.chunk, dtype=dtype, device=params[0].device if params else device)
         self._reduced = False  # the parameters' .grad holds gradients already reduced
         self._versions: list[int] = []
+        self._data = [p.data for p in params]  # their own storage: a replaced .data is copied back
+        self._pointers = [t.data_ptr() for t in self._data]
         self.refresh_master()
 
     def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -82,13 +89,18 @@ class ZeroShards:
     def take_in_place_edits(self) -> None:
         """Copies this rank's range of each parameter written in place since the masters and the
         parameters last agreed into the master chunk (see the module docstring); local."""
-        edited = [i for i, (p, v) in enumerate(zip(self.params, self._versions)) if p._version != v]
+        edited = [i for i, (p, v, pointer) in enumerate(zip(self.params, self._versions, self._pointers))
+                  if p._version != v or p.data_ptr() != pointer]
         if not edited:
             return
         hi = self.lo + self.chunk
         with torch.no_grad():
             for i in edited:
                 p, offset = self.params[i], self.offsets[i]
+                if p.data_ptr() != self._pointers[i]:  # a replaced .data
+                    check_replacement("HybridShardedModel", "a trainable parameter", p.data, self._data[i])
+                    self._data[i].copy_(p.data)
+                    p.data = self._data[i]
                 start, end = max(offset, self.lo), min(offset + p.numel(), hi)
                 if start < end:
                     values = p.detach().reshape(-1)[start - offset:end - offset]

@@ -24,9 +24,11 @@ parameter; only an edited parameter's values are compared. A parameter of a unit
 stand-in (resharded between uses; torch lets one write a one-element one) cannot take an edit,
 which would be lost at the next gather: a ConfigError names it. Writes inside
 summon_full_parameters() are its own (written back or dropped), not edits to take again.
-Gap: a write through ``p.data`` (``p.data.mul_(2)``) does not move ``p._version`` (autograd does
-not see it either), so under a policy or in a unit kept gathered it is lost as before; write
-through the parameter under ``torch.no_grad()``, or inside summon_full_parameters().
+A replaced ``.data`` (``p.data = tensor``) is taken at the same points, and before a load:
+[Note: a replaced .data] in replaced_data.py.
+Gap: a write in place through ``p.data`` (``p.data.mul_(2)``) moves no ``p._version`` (autograd does
+not see it either) and no data pointer, so under a policy or in a unit kept gathered it is still
+lost; write through the parameter under ``torch.no_grad()``, or inside summon_full_parameters().
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.flat import FlatSpace
+from distframe.models.replaced_data import AttachedData
+from distframe.models.sharded_state import ShardLayout
 from distframe.precision import cast_floating
 
 #: (a flat space, this rank's master chunk of it when that is not the parameters' own storage,
@@ -74,11 +78,37 @@ class MasterWeightsModelBase(ShardedModelBase):
         """The flat spaces whose master chunk is apart from the parameters (see ``MasterChunk``)."""
         raise NotImplementedError
 
+    def _attached_data(self) -> list[AttachedData]:
+        """What each flat space's parameters are pointed at (see [Note: a replaced .data])."""
+        raise NotImplementedError
+
+    def _finish_gathers(self) -> None:
+        """Waits for gathers still writing into the parameters' storage (ZeRO-3/FSDP's prefetch)."""
+
+    def _take_replaced_data(self) -> set[int]:
+        """Takes each replaced ``.data`` (see [Note: a replaced .data] in replaced_data.py); local.
+        The ids of the parameters taken."""
+        if getattr(self, "_summoned", False):  # the block's parameters are its own: full_parameters.py
+            return set()
+        found = [(data, positions) for data in self._attached_data() if (positions := data.replaced())]
+        if not found:
+            return set()
+        self._finish_gathers()
+        for data, positions in found:
+            data.take_replaced(positions, self.backend.rank, type(self).__name__)
+        return {id(data.params[k]) for data, positions in found for k in positions}
+
     def _take_in_place_edits(self) -> None:
-        """Writes parameters edited in place into this rank's masters (see [Note: in-place edits
-        after wrapping]); local. Nothing to do (the usual case) costs one read per parameter."""
+        """Writes parameters edited in place, or given other ``.data``, into this rank's masters
+        (see [Note: in-place edits after wrapping]); local. Nothing to do (the usual case) costs
+        two reads per parameter."""
+        taken = self._take_replaced_data()
         edited = self._wrapped_parameters.edited()
+        if taken:  # their values are taken whole: a write through them since is not another edit
+            edited = [p for p in edited if id(p) not in taken]
         if not edited:
+            if taken:
+                self._wrapped_parameters.record_versions()
             return
         ids = {id(p) for p in edited}
         for space, master, holds_values in self._master_chunks():
@@ -104,6 +134,12 @@ class MasterWeightsModelBase(ShardedModelBase):
     def gather_full_parameters(self) -> dict[str, torch.Tensor]:
         self._take_in_place_edits()
         return super().gather_full_parameters()
+
+    def _read_layout(self) -> ShardLayout:
+        """As ShardedModelBase's, once the edits made before a load are taken: the load overwrites
+        them as one process's would, and what it leaves (``strict=False``) keeps them."""
+        self._take_in_place_edits()
+        return super()._read_layout()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         self._take_in_place_edits()

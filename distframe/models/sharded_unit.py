@@ -15,9 +15,10 @@ expanded to the parameter's shape. Shape, dtype and device stay what user code r
 (counting parameters, choosing optimizer groups by ``p.dim()``); a read gives NaN, never freed
 memory or a plausible number, and an in-place write raises (every element is one memory
 location; a one-element parameter, which torch lets one write, has a NaN of its own, and the
-write is lost at its next gather). ``gather_full_parameters()`` gives the values. A read inside
-the model's forward or train_step's loss function is refused, naming the parameter, in the
-first such call of each kind ([Note: reads of a resharded parameter] in stand_in_reads.py).
+write is lost at its next gather). ``gather_full_parameters()`` gives the values. A ``.data``
+the user assigned stays until the model takes it ([Note: a replaced .data] in replaced_data.py).
+A read inside the model's forward or train_step's loss function is refused, naming the parameter,
+in the first such call of each kind ([Note: reads of a resharded parameter] in stand_in_reads.py).
 (FSDP1 empties them instead, shape ``(0,)``, which breaks that user code.)
 
 Collectives: ``unshard`` is one all_gather of the chunk (optionally asynchronous, for prefetch);
@@ -39,6 +40,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp, Work
 from distframe.models.config import TrainingState
 from distframe.models.flat import FlatSpace
+from distframe.models.replaced_data import AttachedData
 from distframe.precision import MixedPrecisionPolicy, finer
 
 
@@ -88,7 +90,8 @@ class ShardedUnit:
                            for e in self.space.entries]
         # How a read of a parameter holding its stand-in is told apart (stand_in_reads.py).
         self.stand_in_pointers = frozenset(t.data_ptr() for t in self._stand_ins)
-        self._attach(self._views)
+        self.attached = AttachedData(self.space, self.master)  # see [Note: a replaced .data]
+        self.attached.attach(self._views, holds_values=True)
         self.state = TrainingState.IDLE
         self.is_unsharded = True
         self.stale = False
@@ -122,8 +125,9 @@ class ShardedUnit:
         if self._gather is None:
             storage = self.full.untyped_storage()
             if storage.nbytes() < self._full_bytes:
+                kept = self.attached.replaced()  # until taken: see [Note: a replaced .data]
                 storage.resize_(self._full_bytes)
-                self._attach(self._views)
+                self.attached.attach(self._views, holds_values=True, keep=kept)
             shard = self.master.detach().to(self.compute_dtype)
             self._gather = self.backend.all_gather(shard, out=self.full, async_op=True)
         if not async_op:
@@ -140,14 +144,11 @@ class ShardedUnit:
         self.drop_prefetch()
         if self.persistent or not self.is_unsharded:
             return
+        kept = self.attached.replaced()  # before the views' storage goes (their pointer with it)
         self.full.untyped_storage().resize_(0)
-        self._attach(self._stand_ins)  # see [Note: parameters between uses]
+        # See [Note: parameters between uses]; a replaced .data stays until taken.
+        self.attached.attach(self._stand_ins, holds_values=False, keep=kept)
         self.is_unsharded = False
-
-    def _attach(self, data: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for param, tensor in zip(self.space.params, data):
-                param.data = tensor
 
     def drop_prefetch(self) -> None:
         """Waits for a gather in flight; ``full`` then holds the masters' values as of its start

@@ -28,6 +28,7 @@ from distframe.models.direct_calls import DirectCalls
 from distframe.models.full_parameters import Summonable
 from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
 from distframe.models.module_state_guard import guard_module_state
+from distframe.models.replaced_data import AttachedData
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.models.sharded_unit import ShardedUnit
@@ -48,7 +49,8 @@ class UnitShardedModelBase(MasterWeightsModelBase):
     of a unit exist only between its gather and its reshard (a unit kept gathered, below
     ``replicate_below_numel``, holds them between steps, gathered again by each optimizer step).
     Floating forward inputs are cast to ``param_dtype``; parameters edited in place reach the
-    masters where the unit is gathered, and are refused where it holds stand-ins (master_weights.py)."""
+    masters where the unit is gathered, and are refused where it holds stand-ins (master_weights.py);
+    a replaced ``.data`` reaches them either way (replaced_data.py)."""
 
     def __init__(self, module: nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
@@ -78,6 +80,7 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         self._stand_in_pointers = frozenset().union(*(u.stand_in_pointers for u in resharded))
         guard_module_state(module, self._stand_in_pointers, type(self).__name__)
         self._unit_of_param = {id(e.param): (u, e.name) for u in self.units for e in u.space.entries}
+        self._attached = [u.attached for u in self.units]  # see [Note: a replaced .data]
         self._reads_seen: set[tuple[str, bool, bool]] = set()  # kinds of call checked without a read
         # Last: its pre-hook runs before the units' (prepended too), and a refused construction adds none.
         self._direct_calls = DirectCalls(self)  # [Note: the wrapped module called directly]
@@ -243,9 +246,15 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         self.synchronize_parameters()
 
     def _master_chunks(self) -> list[MasterChunk]:
-        for unit in self.units:
-            unit.drop_prefetch()  # a gather in flight: its parameters' values are being written
+        self._finish_gathers()  # a gather in flight: its parameters' values are being written
         return [(u.space, u.master, u.is_unsharded) for u in self.units]
+
+    def _attached_data(self) -> list[AttachedData]:
+        return self._attached
+
+    def _finish_gathers(self) -> None:
+        for unit in self.units:
+            unit.drop_prefetch()
 
     def _summonable(self) -> list[Summonable]:
         """Each unit's space; a unit gathered now (``persistent``, or not resharded after its

@@ -96,7 +96,9 @@ class WrappedParameters:
                     ".to(dtype)), which the strategy's buckets and shards, laid out at wrapping, "
                     "cannot follow; convert the model before wrapping it, or for lower-precision "
                     "compute keep it as it is and pass mixed_precision=MixedPrecisionPolicy("
-                    "param_dtype=...) (ZeRO and FSDP; torch.autocast for DDP)")
+                    "param_dtype=...) (ZeRO and FSDP; torch.autocast for DDP). (A tensor of another "
+                    "dtype assigned to its .data: copy the values in instead, p.copy_(tensor) under "
+                    "torch.no_grad())")
 
 
 def trainable_changed(strategy: str, name: str, was: bool, now: bool) -> ConfigError:

@@ -16,6 +16,7 @@ from distframe.models.flat import FlatSpace, partition_into_buckets
 from distframe.models.full_parameters import Summonable
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
 from distframe.models.master_weights import MasterChunk, MasterWeightsModelBase
+from distframe.models.replaced_data import AttachedData
 from distframe.models.replicas import mark_wrapped
 from distframe.models.sharded_state import ShardLayout
 from distframe.precision import MixedPrecisionPolicy
@@ -53,7 +54,8 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
     """ZeRO-1/2 machinery. Parameters (compute dtype) are views into one flat buffer per
     gradient bucket; rank r's master shard of a bucket is chunk r of that space (a view of the
     flat buffer itself when no mixed precision is set, else a float32 copy). Floating forward inputs
-    are cast to ``param_dtype``; parameters edited in place reach the masters (master_weights.py).
+    are cast to ``param_dtype``; parameters edited in place, or given other ``.data``, reach the
+    masters (master_weights.py, replaced_data.py).
 
     Collectives per step: one ``reduce_scatter(AVG)`` per bucket started from the gradient hooks
     during backward (each rank receives its chunk's averaged gradient), then after the optimizer
@@ -82,17 +84,18 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
         self.spaces = [FlatSpace(g, backend.world_size) for g in groups]
         self.flat_parameters: list[torch.Tensor] = []
         self.masters: list[nn.Parameter] = []
+        self._attached: list[AttachedData] = []  # the parameters' views of the flat buffers
         for space in self.spaces:
             originals = [p.data for p in space.params]
             flat = space.flatten(originals, self.compute_dtype)
-            for param, view in zip(space.params, space.views(flat)):
-                param.data = view
             # Under mixed precision the master comes from the model's own values: taken from
             # ``flat`` it would hold them rounded to the compute dtype.
             master = (space.shard_of(flat, backend.rank) if master_dtype == self.compute_dtype
                       else space.chunk(originals, backend.rank, master_dtype))
             self.flat_parameters.append(flat)
             self.masters.append(nn.Parameter(master))
+            self._attached.append(AttachedData(space, self.masters[-1]))
+            self._attached[-1].attach(space.views(flat), holds_values=True)
         self.gradient_buckets = GradientBuckets(
             self.spaces, grad_dtype=self.compute_dtype, launch=self._launch,
             complete=self._complete, keep_buffers=not self.free_gradients, usage=self._parameter_usage,
@@ -155,6 +158,9 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
     def synchronize_gradients(self) -> None:
         self._take_in_place_edits()  # before the optimizer steps the masters
         self.gradient_buckets.finish()
+
+    def _attached_data(self) -> list[AttachedData]:
+        return self._attached
 
     def _master_chunks(self) -> list[MasterChunk]:
         if not self._masters_apart:  # the masters are views of the parameters' flat buffers
