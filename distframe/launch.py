@@ -134,9 +134,12 @@ def messages_unmatched(counts: list[dict | None]) -> bool:
 
 def raise_first_failure(errors: dict[int, BaseException]) -> None:
     """Re-raises the original failure (not a peer's RankFailedError), noting which rank raised it;
-    a rank's ``sys.exit`` is raised as RankFailedError (from the SystemExit)."""
+    a rank's ``sys.exit`` is raised as RankFailedError (from the SystemExit). Where every rank
+    reports a RankFailedError, the launcher's own for a rank whose process died (naming that rank)
+    comes first: its peers' may name the wrong one (a dead process leaves no word)."""
     originals = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)}
-    rank, exc = min((originals or errors).items())
+    died = {r: e for r, e in errors.items() if isinstance(e, RankFailedError) and e.failed_rank == r}
+    rank, exc = min((originals or died or errors).items())
     note = f"(raised on rank {rank}; {len(errors)} of the ranks failed)"
     if isinstance(exc, SystemExit):
         # Re-raised as it is, a rank's sys.exit would end the calling program without a word,

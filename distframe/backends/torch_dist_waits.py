@@ -131,5 +131,12 @@ class TorchDistWaits:
                 self._slots.give_up(op, seq, missing or None, timeout or self.timeout)
             return CollectiveTimeoutError(op, seq, missing or None, timeout or self.timeout,
                                           world_note(missing, self._world_ranks) + detail + hint)
-        return RankFailedError(missing[0] if missing and len(missing) == 1 else None,
-                               f"{op} (sequence number {seq}): {detail}")
+        if peers is not None and self.world_size > 2:
+            # Gloo fails every pending call of a process when any of its connections closes: the
+            # sender waited for may be alive and the rank that died another, unnamed here (a
+            # killed process departs from nothing; spawn names the one that exited).
+            detail += (f" (while receiving from rank {peers[0]}; a connection to any rank of the group "
+                       "ends every pending call, so the rank that failed may be another)")
+            missing = []
+        return in_world(RankFailedError(missing[0] if missing and len(missing) == 1 else None,
+                                        f"{op} (sequence number {seq}): {detail}"), self._world_ranks)

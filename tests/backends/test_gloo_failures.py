@@ -137,6 +137,25 @@ def rank_zero_dies(b):
     b.barrier()
 
 
+def rank_two_killed_while_its_peers_wait(b, where: str):
+    """Global rank 2 is SIGKILLed while rank 0 waits for it in a subgroup [0, 2] (its rank 1) and
+    rank 1 waits in a receive from rank 0; rank 0 writes what it raised to ``where``."""
+    import signal
+    group = b.new_group([0, 2])
+    b.barrier()
+    if b.rank == 2:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        if b.rank == 1:
+            b.recv(torch.zeros(1), src=0)
+        else:
+            group.recv(torch.zeros(4), src=1)
+    except RankFailedError as exc:
+        Path(f"{where}.{b.rank}").write_text(f"{exc.failed_rank}|{exc}")
+        raise
+
+
 # ---- timeouts -----------------------------------------------------------------------------------------
 def test_timeout_names_missing_rank_on_every_waiting_rank_and_pool_recovers():
     with ProcessPool(3, "gloo", timeout=2) as pool:
@@ -270,6 +289,18 @@ def test_spawn_reports_a_rank_that_died():
         spawn(rank_zero_dies, 2, "gloo", timeout=60)
     assert info.value.failed_rank == 0
     assert set(multiprocessing.active_children()) <= before  # all joined
+
+
+def test_spawn_names_the_rank_that_was_killed_not_a_peer_it_stopped(tmp_path):
+    # Before: every rank reported a RankFailedError (the killed rank's from the launcher), and the
+    # lowest rank's, naming its subgroup's rank 1 ("rank 1 failed: recv ...: Connection closed"),
+    # was re-raised: world rank 1 is alive, and rank 2 was named nowhere.
+    import functools
+    where = tmp_path / "rank0.txt"
+    with pytest.raises(RankFailedError, match="exited with code -9") as info:
+        spawn(functools.partial(rank_two_killed_while_its_peers_wait, where=str(where)), 3, "gloo", timeout=60)
+    assert info.value.failed_rank == 2
+    assert "global rank 2 of the world this group was made from" in Path(f"{where}.0").read_text()
 
 
 def test_unpicklable_function_fails_in_the_caller():
