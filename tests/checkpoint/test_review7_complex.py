@@ -61,14 +61,22 @@ def _run(backend, strategy, steps, *, only_scale=False, load_from=None, save_to=
     model_cls, opt_cls = STRATEGIES[strategy]
     model = model_cls(Complex(only_scale), backend)
     opt = opt_cls(model, torch.optim.Adam, lr=LR)
+    return train_slices(model, opt, [_batches()[s] for s in steps], steps[-1] + 1, load_from, save_to,
+                        with_optimizer)
+
+
+def train_slices(model, opt, batches, step, load_from, save_to, with_optimizer=True):
+    """Loads ``load_from`` (a checkpoint, or None), trains on this rank's rows of each 6-row batch,
+    saves to ``save_to`` (or not) as of ``step``; returns the full parameters."""
+    backend = model.backend
     if load_from is not None:
         checkpoint.load(load_from, model, opt)
     per = 6 // backend.world_size
     lo = backend.rank * per
-    for x, y in (_batches()[s] for s in steps):
+    for x, y in batches:
         model.train_step((x[lo:lo + per], y[lo:lo + per]), F.mse_loss, opt)
     if save_to is not None:
-        checkpoint.save(save_to, model, opt if with_optimizer else None, step=steps[-1] + 1)
+        checkpoint.save(save_to, model, opt if with_optimizer else None, step=step)
     return model.gather_full_parameters()
 
 

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distframe import checkpoint
 from distframe.errors import ConfigError
 from distframe.launch import spawn
+from tests.checkpoint.test_review7_complex import train_slices
 from tests.models.common import STRATEGIES
 
 LR = 0.1
@@ -51,15 +51,7 @@ def _run(backend, strategy, steps, optimizer_cls=torch.optim.Adam, load_from=Non
     model_cls, opt_cls = STRATEGIES[strategy]
     model = model_cls(Affine(), backend)
     opt = opt_cls(model, optimizer_cls, lr=LR, **settings)
-    if load_from is not None:
-        checkpoint.load(load_from, model, opt)
-    per = 6 // backend.world_size
-    lo = backend.rank * per
-    for x, y in (_batches()[s] for s in steps):
-        model.train_step((x[lo:lo + per], y[lo:lo + per]), F.mse_loss, opt)
-    if save_to is not None:
-        checkpoint.save(save_to, model, opt, step=steps[-1] + 1)
-    return model.gather_full_parameters()
+    return train_slices(model, opt, [_batches()[s] for s in steps], steps[-1] + 1, load_from, save_to)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

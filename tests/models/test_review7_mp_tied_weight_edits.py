@@ -66,10 +66,15 @@ def head_on_stage_zero():
 
 
 def one_process(model):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return sgd_losses(model, token_batches(), cross_entropy, lr=0.5)
+
+
+def sgd_losses(model, batches, loss_fn, lr):
+    """One process's SGD steps of ``model`` on ``batches``; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for x, y in token_batches():
-        loss = cross_entropy(model(x), y)
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()

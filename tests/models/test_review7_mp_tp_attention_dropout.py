@@ -21,6 +21,7 @@ from distframe.errors import ConfigError
 from distframe.launch import spawn
 from distframe.models import TensorParallelModel
 from tests.models.common import SEED_LOCK
+from tests.models.test_review7_mp_tied_weight_edits import sgd_losses
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 WIDTH = 8
@@ -102,15 +103,7 @@ def test_attention_dropout_from_the_global_generator_is_a_config_error(build, me
 
 
 def dense_steps(model, x, y, steps=3):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, [(x, y)] * steps, cross_entropy, lr=0.1)
 
 
 ACCEPTED = [

@@ -12,8 +12,8 @@ from distframe.launch import spawn
 from distframe.mesh import ParallelDims
 from distframe.models import HybridShardedModel
 from tests.models.common import lm_loss, tiny_lm
-from tests.models.test_hybrid_zero_edits import (HALVED, OPTIMIZERS, PRETRAINED, _batches, _load_pretrained,
-                                                 _slice)
+from tests.models.test_hybrid_zero_edits import (HALVED, OPTIMIZERS, PRETRAINED, _batches, _slice,
+                                                 check_trained_from)
 
 
 def _replace(named):
@@ -23,37 +23,10 @@ def _replace(named):
             p.data = p.data * 0.5
 
 
-def _one_process():
-    model = tiny_lm()
-    model.load_state_dict(PRETRAINED)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step, (x, y) in enumerate(_batches()):
-        if step == 1:
-            _replace(model.named_parameters())
-        lm_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
-
-
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("data_parallel", ["zero1", "zero2"])
 def test_a_replaced_data_is_trained_from(data_parallel, pp):
-    def run(b):
-        model = HybridShardedModel(tiny_lm(), b, dims=ParallelDims(dp=2, pp=pp), num_microbatches=2,
-                                   data_parallel=data_parallel)
-        opt = OPTIMIZERS[data_parallel](model, torch.optim.AdamW, lr=1e-2)
-        _load_pretrained(model)
-        for step, batch in enumerate(_batches()):
-            if step == 1:
-                _replace(model.dense_named_parameters())
-            model.train_step(_slice(batch, model.groups.dp_index), lm_loss, opt)
-        return model.gather_full_parameters()
-
-    expected = _one_process()
-    for full in spawn(run, 2 * pp, timeout=120):
-        for name, tensor in expected.items():
-            torch.testing.assert_close(full[name], tensor, rtol=1e-10, atol=1e-10, msg=name)
+    check_trained_from(_replace, data_parallel, pp)
 
 
 def test_an_ema_swap_leaves_training_exact():
