@@ -30,6 +30,7 @@ its inf check: ``models_stepped_by``).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import weakref
@@ -88,7 +89,16 @@ def models_stepped_by(optimizer: torch.optim.Optimizer) -> list[Any]:
     params = _params(optimizer)
     with _lock:  # a rank thread may be adding one
         models = list(_guarded)
-    return [m for m in models if m.accepts_plain_optimizer and _note_plain_optimizer(optimizer, m, params)]
+    stepped = [m for m in models if m.accepts_plain_optimizer and _note_plain_optimizer(optimizer, m, params)]
+    return in_step_order(stepped, params)
+
+
+def in_step_order(models: list[Any], params: list[torch.Tensor]) -> list[Any]:
+    """``models`` by where their first parameter comes in ``params`` (the optimizer's): the same
+    order on every rank, where a WeakSet's follows object ids; their synchronisations communicate."""
+    position = {id(p): i for i, p in enumerate(params)}
+    return sorted(models, key=lambda m: min((position[id(q)] for q in m.parameters() if id(q) in position),
+                                            default=len(position)))
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -166,16 +176,18 @@ def _refuse_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 f"model.parameters() never sees the reduced gradients, which live in the model's flat "
                 f"shards; build {name}(model, torch.optim.{type(optimizer).__name__}, **kwargs) instead "
                 "(it takes a class or an instance)")
-    return synchronizing(stepped, args, kwargs)
+    return synchronizing(in_step_order(stepped, params), args, kwargs)
 
 
 def synchronizing(models: list[Any], args: tuple, kwargs: dict) -> tuple | None:
     """Runs each model's ``before_plain_step()`` now, or, for a step given a closure (LBFGS needs
-    one), returns the step's arguments with a closure that runs it after each evaluation: the
-    gradients to synchronise are the ones the closure's backward makes (synchronised first, each
-    replica stepped its own slice's, 0.16 off one process, without a word)."""
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
-    if closure is None or not models:
+    one), returns the step's arguments (``args[0]``: the optimizer) with a closure that runs it
+    after each evaluation: the gradients to synchronise are the ones the closure's backward makes
+    (synchronised first, each replica stepped its own slice's, 0.16 off one process, without a
+    word). The closure's loss becomes the global mean (``global_closure_loss``)."""
+    bound = _step_signature(type(args[0])).bind_partial(*args, **kwargs) if models else None
+    closure = None if bound is None else bound.arguments.get("closure")
+    if closure is None:
         for model in models:
             model.before_plain_step()
         return None
@@ -184,10 +196,25 @@ def synchronizing(models: list[Any], args: tuple, kwargs: dict) -> tuple | None:
         loss = closure()
         for model in models:
             model.before_plain_step()
-        return loss
-    if len(args) > 1:
-        return (args[0], synchronized, *args[2:]), kwargs
-    return args, {**kwargs, "closure": synchronized}
+        return global_closure_loss(models[0], loss)
+    bound.arguments["closure"] = synchronized
+    return bound.args, bound.kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _step_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.step)
+
+
+def global_closure_loss(model: Any, loss: Any) -> Any:
+    """``loss``, a closure's, as the mean over the global batch (``model``'s, as train_step returns
+    it), a tensor of its dtype where it was one; None stays None. What the optimizer reads of it
+    then is one process's: LBFGS's line search branches on it, and with each rank's own slice's
+    the replicas stepped apart (1.6) and their collectives went out of step."""
+    if loss is None:
+        return None
+    mean = model._global_mean_loss(torch.as_tensor(loss).detach())  # noqa: SLF001 - train_step's
+    return torch.as_tensor(mean, dtype=loss.dtype, device=loss.device) if torch.is_tensor(loss) else mean
 
 
 def _refuse_whole_over_slices(optimizer: torch.optim.Optimizer, model: Any) -> None:

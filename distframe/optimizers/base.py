@@ -11,6 +11,7 @@ import torch
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
+from distframe.models.plain_optimizer_guard import global_closure_loss
 from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.models.state_checks import check_optimizer_pieces
 from distframe.optimizers.instances import (adopt_instance, build_optimizer, check_dense_gradients,
@@ -226,7 +227,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         def run() -> Any:
             loss = closure()
             self.synchronize_gradients()
-            return loss
+            return global_closure_loss(self.model, loss)
         return run
 
     def synchronize_gradients(self) -> None:
