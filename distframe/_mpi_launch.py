@@ -221,7 +221,8 @@ class _Job:
                 except (EOFError, OSError):
                     # mpiexec ends every rank once one dies: only the first to go is the cause.
                     if not dead:
-                        errors[rank] = RankFailedError(rank, "its process exited during the run")
+                        from distframe.launch import process_exited
+                        errors[rank] = process_exited(rank, "its process exited during the run")
                     dead.append(rank)
                     continue
                 if ok:

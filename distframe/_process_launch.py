@@ -44,7 +44,8 @@ from distframe.backends.base import DEFAULT_TIMEOUT
 from distframe.backends.validation import check_timeout
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError, rebuild_exception
-from distframe.launch import messages_unmatched, p2p_counts, raise_first_failure, unpicklable_result
+from distframe.launch import (messages_unmatched, p2p_counts, process_exited, raise_first_failure,
+                              unpicklable_result)
 
 _GRACE_S = 1.0
 _STOP_S = 10.0
@@ -229,8 +230,8 @@ class _Worker:
             pass
         if self.process.is_alive():
             return None
-        return False, RankFailedError(self.rank, f"its process exited with code "
-                                                 f"{self.process.exitcode} before answering"), True, None
+        return False, process_exited(self.rank, f"its process exited with code {self.process.exitcode} "
+                                                "before answering"), True, None
 
 
 # ---- the worker side ---------------------------------------------------------------------------

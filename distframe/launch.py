@@ -138,7 +138,7 @@ def raise_first_failure(errors: dict[int, BaseException]) -> None:
     reports a RankFailedError, the launcher's own for a rank whose process died (naming that rank)
     comes first: its peers' may name the wrong one (a dead process leaves no word)."""
     originals = {r: e for r, e in errors.items() if not isinstance(e, RankFailedError)}
-    died = {r: e for r, e in errors.items() if isinstance(e, RankFailedError) and e.failed_rank == r}
+    died = {r: e for r, e in errors.items() if getattr(e, "process_exited", False)}
     rank, exc = min((originals or died or errors).items())
     note = f"(raised on rank {rank}; {len(errors)} of the ranks failed)"
     if isinstance(exc, SystemExit):
@@ -150,6 +150,15 @@ def raise_first_failure(errors: dict[int, BaseException]) -> None:
         raise failure from exc
     exc.add_note(note)
     raise exc
+
+
+def process_exited(rank: int, detail: str) -> RankFailedError:
+    """The launcher's error for rank ``rank``, whose process ended without answering: marked, so
+    ``raise_first_failure`` reports it before its peers' RankFailedErrors, which may name another
+    rank (a subgroup's numbering, or the sender a receive waited for)."""
+    error = RankFailedError(rank, detail)
+    error.process_exited = True
+    return error
 
 
 def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:

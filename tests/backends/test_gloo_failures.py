@@ -138,19 +138,20 @@ def rank_zero_dies(b):
 
 
 def rank_two_killed_while_its_peers_wait(b, where: str):
-    """Global rank 2 is SIGKILLed while rank 0 waits for it in a subgroup [0, 2] (its rank 1) and
-    rank 1 waits in a receive from rank 0; rank 0 writes what it raised to ``where``."""
+    """Global rank 2 is SIGKILLed while rank 0 waits for it in a receive in subgroup [0, 2] and
+    rank 1 in an all_reduce of subgroup [1, 2] (in both, rank 2 is the group's rank 1, and rank 1
+    reports it as "rank 1 failed"); each writes what it raised to ``where.<rank>``."""
     import signal
-    group = b.new_group([0, 2])
+    groups = [b.new_group([0, 2]), b.new_group([1, 2])]
     b.barrier()
     if b.rank == 2:
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         if b.rank == 1:
-            b.recv(torch.zeros(1), src=0)
+            groups[1].all_reduce(torch.ones(3))
         else:
-            group.recv(torch.zeros(4), src=1)
+            groups[0].recv(torch.zeros(4), src=1)
     except RankFailedError as exc:
         Path(f"{where}.{b.rank}").write_text(f"{exc.failed_rank}|{exc}")
         raise
@@ -294,7 +295,8 @@ def test_spawn_reports_a_rank_that_died():
 def test_spawn_names_the_rank_that_was_killed_not_a_peer_it_stopped(tmp_path):
     # Before: every rank reported a RankFailedError (the killed rank's from the launcher), and the
     # lowest rank's, naming its subgroup's rank 1 ("rank 1 failed: recv ...: Connection closed"),
-    # was re-raised: world rank 1 is alive, and rank 2 was named nowhere.
+    # was re-raised: world rank 1 is alive, and rank 2 was named nowhere. (Nor is a peer's error
+    # that names its own rank, rank 1's here, the launcher's for a process that exited.)
     import functools
     where = tmp_path / "rank0.txt"
     with pytest.raises(RankFailedError, match="exited with code -9") as info:
