@@ -40,7 +40,10 @@ from distframe.errors import ConfigError
 def is_compiled_module(module: object) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns (without importing Dynamo)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+    # None while another thread imports Dynamo (building a process's first torch.optim optimizer
+    # does): the half-built module has no OptimizedModule yet, and nothing can be one.
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    return compiled is not None and isinstance(module, compiled)
 
 
 def uncompiled(module: nn.Module) -> nn.Module:

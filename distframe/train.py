@@ -302,6 +302,11 @@ def check_backend_available(name: str, world_size: int) -> None:
                                       "use --backend inmemory or mpi")
 
 
+_threads_lock = threading.Lock()
+_runs = 0  # runs of this process inside _threads_per_rank
+_threads_before = 1  # torch's thread count before the first of them
+
+
 @contextlib.contextmanager
 def _threads_per_rank(world_size: int) -> Iterator[None]:
     """In-memory ranks are threads of one process: share the cores among them instead of
@@ -309,10 +314,17 @@ def _threads_per_rank(world_size: int) -> Iterator[None]:
     The cores are those this process may use (its CPU affinity, as ``taskset`` or a container
     sets it) and no more than torch's own thread count (``OMP_NUM_THREADS`` when the user set it):
     ``os.cpu_count()`` alone gave one rank the machine's every core against the user's setting."""
-    previous = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, min(cores, previous) // world_size))
+    global _runs, _threads_before
+    with _threads_lock:  # runs on threads of one process: the first sets, the last restores
+        if _runs == 0:
+            _threads_before = torch.get_num_threads()
+        _runs += 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, min(cores, _threads_before) // world_size))
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        with _threads_lock:
+            _runs -= 1
+            if _runs == 0:
+                torch.set_num_threads(_threads_before)

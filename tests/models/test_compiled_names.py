@@ -36,3 +36,15 @@ def test_a_compiled_model_is_named_as_the_module_it_compiles(tmp_path, strategy)
     build_model(seed=5).load_state_dict(checkpoint.consolidate(path))
     loaded = spawn(load, 1)[0]
     assert all(torch.equal(loaded[name], value) for name, value in saved.items())
+
+
+def test_a_module_is_not_taken_for_compiled_while_another_thread_imports_dynamo(monkeypatch):
+    # Building a process's first torch.optim optimizer imports torch._dynamo (1.5-3 s); a wrapped
+    # model's forward on another thread read the half-built eval_frame module and failed with
+    # "partially initialized module 'torch._dynamo.eval_frame' has no attribute 'OptimizedModule'".
+    import sys
+    import types
+
+    from distframe.compile_support import is_compiled_module
+    monkeypatch.setitem(sys.modules, "torch._dynamo.eval_frame", types.ModuleType("torch._dynamo.eval_frame"))
+    assert not is_compiled_module(torch.nn.Linear(2, 2))

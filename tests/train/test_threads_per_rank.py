@@ -29,3 +29,20 @@ def test_ranks_share_the_cores_the_process_may_use(monkeypatch, allowed, started
         assert torch.get_num_threads() == started
     finally:
         torch.set_num_threads(previous)
+
+
+def test_overlapping_runs_leave_the_thread_count_they_found(monkeypatch):
+    # Two runs of train.run on threads of one process: B began while A ran and saved A's reduced
+    # count as its own "before", and restored that last, leaving every later thread 1 thread.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        first, second = _threads_per_rank(2), _threads_per_rank(4)
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        second.__exit__(None, None, None)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(previous)
