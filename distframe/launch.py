@@ -65,8 +65,7 @@ def _spawn_threads(fn: Callable[..., T], world_size: int, **backend_kwargs: Any)
             t.join()
     except BaseException as exc:  # Ctrl-C in the caller: stop every rank, then re-raise.
         backends[0].world.abort(-1, exc)
-        for t in threads:
-            t.join(timeout=5)
+        wait_for_ranks(threads, 5)
         raise
     if errors:
         raise_first_failure(errors)
@@ -82,6 +81,8 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
     peers still waiting for it in a call it never made stop at once; an asynchronous call that
     failed unseen is its error then. The caller joins the threads (spawn, the elastic controller);
     if one cannot start, those started are stopped and joined before the error is raised."""
+    finished = [threading.Event() for _ in backends]
+
     def run(rank: int) -> None:
         backend = backends[rank]
         try:
@@ -94,9 +95,13 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
                 backend.world.finish(rank)
             except BaseException as exc:  # noqa: BLE001 - an asynchronous call that failed unseen
                 errors.setdefault(rank, exc)
+            finally:
+                finished[rank].set()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"{name}{r}", daemon=True)
                for r in range(len(backends))]
+    for thread, event in zip(threads, finished):
+        thread.finished = event  # type: ignore[attr-defined] - see wait_for_ranks
     try:
         for t in threads:
             t.start()
@@ -105,11 +110,18 @@ def start_rank_threads(backends: list[InMemoryCommunicationBackend], fn: Callabl
         # wait for it until their timeout, after the caller has seen the error. Stop them now
         # (a thread that Ctrl-C interrupted in start() may have started: it has an ident).
         backends[0].world.abort(-1, exc)
-        for t in threads:
-            if t.ident is not None:
-                t.join(timeout=5)
+        wait_for_ranks([t for t in threads if t.ident is not None], 5)
         raise
     return threads
+
+
+def wait_for_ranks(threads: list[threading.Thread], timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for each rank thread of ``start_rank_threads`` to finish.
+    Not ``Thread.join``: once a join was interrupted (Ctrl-C in the caller), Python 3.11's
+    ``is_alive()`` reads False for a thread still running, and a second join returns at once, so
+    spawn returned with a rank still computing and the interpreter aborted at exit (status 134)."""
+    for thread in threads:
+        thread.finished.wait(timeout)  # type: ignore[attr-defined]
 
 
 def p2p_counts(backend: Any) -> dict[tuple[str, int, int], int]:
