@@ -33,6 +33,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -138,15 +139,20 @@ class ProcessPool:
         prefix = f"distframe/pool{os.getpid()}-{id(self)}/generation{self._generation}"
         self._prefix = prefix
         self._workers = []
-        for rank in range(self.world_size):
-            parent_end, child_end = context.Pipe()
-            process = context.Process(
-                target=_worker_main, name=f"distframe-{self.backend}-rank{rank}", daemon=True,
-                args=(rank, self.world_size, self.backend, host, port, prefix, self.timeout,
-                      self._backend_kwargs, child_end, list(sys.path), dict(os.environ), os.getpid()))
-            process.start()
-            child_end.close()
-            self._workers.append(_Worker(rank, process, parent_end))
+        try:
+            for rank in range(self.world_size):
+                parent_end, child_end = context.Pipe()
+                process = context.Process(
+                    target=_worker_main, name=f"distframe-{self.backend}-rank{rank}", daemon=True,
+                    args=(rank, self.world_size, self.backend, host, port, prefix, self.timeout,
+                          self._backend_kwargs, child_end, list(sys.path), dict(os.environ), os.getpid()))
+                process.start()
+                child_end.close()
+                self._workers.append(_Worker(rank, process, parent_end))
+        except BaseException:  # Ctrl-C while the forkserver starts: the workers started go too
+            self._stop_workers(graceful=False)
+            self._needs_restart = True
+            raise
         self._needs_restart = False
         _, errors = self._collect()  # each worker reports once its backend is built
         if errors:
@@ -240,14 +246,36 @@ def _start_context(start_method: str) -> Any:
         context = multiprocessing.get_context("forkserver")
         # Takes effect when the server starts (once per process); it imports torch, nothing more.
         context.set_forkserver_preload(["distframe._process_launch", "torch.distributed"])
+        _start_forkserver_deaf_to_ctrl_c()
         return context
     return multiprocessing.get_context("spawn")
+
+
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """[Note: the forkserver and Ctrl-C] The forkserver imports its preloads (torch: seconds)
+    before it ignores SIGINT itself, and it is in the terminal's process group: a Ctrl-C in the
+    first seconds of a run printed its KeyboardInterrupt traceback under distframe's one line.
+    Started with SIGINT ignored (a disposition exec keeps, and Python then leaves alone), it never
+    sees one; its children, the rank processes, get Python's handler back (``_worker_main``). The
+    parent's own handler is back at once. From the main thread only (signal.signal's rule):
+    elsewhere the server starts on the first worker's start, as before."""
+    import threading
+    from multiprocessing import forkserver
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _worker_main(rank: int, world_size: int, engine: str, host: str, port: int, prefix: str,
                  timeout: float, backend_kwargs: dict, connection: Any, sys_path: list[str],
                  environ: dict[str, str], launcher_pid: int | None = None) -> None:
     watch_launcher(launcher_pid)  # [distframe._launcher_watch]
+    # Forked from a forkserver that ignores SIGINT ([Note: the forkserver and Ctrl-C]).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # A forkserver child inherits the server's view, taken when it started: use the caller's.
     sys.path[:] = sys_path
     os.environ.clear()

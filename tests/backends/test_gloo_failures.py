@@ -305,6 +305,17 @@ def test_spawn_names_the_rank_that_was_killed_not_a_peer_it_stopped(tmp_path):
     assert "global rank 2 of the world this group was made from" in Path(f"{where}.0").read_text()
 
 
+def rank_sigint_handler(b):
+    import signal
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_rank_processes_take_ctrl_c_though_their_forkserver_ignores_it():
+    # The forkserver starts with SIGINT ignored ([Note: the forkserver and Ctrl-C]), so a Ctrl-C
+    # while it imports torch prints no traceback; the rank processes it forks must not inherit that.
+    assert spawn(rank_sigint_handler, 2, "gloo", timeout=60) == [True, True]
+
+
 def test_unpicklable_function_fails_in_the_caller():
     before = set(multiprocessing.active_children())  # e.g. a module's pool
     with pytest.raises(Exception, match="pickle|lambda"):
