@@ -26,9 +26,11 @@ master: one attribute read per parameter, no communication (every rank makes the
 replaced ``.data`` (``p.data = p.data * 0.5``), which moves no version, is found by its data pointer
 (one more read), taken the same way, and its values copied into the parameter's own storage, which
 it points at again ([Note: a replaced .data] in replaced_data.py; forward computes with it until
-then, as one process would). A write in place through ``p.data`` (``p.data.mul_(2)``) moves neither
-and is lost, as under ZeRO-1/2 with a MixedPrecisionPolicy; write through the parameter under
-``torch.no_grad()``.
+then, as one process would); one sharing a parameter's own storage (``b.data = a.data``, a tie
+made after wrapping, which the master chunk laid out at wrapping cannot follow) is refused
+([Note: a tie made after wrapping] there). A write in place through ``p.data``
+(``p.data.mul_(2)``) moves neither and is lost, as under ZeRO-1/2 with a MixedPrecisionPolicy;
+write through the parameter under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.flat import Segment
-from distframe.models.replaced_data import check_replacement
+from distframe.models.replaced_data import check_not_tied, check_replacement
 from distframe.models.sharded_state import ShardLayout
 
 
@@ -94,10 +96,13 @@ class ZeroShards:
         if not edited:
             return
         hi = self.lo + self.chunk
+        held: set[int] | None = None  # the parameters' own storages, where one was replaced
         with torch.no_grad():
             for i in edited:
                 p, offset = self.params[i], self.offsets[i]
                 if p.data_ptr() != self._pointers[i]:  # a replaced .data
+                    held = held or {t.untyped_storage().data_ptr() for t in self._data}
+                    check_not_tied("HybridShardedModel", "a trainable parameter", p.data, held)
                     check_replacement("HybridShardedModel", "a trainable parameter", p.data, self._data[i])
                     self._data[i].copy_(p.data)
                     p.data = self._data[i]

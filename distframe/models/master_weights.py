@@ -45,7 +45,7 @@ from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
 from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.flat import FlatSpace
-from distframe.models.replaced_data import AttachedData
+from distframe.models.replaced_data import AttachedData, held_storages
 from distframe.models.sharded_state import ShardLayout
 from distframe.precision import cast_floating
 
@@ -94,8 +94,9 @@ class MasterWeightsModelBase(ShardedModelBase):
         if not found:
             return set()
         self._finish_gathers()
+        held = held_storages(self._attached_data())  # see [Note: a tie made after wrapping]
         for data, positions in found:
-            data.take_replaced(positions, self.backend.rank, type(self).__name__)
+            data.take_replaced(positions, self.backend.rank, type(self).__name__, held)
         return {id(data.params[k]) for data, positions in found for k in positions}
 
     def _take_in_place_edits(self) -> None:

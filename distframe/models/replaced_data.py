@@ -24,12 +24,26 @@ The EMA swap (``saved = p.data; p.data = ema``, an evaluation under no_grad, ``p
 thus evaluates the EMA weights and trains on exactly. Evaluated with grad, the forward takes the
 EMA weights into the masters, and ``saved`` (the strategy's tensor, or a stand-in) gives nothing
 back: swap inside ``summon_full_parameters()`` then. Refused (ConfigError): a replacement of
-another shape, dtype or device (the storage was laid out at wrapping), and one holding NaN while
-its unit holds stand-ins (computed from one: ``p.data = p.data * 0.5`` between uses).
+another shape, dtype or device (the storage was laid out at wrapping), one holding NaN while its
+unit holds stand-ins (computed from one: ``p.data = p.data * 0.5`` between uses), and a tie.
+
+[Note: a tie made after wrapping] ``b.data = a.data`` (or a view of it) makes two parameters share
+storage; one process's optimizer then steps both through it. The strategies lay each parameter's
+storage out at wrapping (flat buffers, units, master chunks), so they cannot follow a tie made
+since: taken as above, the values were copied and ``.data`` pointed back at b's own storage,
+silently untying them; and under ZeRO-3/FSDP, where every resharded parameter of a dtype expanded
+one shared NaN, the pointer did not even move, so nothing was taken and the next gather undid it
+(the shape was not checked either). So each resharded parameter expands a NaN of its own
+(sharded_unit.py: its pointer moves when it is given another's), and a replacement sharing
+storage with what the strategy holds for the model (a flat buffer, a unit's gathered storage or
+its NaNs, a master chunk: ``held_storages``) is refused, saying to tie before wrapping. Storages
+are compared by their data pointer, which a freed one (a resharded unit's) has as 0: a view of
+it is refused too, before its freed memory is read. Only where something was replaced does this
+cost anything (one call per tensor the strategy attached).
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
@@ -41,12 +55,20 @@ class AttachedData:
     """The tensors a strategy points the parameters of ``space`` at (``p.data``), whose values this
     rank's ``master`` chunk of the space holds; see [Note: a replaced .data]."""
 
-    def __init__(self, space: FlatSpace, master: torch.Tensor) -> None:
+    def __init__(self, space: FlatSpace, master: torch.Tensor, *,
+                 also_held: Sequence[torch.Tensor] = ()) -> None:
+        """``also_held``: tensors whose storage the strategy holds for ``space`` besides those it
+        attaches (a unit's gathered storage while it holds stand-ins, and its NaNs while gathered)."""
         self.space, self.master = space, master
         self.params = space.params
         self.tensors: list[torch.Tensor] = []
         self.pointers: list[int] = []
         self.holds_values = False
+        self.also_held = list(also_held)
+
+    def held_storages(self) -> set[int]:
+        """The data pointers of the storages the strategy holds for the space (0: a freed one)."""
+        return {t.untyped_storage().data_ptr() for t in (*self.tensors, *self.also_held, self.master)}
 
     def replaced(self) -> list[int]:
         """Positions of the parameters pointed elsewhere than ``attach`` pointed them."""
@@ -65,15 +87,19 @@ class AttachedData:
         self.tensors, self.holds_values = tensors, holds_values
         self.pointers = [t.data_ptr() for t in tensors]
 
-    def take_replaced(self, positions: list[int], rank: int, strategy: str) -> None:
+    def take_replaced(self, positions: list[int], rank: int, strategy: str,
+                      held: Collection[int] | None = None) -> None:
         """Writes the parameters at ``positions`` (``replaced()``) into this rank's master chunk and,
         where they hold values, into the attached tensors, which the parameters point at again;
-        local. Wait for gathers writing into the tensors first."""
+        local. Wait for gathers writing into the tensors first. ``held``: ``held_storages`` of the
+        whole model (by default this space's), whose storage a replacement may not share."""
+        held = self.held_storages() if held is None else held
         segments = {s.name: s for s in self.space.segments(rank)}  # one per parameter at most
         with torch.no_grad():
             for k in positions:
                 name, param, tensor = self.space.entries[k].name, self.params[k], self.tensors[k]
                 new = param.data
+                check_not_tied(strategy, f"parameter {name!r}", new, held)
                 check_replacement(strategy, f"parameter {name!r}", new, tensor)
                 if not self.holds_values and bool(new.isnan().any()):
                     raise _computed_from_stand_in(strategy, name)
@@ -85,6 +111,25 @@ class AttachedData:
                 if self.holds_values:
                     tensor.copy_(new)
                 param.data = tensor
+
+
+def held_storages(attached: Iterable[AttachedData]) -> set[int]:
+    """What every space of a model holds (``AttachedData.held_storages``)."""
+    return set().union(*(data.held_storages() for data in attached))
+
+
+def check_not_tied(strategy: str, what: str, new: torch.Tensor, held: Collection[int]) -> None:
+    """ConfigError if ``new`` (a replaced ``.data`` of ``what``) shares one of the storages
+    ``held`` (data pointers; see [Note: a tie made after wrapping])."""
+    if not new.numel() or new.untyped_storage().data_ptr() not in held:  # no elements: none shared
+        return
+    raise ConfigError(
+        f"{strategy}: {what} was given .data that shares storage with what the strategy holds for "
+        "this model: another parameter's .data or a view of it (p.data = q.data after wrapping, "
+        "which ties the two), or a NaN stand-in held while resharded. The strategy laid the "
+        "parameters' storage out at wrapping and cannot follow a tie made since: tie them before "
+        "wrapping (module.p = module.q); to copy the values, with torch.no_grad(): p.copy_(q) "
+        "(where they are resharded, inside model.summon_full_parameters())")
 
 
 def check_replacement(strategy: str, what: str, new: torch.Tensor, like: torch.Tensor) -> None:

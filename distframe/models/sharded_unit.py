@@ -10,13 +10,15 @@ Parameter (float32 under mixed precision) that its optimizer updates.
 memory it no longer owns: ``p.sum()``, ``print(p)`` or an EMA of the weights outside forward
 crashed the process. So while resharded each parameter holds a stand-in (``p.data``, which
 leaves the Parameter, its ``.grad`` and its hooks as they are; a leaf autograd saved is read
-through the Parameter, which holds its view again by the time backward needs it): one NaN
-expanded to the parameter's shape. Shape, dtype and device stay what user code reads them for
-(counting parameters, choosing optimizer groups by ``p.dim()``); a read gives NaN, never freed
-memory or a plausible number, and an in-place write raises (every element is one memory
-location; a one-element parameter, which torch lets one write, has a NaN of its own, and the
-write is lost at its next gather). ``gather_full_parameters()`` gives the values. A ``.data``
-the user assigned stays until the model takes it ([Note: a replaced .data] in replaced_data.py).
+through the Parameter, which holds its view again by the time backward needs it): a NaN of its
+own (one element of the unit's ``nans``) expanded to the parameter's shape. Shape, dtype and
+device stay what user code reads them for (counting parameters, choosing optimizer groups by
+``p.dim()``); a read gives NaN, never freed memory or a plausible number, and an in-place write
+raises (every element is one memory location; a one-element parameter, which torch lets one
+write, writes only its own NaN, and the write is lost at its next gather). Each stand-in has a
+data pointer of its own, so another parameter's assigned to its ``.data`` is seen ([Note: a tie
+made after wrapping] in replaced_data.py). ``gather_full_parameters()`` gives the values. A
+``.data`` the user assigned stays until the model takes it ([Note: a replaced .data] there).
 A read inside the model's forward or train_step's loss function is refused, naming the parameter,
 in the first such call of each kind ([Note: reads of a resharded parameter] in stand_in_reads.py).
 (FSDP1 empties them instead, shape ``(0,)``, which breaks that user code.)
@@ -44,26 +46,12 @@ from distframe.models.replaced_data import AttachedData
 from distframe.precision import MixedPrecisionPolicy, finer
 
 
-def stand_in(held: dict[tuple[torch.dtype, torch.device], torch.Tensor], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
-    """The 0-dim NaN of ``dtype`` on ``device`` that a model's resharded parameters of that dtype
-    expand (see [Note: parameters between uses]), kept in the model's ``held``: one element of
-    storage per model and dtype. (One per process, shared by every model, took an edit between
-    steps (``nn.init.zeros_`` on a bias: torch sees no overlap in writing one value) into every
-    resharded parameter of the process, whose reads then gave 0, not NaN, in models never edited;
-    the edited model itself raises at its next forward.)"""
-    if (dtype, device) not in held:
-        held[dtype, device] = torch.full((), float("nan"), dtype=dtype, device=device)
-    return held[dtype, device]
-
-
 class ShardedUnit:
     """``named_params`` (one dtype) owned by ``module``'s hooks; ``persistent`` units stay
     gathered between steps (only their master, gradient and optimizer state are sharded)."""
 
     def __init__(self, index: int, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
-                 backend: ICommunicationBackend, policy: MixedPrecisionPolicy, *, persistent: bool,
-                 stand_ins: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
+                 backend: ICommunicationBackend, policy: MixedPrecisionPolicy, *, persistent: bool) -> None:
         self.index = index
         self.module = module
         self.backend = backend
@@ -82,15 +70,16 @@ class ShardedUnit:
         # From the model's own values: ``full`` holds them rounded to the compute dtype.
         self.master = nn.Parameter(self.space.chunk(originals, backend.rank, policy.master(dtype)))
         self._views = list(self.space.views(self.full))
-        nan = stand_in(stand_ins, self.full.dtype, self.full.device)  # held while resharded
-        # To torch a one-element view is no overlap, so an in-place edit between steps (fill_ on a
-        # scalar temperature) would land in the NaN every parameter of the dtype expands, and they
-        # would all read that value: such a parameter gets a NaN of its own.
-        self._stand_ins = [nan.expand(e.shape) if e.numel != 1 else nan.clone().expand(e.shape)
-                           for e in self.space.entries]
+        # Held while resharded, one NaN per parameter: an in-place edit between steps (fill_ on a
+        # one-element parameter, zero_ on a bias: torch sees no overlap in writing one value)
+        # reaches no other parameter, and one parameter given another's stand-in moves its pointer.
+        nans = torch.full((len(self.space.entries),), float("nan"), dtype=self.full.dtype,
+                          device=self.full.device)
+        self._stand_ins = [nans[k].expand(e.shape) for k, e in enumerate(self.space.entries)]
         # How a read of a parameter holding its stand-in is told apart (stand_in_reads.py).
         self.stand_in_pointers = frozenset(t.data_ptr() for t in self._stand_ins)
-        self.attached = AttachedData(self.space, self.master)  # see [Note: a replaced .data]
+        # See [Note: a replaced .data] in replaced_data.py; ``full`` and ``nans``: what it holds.
+        self.attached = AttachedData(self.space, self.master, also_held=(self.full, nans))
         self.attached.attach(self._views, holds_values=True)
         self.state = TrainingState.IDLE
         self.is_unsharded = True

@@ -9,8 +9,8 @@ loss function. The loss is NaN, every parameter trains into NaN, and nothing say
 model's forward and the loss function of ``train_step`` run, this TorchFunctionMode looks at the
 arguments of every torch call (one level into lists and tuples, as ``torch.cat`` takes them) and
 raises the model's ConfigError for an ``nn.Parameter`` whose data is a stand-in: its ``data_ptr()``
-is a stand-in's (those of a dtype and device expand one scalar; a one-element parameter has its
-own). Only Parameters are looked at (``type(a) is nn.Parameter``: activations pay a type check),
+is a stand-in's (each parameter expands a NaN of its own, one element of its unit's). Only
+Parameters are looked at (``type(a) is nn.Parameter``: activations pay a type check),
 and calls that only read metadata (``p.shape``, ``p.dtype``, ``p.grad``, setting ``p.data`` as the
 units' own hooks do) are not reads. A forward's own units are gathered by its hooks, so they never
 hold a stand-in while it runs; the mode is thread-local and off once the forward returns, so

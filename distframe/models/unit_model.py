@@ -64,9 +64,8 @@ class UnitShardedModelBase(MasterWeightsModelBase):
         chosen = self._choose_units(module)
         mark_wrapped(module, type(self).__name__)  # checks done: the module changes from here
         cast_frozen(module, policy.param_dtype)
-        stand_ins: dict = {}  # this model's NaN per dtype (sharded_unit.stand_in)
         self.units = [
-            ShardedUnit(i, owner, params, backend, policy, stand_ins=stand_ins,
+            ShardedUnit(i, owner, params, backend, policy,
                         persistent=sum(p.numel() for _, p in params) < self.config.replicate_below_numel)
             for i, (owner, params) in enumerate(chosen)]
         self.lifecycle = UnitLifecycle(self.units, module,
