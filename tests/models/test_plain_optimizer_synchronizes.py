@@ -61,18 +61,25 @@ def test_a_hand_written_loop_over_a_data_parallel_hybrid_equals_one_process(scal
             torch.testing.assert_close(params[name], want, rtol=0, atol=1e-12)
 
 
-def _closure_reference(opt_cls, kwargs):
-    reference = _mlp()
-    opt = opt_cls(reference.parameters(), **kwargs)
+def _closure_steps(model, opt, rows=slice(None), keyword=False):
+    """STEPS steps of ``opt.step(closure)`` on ``rows`` of each batch (the closure by keyword)."""
     for step in range(STEPS):
         x, y = _batch(step)
 
         def closure():
             opt.zero_grad()
-            loss = F.mse_loss(reference(x), y)
+            loss = F.mse_loss(model(x[rows]), y[rows])
             loss.backward()
             return loss
-        opt.step(closure)
+        if keyword:
+            opt.step(closure=closure)
+        else:
+            opt.step(closure)
+
+
+def _closure_reference(opt_cls, kwargs):
+    reference = _mlp()
+    _closure_steps(reference, opt_cls(reference.parameters(), **kwargs))
     return reference.state_dict()
 
 
@@ -97,19 +104,7 @@ def test_a_closure_step_over_a_data_parallel_hybrid_equals_one_process(data_para
             opt = opt_cls(model.parameters(), **kwargs)
         else:
             opt = {"zero1": ZeRO1Optimizer, "zero2": ZeRO2Optimizer}[data_parallel](model, opt_cls, **kwargs)
-        rows = slice(2 * backend.rank, 2 * backend.rank + 2)
-        for step in range(STEPS):
-            x, y = _batch(step)
-
-            def closure():
-                opt.zero_grad()
-                loss = F.mse_loss(model(x[rows]), y[rows])
-                loss.backward()
-                return loss
-            if keyword:
-                opt.step(closure=closure)
-            else:
-                opt.step(closure)
+        _closure_steps(model, opt, slice(2 * backend.rank, 2 * backend.rank + 2), keyword)
         return model.gather_full_parameters()
 
     with warnings.catch_warnings():
@@ -240,16 +235,7 @@ def test_lbfgs_with_a_line_search_equals_one_process(strategy):
         else:
             model = HybridShardedModel(_mlp(), backend, dims=ParallelDims(dp=2))
             opt = torch.optim.LBFGS(model.parameters(), **settings)
-        rows = slice(2 * backend.rank, 2 * backend.rank + 2)
-        for step in range(STEPS):
-            x, y = _batch(step)
-
-            def closure():
-                opt.zero_grad()
-                loss = F.mse_loss(model(x[rows]), y[rows])
-                loss.backward()
-                return loss
-            opt.step(closure)
+        _closure_steps(model, opt, slice(2 * backend.rank, 2 * backend.rank + 2))
         return model.gather_full_parameters()
 
     for params in spawn(run, 2, timeout=30):
