@@ -61,8 +61,9 @@ def test_a_hand_written_loop_over_a_data_parallel_hybrid_equals_one_process(scal
             torch.testing.assert_close(params[name], want, rtol=0, atol=1e-12)
 
 
-def _closure_steps(model, opt, rows=slice(None), keyword=False):
-    """STEPS steps of ``opt.step(closure)`` on ``rows`` of each batch (the closure by keyword)."""
+def _closure_steps(model, opt, rows=slice(None), keyword=False, step_with=None):
+    """STEPS steps of ``opt.step(closure)`` on ``rows`` of each batch (the closure by keyword; or
+    ``step_with(opt, closure)``)."""
     for step in range(STEPS):
         x, y = _batch(step)
 
@@ -71,7 +72,9 @@ def _closure_steps(model, opt, rows=slice(None), keyword=False):
             loss = F.mse_loss(model(x[rows]), y[rows])
             loss.backward()
             return loss
-        if keyword:
+        if step_with is not None:
+            step_with(opt, closure)
+        elif keyword:
             opt.step(closure=closure)
         else:
             opt.step(closure)
@@ -192,19 +195,10 @@ def test_a_step_with_an_argument_before_its_closure(with_closure):
     # The guard took the second positional argument for the closure: opt.step(0.5) wrapped 0.5
     # ("unsupported operand type(s) for *: 'float' and 'function'").
     def train(model, opt, rows):
-        for step in range(STEPS):
-            x, y = _batch(step)
-
-            def closure():
-                opt.zero_grad()
-                loss = F.mse_loss(model(x[rows]), y[rows])
-                loss.backward()
-                return loss
-            if with_closure:
-                opt.step(0.5, closure)
-            else:
-                closure()
-                opt.step(0.5)
+        if with_closure:
+            _closure_steps(model, opt, rows, step_with=lambda opt, closure: opt.step(0.5, closure))
+        else:
+            _closure_steps(model, opt, rows, step_with=lambda opt, closure: (closure(), opt.step(0.5)))
     reference = _mlp()
     train(reference, ScaledSGD(reference.parameters(), lr=0.1), slice(None))
 
