@@ -106,8 +106,8 @@ class AttachedData:
                 seg = segments.get(name)
                 if seg is not None:
                     values = new.reshape(-1)[seg.param_offset:seg.param_offset + seg.length]
-                    held = self.master.detach()[seg.shard_offset:seg.shard_offset + seg.length]
-                    held.copy_(torch.where(values != held.to(values.dtype), values.to(held.dtype), held))
+                    chunk = self.master.detach()[seg.shard_offset:seg.shard_offset + seg.length]
+                    chunk.copy_(torch.where(values != chunk.to(values.dtype), values.to(chunk.dtype), chunk))
                 if self.holds_values:
                     tensor.copy_(new)
                 param.data = tensor

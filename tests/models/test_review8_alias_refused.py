@@ -96,3 +96,24 @@ def test_a_resharded_parameters_data_of_another_shape_is_refused(strategy):
             model.train_step(batch, loss64, opt)
         return True
     assert spawn(run, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("strategy, extra", [c for c, i in zip(CASES, IDS) if "resharded" not in i
+                                             and "mixed" not in i], ids=[i for i in IDS if "resharded"
+                                                                         not in i and "mixed" not in i])
+def test_a_tie_among_other_replacements_is_refused(strategy, extra):
+    # Every parameter but a's given a copy of its values (which is taken), then b.bias tied to
+    # a.bias: the check of each replacement after the first in a bucket or unit compared with a
+    # master chunk's values where it meant the held storages, and the tie went through.
+    def run(backend):
+        model, opt = make(strategy, backend, **extra)
+        batch = rows(backend.rank)
+        model.train_step(batch, loss64, opt)
+        for name, p in model.module.named_parameters():
+            if not name.startswith("a."):
+                p.data = p.data.clone()
+        model.module.b.bias.data = model.module.a.bias.data[:model.module.b.bias.numel()]
+        with pytest.raises(ConfigError, match=TIE):
+            model.train_step(batch, loss64, opt)
+        return True
+    assert spawn(run, 2, timeout=60) == [True, True]
