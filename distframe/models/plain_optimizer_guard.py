@@ -185,7 +185,10 @@ def synchronizing(models: list[Any], args: tuple, kwargs: dict) -> tuple | None:
     after each evaluation: the gradients to synchronise are the ones the closure's backward makes
     (synchronised first, each replica stepped its own slice's, 0.16 off one process, without a
     word). The closure's loss becomes the global mean (``global_closure_loss``)."""
-    bound = _step_signature(type(args[0])).bind_partial(*args, **kwargs) if models else None
+    try:
+        bound = _step_signature(type(args[0])).bind_partial(*args, **kwargs) if models else None
+    except TypeError:  # arguments step() does not take: its own call raises torch's error for them
+        bound = None
     closure = None if bound is None else bound.arguments.get("closure")
     if closure is None:
         for model in models:
