@@ -96,6 +96,8 @@ def models_stepped_by(optimizer: torch.optim.Optimizer) -> list[Any]:
 def in_step_order(models: list[Any], params: list[torch.Tensor]) -> list[Any]:
     """``models`` by where their first parameter comes in ``params`` (the optimizer's): the same
     order on every rank, where a WeakSet's follows object ids; their synchronisations communicate."""
+    if len(models) < 2:  # every optimizer step of the process comes here: most step no model or one
+        return models
     position = {id(p): i for i, p in enumerate(params)}
     return sorted(models, key=lambda m: min((position[id(q)] for q in m.parameters() if id(q) in position),
                                             default=len(position)))
