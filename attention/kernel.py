@@ -107,6 +107,24 @@ def _cuda_forward(kind, q, k, v, is_causal, key_mask, scale):
     return out[..., :head_dim], lse
 
 
+#: Most segments one fused CUDA kernel call takes: both kernels put dimension 0 on a grid axis of
+#: at most 65,535 blocks, and a call over more fails ("CUDA error: invalid argument"). Many short
+#: segments reach it: 65,536 segments of 8 are 512k tokens, at rate 1 in one branch.
+CUDA_MAX_SEGMENTS = 65535
+
+
+def _in_batches(run, tensors, key_mask):
+    """``run(*tensors, key_mask)`` over slices of at most CUDA_MAX_SEGMENTS of dimension 0,
+    each output concatenated along it: each segment's numbers are those of one call."""
+    count = tensors[0].shape[0]
+    if count <= CUDA_MAX_SEGMENTS:
+        return run(*tensors, key_mask)
+    parts = [run(*(t[lo:lo + CUDA_MAX_SEGMENTS] for t in tensors),
+                 None if key_mask is None else key_mask[lo:lo + CUDA_MAX_SEGMENTS])
+             for lo in range(0, count, CUDA_MAX_SEGMENTS)]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
 def _cuda_backward(kind, grad_out, q, k, v, out, lse, is_causal, key_mask, scale):
     # Without dropout the kernels read neither the sequence offsets nor the RNG state: None.
     head_dim, rows, cols = q.shape[-1], q.shape[-2], k.shape[-2]
@@ -170,8 +188,9 @@ def segment_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Attention over each compressed segment. Returns ``out (N, H, M, D)``, ``lse (N, H, M)`` fp32+."""
     kind = cuda_kernel(q, key_mask, scale)
     if kind is not None:
-        return _fix_rows_without_keys(*_cuda_forward(kind, q, k, v, is_causal, key_mask, scale),
-                                      key_mask, is_causal)
+        out, lse = _in_batches(lambda q, k, v, mask: _cuda_forward(kind, q, k, v, is_causal, mask,
+                                                                    scale), (q, k, v), key_mask)
+        return _fix_rows_without_keys(out, lse, key_mask, is_causal)
     if not _use_cpu_flash(q):
         return _math_forward(q, k, v, is_causal, key_mask, scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -200,7 +219,8 @@ def segment_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch
     """
     kind = cuda_kernel(q, key_mask, scale)
     if kind is not None:
-        return _cuda_backward(kind, grad_out, q, k, v, out, lse, is_causal, key_mask, scale)
+        return _in_batches(lambda g, q, k, v, o, lse, mask: _cuda_backward(
+            kind, g, q, k, v, o, lse, is_causal, mask, scale), (grad_out, q, k, v, out, lse), key_mask)
     if not _use_cpu_flash(q):
         return _math_backward(grad_out, q, k, v, out, lse, is_causal, key_mask, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
