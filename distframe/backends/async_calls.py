@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from distframe.backends import cuda_streams
 from distframe.backends.composed import Call
 from distframe.backends.types import FutureWork
 from distframe.errors import DistFrameError, rebuild_exception
@@ -62,14 +63,17 @@ class AsyncCalls:
         return getattr(self, "_world_ranks", None)
 
     def _submit(self, call: Call, fn: Callable[[Call], Any]) -> FutureWork:
-        """Queues ``fn(call)`` on the communication thread."""
+        """Queues ``fn(call)`` on the communication thread, under the caller's current CUDA
+        stream ([Note: the caller's stream] in ``cuda_streams``)."""
+        stream = cuda_streams.caller_stream()
+
         def execute() -> Any:
             failure = self._failure_before(call.seq)
             if failure is not None:
                 raise queued_behind(call, *failure)
             try:
                 self._check_call(call)
-                return fn(call)
+                return fn(call) if stream is None else cuda_streams.run_on(stream, fn, call)
             except BaseException as exc:
                 with self._lock:
                     self._failed_seq, self._failure_seen_at, self._async_error = call.seq, None, exc

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from distframe.backends.base import DEFAULT_TIMEOUT, Call, CommunicationBackendBase
+from distframe.backends.cuda_streams import settle
 from distframe.backends.departures import Departure
 from distframe.backends.reduction import reduce_into
 from distframe.backends.rendezvous import STALL_GRACE, Rendezvous, Slot, World, autograd_device
@@ -82,10 +83,13 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
 
     # ---- the meeting pattern -------------------------------------------------------------------
     def _collective(self, call: Call, payload: Any, body: Callable[[Slot], Any]) -> Any:
-        slot = self._rdv.arrive(self._rank, call.seq, call.signature, payload, call.timeout)
+        # CUDA: the inputs are written before peers read them, and what this rank wrote before
+        # it departs ([Note: the caller's stream] in cuda_streams).
+        slot = self._rdv.arrive(self._rank, call.seq, call.signature, settle(payload), call.timeout)
         try:
             return body(slot)
         finally:
+            settle(payload)
             self._rdv.depart(self._rank, call.seq, slot, call.op, call.timeout)
 
     def _stall_check(self, call: Call) -> Callable[[], BaseException | None]:
@@ -148,8 +152,8 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
     def _reduced_whole(self, slot: Slot, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         """Every rank's input of ``slot`` folded with ``op`` in rank order, computed once by the
         first rank to ask (``WHOLE_REDUCE_BYTES``); the inputs are not read after it."""
-        return self._rdv.compute_once(slot, "reduced", lambda: reduce_into(
-            torch.empty_like(tensor), [slot.inputs[r] for r in range(self._world_size)], op))
+        return self._rdv.compute_once(slot, "reduced", lambda: settle(reduce_into(
+            torch.empty_like(tensor), [slot.inputs[r] for r in range(self._world_size)], op)))
 
     def _broadcast(self, tensor: torch.Tensor, src: int, call: Call) -> None:
         def body(slot: Slot) -> None:
@@ -198,7 +202,7 @@ class InMemoryCommunicationBackend(CommunicationBackendBase):
         seq = self._next_p2p_seq("send", dst, tag)
         # Buffered (eager) send: the payload is a copy, so the caller may reuse its tensor at once,
         # and neither this send nor shutdown waits for a receiver (one that left never takes it).
-        self._rdv.post(self._rank, dst, tag, seq, tensor.clone())
+        self._rdv.post(self._rank, dst, tag, seq, settle(tensor.clone()))
         return CompletedWork(None)
 
     def _irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work:

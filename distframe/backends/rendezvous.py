@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from distframe.backends.cuda_streams import cuda_devices
 from distframe.backends.departures import (Departure, departure_error, gave_up_error, in_world,
                                            receive_departure_error, world_note, world_ranks_of)
 from distframe.backends.signature import Signature, describe_mismatch
@@ -40,11 +41,6 @@ def autograd_device() -> int | None:
     if not isinstance(threading.current_thread(), getattr(threading, "_DummyThread", ())):
         return None  # a thread Python started: backward of CPU tensors runs on the caller's
     return torch.cuda.current_device()
-
-
-def _cuda_devices(payload: Any) -> set[int]:
-    items = payload if isinstance(payload, (list, tuple)) else [payload]
-    return {t.device.index for t in items if isinstance(t, torch.Tensor) and t.is_cuda}
 
 
 def shared_gpu_note(op: str, device: int, ranks: list[int]) -> str:
@@ -73,7 +69,7 @@ class World:
         self._lock = threading.Lock()
 
     def note_gpus(self, global_rank: int, payload: Any) -> None:
-        devices = _cuda_devices(payload)
+        devices = cuda_devices(payload)
         if devices and not devices <= self.gpus.get(global_rank, set()):
             with self._lock:
                 self.gpus[global_rank] = self.gpus.get(global_rank, set()) | devices
