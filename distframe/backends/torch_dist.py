@@ -89,6 +89,15 @@ class NCCLCommunicationBackend(TorchDistributedBackend):
     def _sibling_kwargs(self) -> dict[str, Any]:
         return {"device": self._device.index}
 
+    def _shutdown(self) -> None:
+        group = self._pg
+        super()._shutdown()
+        # As torch's destroy_process_group does: an NCCL group never shut down keeps its
+        # communicators to the end of the process and warns then that it may leak them.
+        close = getattr(group, "shutdown", None) or getattr(group, "_shutdown", None)
+        if close is not None:
+            close()
+
 
 def visible_gpus() -> int:
     """How many CUDA GPUs this process can use (0 without CUDA)."""
