@@ -19,7 +19,10 @@ MPI 55. Two places carry the caller's stream:
   all is waited for before the others read it (``settle``).
 Host waits, not stream-to-stream events: the Gloo and MPI engines stage CUDA tensors through host
 memory, which waits anyway, the NCCL engine's wait polls for completion to keep its timeout, and
-the in-memory engine is for tests. A process that has not initialised CUDA pays one check.
+the in-memory engine is for tests. Each function asks ``torch.cuda.is_initialized()`` first
+(as the autograd-thread check in ``rendezvous`` does), so a process that has not used CUDA, on
+any machine, runs no other CUDA call here and pays one check: the engines stay device-agnostic
+(STYLE.md, rule 5) for every device but the one whose streams torch.distributed orders this way.
 """
 from __future__ import annotations
 
