@@ -5,15 +5,16 @@ padded to a multiple of ``dp``; data-parallel rank d owns chunk d and keeps a ma
 which is what the optimizer (ZeRO1Optimizer / ZeRO2Optimizer) updates, so optimizer state is
 ``1/dp`` of the rank's parameters.
 
-Collectives (data-parallel group): ``reduce_gradients`` runs one reduce_scatter(SUM) of the flat
-gradients divided by ``dp``, so each rank averages only the chunk it updates, and
-``gather_parameters`` one all_gather of the updated chunks into the parameters: 2(dp-1)/dp of the
+Collectives (data-parallel group): ``reduce_gradients`` reduce-scatters (SUM) the flat
+gradients, divided by ``dp``, so each rank averages only the chunk it updates, and
+``gather_parameters`` all-gathers the updated chunks into the parameters: 2(dp-1)/dp of the
 parameters on the wire per step, as ``ZeRO1Model``/``ZeRO2Model`` (an all_reduce of the gradients
-would make it 3(dp-1)/dp). ZeRO-1 keeps the full gradients, as ``ZeRO1Model`` does: each
-parameter's ``.grad`` holds this rank's own gradient, with the chunk it owns replaced by the
-average. ZeRO-2 keeps only the chunk's averaged gradient. A further backward before the step (no
-zero_grad) adds to the averages, as with torch DDP: ``restart_accumulation`` sets the average
-aside before it, and the next reduction adds the new average to it.
+would make it 3(dp-1)/dp), in rounds ([Note: rounds over the chunks]). ZeRO-1 keeps the full
+gradients, as ``ZeRO1Model`` does: each parameter's ``.grad`` holds this rank's own gradient, with
+the chunk it owns replaced by the average. ZeRO-2 keeps only the chunk's averaged gradient. A
+further backward before the step (no zero_grad) adds to the averages, as with torch DDP:
+``restart_accumulation`` sets the average aside before it, and the next reduction adds the new
+average to it.
 
 In-place edits of the parameters after wrapping (``model.module.load_state_dict(pretrained)``,
 ``module.apply(init_fn)``, ``p.mul_(0.5)`` under ``torch.no_grad()`` between steps) edit what
@@ -34,21 +35,28 @@ write through the parameter under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
+from distframe.models.config import ShardingConfig
 from distframe.models.flat import Segment
 from distframe.models.replaced_data import check_not_tied, check_replacement
 from distframe.models.sharded_state import ShardLayout
 
 
 class ZeroShards:
-    """This rank's master chunk of the flat local-parameter space (see the module docstring)."""
+    """This rank's master chunk of the flat local-parameter space (see the module docstring).
+    ``bucket_cap_bytes``: the most one round hands to a collective (None: ShardingConfig's default);
+    there are at least ``MIN_ROUNDS`` where the chunks have as many elements."""
+
+    MIN_ROUNDS = 4
 
     def __init__(self, params: list[torch.Tensor], backend: ICommunicationBackend, *, stage: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, bucket_cap_bytes: int | None = None) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ConfigError(f"data_parallel='zero{stage}' flattens a rank's parameters into one space "
@@ -65,24 +73,30 @@ class ZeroShards:
         # A stage with nothing to train (all frozen) keeps an empty chunk and still takes part.
         dtype = params[0].dtype if params else torch.get_default_dtype()
         self.master = torch.zeros(self.chunk, dtype=dtype, device=params[0].device if params else device)
+        cap = bucket_cap_bytes or ShardingConfig().bucket_cap_bytes
+        # Elements of every rank's chunk that one round moves ([Note: rounds over the chunks]).
+        self.round = max(1, min(-(-self.chunk // self.MIN_ROUNDS),
+                                cap // (self.master.element_size() * backend.world_size)))
         self._reduced = False  # the parameters' .grad holds gradients already reduced
         self._versions: list[int] = []
         self._data = [p.data for p in params]  # their own storage: a replaced .data is copied back
         self._pointers = [t.data_ptr() for t in self._data]
         self.refresh_master()
 
-    def _flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
-        for p, t, offset in zip(self.params, tensors, self.offsets):
-            if t is not None:
-                flat[offset:offset + p.numel()] = t.reshape(-1)
-        return flat
-
     def refresh_master(self) -> None:
         """Copies the parameters' values into the master chunk (after construction or a load)."""
         with torch.no_grad():
-            self.master.copy_(self._flat([p.detach() for p in self.params])[self.lo:self.lo + self.chunk])
+            self.master.zero_()  # the padding past the last parameter
+            for i in range(len(self.params)):
+                self._copy_into_master(i)
         self._record_versions()
+
+    def _copy_into_master(self, i: int) -> None:
+        """This rank's range of parameter ``i``, if any, into the master chunk."""
+        p, offset = self.params[i], self.offsets[i]
+        start, end = max(offset, self.lo), min(offset + p.numel(), self.lo + self.chunk)
+        if start < end:
+            self.master[start - self.lo:end - self.lo] = p.detach().reshape(-1)[start - offset:end - offset]
 
     def _record_versions(self) -> None:
         """The parameters' ``_version`` (count of in-place writes) when they and the master agree."""
@@ -95,26 +109,59 @@ class ZeroShards:
                   if p._version != v or p.data_ptr() != pointer]
         if not edited:
             return
-        hi = self.lo + self.chunk
         held: set[int] | None = None  # the parameters' own storages, where one was replaced
         with torch.no_grad():
             for i in edited:
-                p, offset = self.params[i], self.offsets[i]
+                p = self.params[i]
                 if p.data_ptr() != self._pointers[i]:  # a replaced .data
                     held = held or {t.untyped_storage().data_ptr() for t in self._data}
                     check_not_tied("HybridShardedModel", "a trainable parameter", p.data, held)
                     check_replacement("HybridShardedModel", "a trainable parameter", p.data, self._data[i])
                     self._data[i].copy_(p.data)
                     p.data = self._data[i]
-                start, end = max(offset, self.lo), min(offset + p.numel(), hi)
-                if start < end:
-                    values = p.detach().reshape(-1)[start - offset:end - offset]
-                    self.master[start - self.lo:end - self.lo] = values
+                self._copy_into_master(i)
         self._record_versions()
 
+    # [Note: rounds over the chunks]
+    # The flat space is one padded run cut into dp chunks (the layout that checkpoints and optimizer
+    # state record), so it has no buckets of its own to reduce or gather one at a time. A round takes
+    # the same columns [start, stop) of every rank's chunk instead: their reduce_scatter, laid out in
+    # rank order, gives each rank its own chunk's columns, and the all_gather of the masters' columns
+    # gives every rank's, written straight into the parameters. What the collectives add to the flat
+    # gradients (into which each .grad moves) and the gradient shard is then a round's columns, twice
+    # on Gloo (which copies a reduce_scatter's input, and gathers into a buffer of its own), where one
+    # collective over the whole space added full-size copies. A round is at most a quarter of the
+    # space (MIN_ROUNDS) and at most bucket_cap_bytes, so these copies stay under the flat copy of
+    # the gradients that data_parallel="ddp" all-reduces: a ZeRO step peaks within DDP's plus the
+    # shards (tests/models/test_hybrid_zero_memory.py). The bytes on the wire are the same whatever
+    # the number of rounds; each round costs a collective's latency.
+    def _rounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` within every rank's chunk of each round; one (empty) round without
+        parameters, so that a stage with nothing to train still takes part."""
+        starts = range(0, self.chunk, self.round)
+        return [(start, min(start + self.round, self.chunk)) for start in starts] or [(0, 0)]
+
+    def _take_gradients(self) -> torch.Tensor:
+        """The gradients laid end to end in the flat space (a missing one as zeros), each ``.grad``
+        let go once copied: kept until the reduction ends, they doubled the gradients' memory."""
+        flat = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
+        for p, offset in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[offset:offset + p.numel()] = p.grad.reshape(-1)
+                p.grad = None
+        return flat
+
     def reduce_gradients(self) -> None:
-        flat = self._flat([p.grad for p in self.params])
-        shard = self.backend.reduce_scatter(flat, ReduceOp.SUM).div_(self.backend.world_size)
+        flat = self._take_gradients()
+        world = self.backend.world_size
+        shard = torch.empty_like(self.master)
+        columns = flat.view(world, self.chunk)  # row r: rank r's chunk
+        for start, stop in self._rounds():
+            # Columns [start, stop) of every chunk, in rank order: ``flat`` itself in one round.
+            part = columns[:, start:stop].contiguous().view(-1)
+            self.backend.reduce_scatter(part, ReduceOp.SUM, out=shard[start:stop])
+            del part  # before the next round's copy is made
+        shard.div_(world)
         if self.master.grad is not None:  # an earlier backward's average (no zero_grad since)
             shard.add_(self.master.grad)
         self._reduced = True
@@ -125,9 +172,7 @@ class ZeroShards:
             for p, offset in zip(self.params, self.offsets):
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
         else:
-            self.master.grad = shard
-            for p in self.params:
-                p.grad = None
+            self.master.grad = shard  # the parameters' .grad already let go (_take_gradients)
 
     def restart_accumulation(self) -> None:
         """Before a backward that follows a reduction (no zero_grad in between). ZeRO-1's ``.grad``
@@ -143,11 +188,33 @@ class ZeroShards:
         self._reduced = False
 
     def gather_parameters(self) -> None:
-        flat = self.backend.all_gather(self.master.detach().contiguous())
+        """All-gathers the updated chunks into the parameters, round by round, so that what it
+        allocates is one round's gathered columns, not a second copy of the parameters."""
+        world, master = self.backend.world_size, self.master.detach()
         with torch.no_grad():
-            for p, offset in zip(self.params, self.offsets):
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            for start, stop in self._rounds():
+                gathered = self.backend.all_gather(master[start:stop]).view(world, stop - start)
+                for rank, values in enumerate(gathered):
+                    self._write_parameters(rank * self.chunk + start, values)
         self._record_versions()  # these writes are the masters', not edits
+
+    def _write_parameters(self, first: int, values: torch.Tensor) -> None:
+        """Writes ``values`` into the parameters from position ``first`` of the flat space on (the
+        padding left out), in place, so that a graph saved before the step sees the write."""
+        end = min(first + values.numel(), self.total)
+        position, i = first, bisect.bisect_right(self.offsets, first) - 1
+        while position < end:
+            p, offset = self.params[i], self.offsets[i]
+            stop = min(offset + p.numel(), end)
+            if position < stop:
+                piece, target = values[position - first:stop - first], p.detach()
+                if target.is_contiguous():
+                    target.view(-1)[position - offset:stop - offset].copy_(piece)
+                else:  # put_ indexes a tensor of any layout as if it were flat
+                    index = torch.arange(position - offset, stop - offset, device=piece.device)
+                    target.put_(index, piece)
+                position = stop
+            i += 1
 
     def layout(self, param_segments: list[list[Segment]]) -> ShardLayout:
         """Which dense ranges the master chunk holds, from each local parameter's segments."""
