@@ -8,8 +8,10 @@ global stage 0), runs the chunk, and sends the output on (the last global stage 
 ``loss_fn`` and scales it by ``1/m``, so the accumulated gradients are those of the mean loss over
 the slice). A backward receives the output's gradient from the next stage (the last stage starts
 from its loss), runs autograd through the chunk, and sends the input's gradient back. Parameter
-gradients accumulate in ``.grad`` over the micro-batches. Collectives: none besides the p2p of
-``pipeline_comm`` (tensor-parallel layers inside a chunk run their own, in lockstep).
+gradients accumulate in ``.grad`` over the micro-batches. Collectives: besides the p2p of
+``pipeline_comm``, one all_gather of a few integers per training step, by which the ranks agree
+that they were given one batch ([Note: one batch per pipeline] in ``mistake_pipeline_batch``);
+tensor-parallel layers inside a chunk run their own, in lockstep.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.devices import module_device
+from distframe.models.mistake_pipeline_batch import check_one_batch
 from distframe.models.pipeline_comm import StageLinks
 from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimeline
 from distframe.models.pipeline_outputs import concat_microbatches
@@ -147,8 +150,15 @@ class PipelineRunner:
                               "inference_mode): it would train nothing. Call train_step/forward_backward "
                               "with grad enabled; evaluate with the model's forward or validation_loss")
         m = self.num_microbatches
-        micro_inputs = split_microbatches(inputs, m, "inputs") if self.is_first else [None] * m
-        micro_targets = split_microbatches(targets, m, "targets") if self.is_last else [None] * m
+        micro_inputs, micro_targets, refused = [None] * m, [None] * m, None
+        try:
+            if self.is_first:
+                micro_inputs = split_microbatches(inputs, m, "inputs")
+            if self.is_last:
+                micro_targets = split_microbatches(targets, m, "targets")
+        except ConfigError as exc:  # raised after the check, which tells the other ranks
+            refused = exc
+        check_one_batch(self.backend, inputs, targets, refused=refused, device=self.links.device)
         self.links.new_step(m)
         self.timeline = StepTimeline()
         self.memory.exclude([inputs, targets])
