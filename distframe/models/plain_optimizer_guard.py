@@ -126,11 +126,12 @@ def _note_plain_optimizer(optimizer: torch.optim.Optimizer, model: Any, params: 
     return False
 
 
-def adopted_by(optimizer: torch.optim.Optimizer, owner: Any) -> None:
-    """``optimizer`` (an instance a user handed to the sharded ``owner``, now rebuilt over its
-    shards) is ``owner``'s wrapped optimizer from now on: stepping it other than from
-    ``owner.step()``, or after a param group was added to it, is refused."""
-    _adopted[optimizer] = (weakref.ref(owner), frozenset(map(id, _params(optimizer))))
+def adopted_by(optimizer: torch.optim.Optimizer, owner: Any, *, handed: bool = True) -> None:
+    """``optimizer`` is the sharded ``owner``'s wrapped optimizer from now on: stepping it other
+    than from ``owner.step()``, or after a param group was added to it, is refused. ``handed``: an
+    instance a user handed to ``owner``, now rebuilt over its shards; else the one ``owner`` built
+    from a class (its public ``wrapped_optimizer``)."""
+    _adopted[optimizer] = (weakref.ref(owner), frozenset(map(id, _params(optimizer))), handed)
 
 
 def adopter(optimizer: torch.optim.Optimizer) -> Any:
@@ -144,6 +145,13 @@ def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer, params: list[to
     if owner is None:
         return
     name = type(owner).__name__
+    if not owner._stepping and not _adopted[optimizer][2]:  # noqa: SLF001 (set by ShardedOptimizerBase)
+        raise ConfigError(
+            f"{name}.wrapped_optimizer.step() updates this rank's shards alone: {name}.step() steps it "
+            "between the model's gradient and parameter synchronisation, which this call skips (under "
+            "ZeRO-1/2 the all_gather of every rank's updated chunk into the weights the forward uses: "
+            f"the ranks trained on stale weights); call {name}.step() instead, and hand that {name}, "
+            "not its wrapped_optimizer, to whatever steps it")
     if not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
         raise ConfigError(
             f"this torch.optim.{type(optimizer).__name__} was handed to {name}, which now steps it "
@@ -239,11 +247,29 @@ def _refuse_whole_over_slices(optimizer: torch.optim.Optimizer, model: Any) -> N
             "or leave those layers out of the tensor-parallel plan")
 
 
+def shown_name(optimizer: Any) -> str:
+    """How a message names the torch.optim class of ``optimizer`` (a class or an instance) in a
+    call that builds one: ``torch.optim.SGD`` for torch's own, ``torch.optim.AdamW`` for what is
+    none (a sharded optimizer, say)."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if not issubclass(cls, torch.optim.Optimizer) or hasattr(cls, "model_class"):  # a ShardedOptimizer's
+        return "torch.optim.AdamW"
+    return f"torch.optim.{cls.__name__}" if getattr(torch.optim, cls.__name__, None) is cls else cls.__name__
+
+
 def refuse_in_train_step(optimizer: Any) -> None:
     """ConfigError for an optimizer that ``model.train_step`` cannot step: one whose ranks step on
     their own (train_step all-reduces the loss, which no parameter server joins), or whose
     ``step`` needs a closure (LBFGS evaluates the loss several times per step; train_step runs one
     forward and backward and calls ``step()``: torch's TypeError came from inside LBFGS)."""
+    if isinstance(optimizer, type):  # torch's AttributeError came from the step's signature below
+        inner = shown_name(optimizer)
+        raise ConfigError(
+            f"train_step takes an optimizer instance, got the class {optimizer.__name__} itself: build the "
+            f"optimizer of the model's strategy over it first (model.optimizer_name names it), e.g. "
+            f"DDPOptimizer(model, {inner}, lr=...) for a DDPModel, ZeRO2Optimizer(model, {inner}, lr=...) "
+            "for a ZeRO2Model; a model that takes plain optimizers (DDP, tensor and pipeline parallel) "
+            f"also takes {inner}(model.parameters(), lr=...)")
     name = type(optimizer).__name__
     if getattr(optimizer, "steps_independently", False):
         raise ConfigError(f"{name}'s ranks step on their own, and model.train_step all-reduces the loss: "

@@ -11,7 +11,7 @@ import torch
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
-from distframe.models.plain_optimizer_guard import global_closure_loss
+from distframe.models.plain_optimizer_guard import adopted_by, global_closure_loss, shown_name
 from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.models.state_checks import check_optimizer_pieces
 from distframe.optimizers.instances import (adopt_instance, build_optimizer, check_dense_gradients,
@@ -69,9 +69,8 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         # A model names the optimizer it needs (a hybrid model over a ZeRO-1 data-parallel group
         # names ZeRO1Optimizer without being a ZeRO1Model).
         if not isinstance(model, self.model_class) and getattr(model, "optimizer_name", None) != name:
-            fix = getattr(model, "optimizer_name", "the optimizer its strategy documents")
             raise ConfigError(f"{name} belongs with {self.model_class.__name__}, got "
-                              f"{type(model).__name__}; use {fix}(model, ...) for it")
+                              f"{type(model).__name__}; {self._instead(model, optimizer)}")
         check_elementwise(optimizer, model, name)
         check_dense_gradients(optimizer, name)
         check_optimizer_argument(optimizer, optimizer_kwargs, name)
@@ -88,11 +87,29 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
         else:
             self.wrapped_optimizer = build_optimizer(optimizer, model.local_parameter_shard(),
                                                      optimizer_kwargs, name)
+        self._stepping = False
         if isinstance(optimizer, torch.optim.Optimizer):
             self.wrapped_optimizer = adopt_instance(optimizer, self.wrapped_optimizer, self)
-        self._stepping = False
+        else:  # stepped alone it skips the synchronisation around it: refused as a handed one is
+            adopted_by(self.wrapped_optimizer, self, handed=False)
         self._scaler_flags_agreed = False
         model.attach_optimizer(self)
+
+    def _instead(self, model: Any, optimizer: Any) -> str:
+        """The call that works for ``model``, given the wrong one (the end of a ConfigError)."""
+        shown = shown_name(optimizer)
+        fix = getattr(model, "optimizer_name", None)
+        if not isinstance(model, ShardedModelBase):
+            wrapper = self.model_class.__name__
+            return (f"{type(self).__name__} takes the wrapped model, not a module or its parameters: "
+                    f"{type(self).__name__}({wrapper}(module, backend), {shown}, **kwargs), or the {wrapper} "
+                    "already built over it")
+        if fix.isidentifier():  # a sharded optimizer's class name
+            return f"use {fix}(model, {shown}, **kwargs) for it"
+        if model.accepts_plain_optimizer:
+            return ("it takes a plain torch.optim optimizer over its parameters: "
+                    f"{shown}(model.parameters(), **kwargs)")
+        return f"use {fix} for it"
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
