@@ -46,7 +46,7 @@ from distframe.backends.validation import check_timeout
 from distframe.backends.torch_dist_board import clear_departures
 from distframe.errors import CollectiveTimeoutError, ConfigError, RankFailedError, rebuild_exception
 from distframe.launch import (messages_unmatched, p2p_counts, process_exited, raise_first_failure,
-                              unpicklable_result)
+                              unimportable_task, unpicklable_result)
 
 _GRACE_S = 1.0
 _STOP_S = 10.0
@@ -315,7 +315,10 @@ def _build_backend(rank: int, world_size: int, engine: str, host: str, port: int
 
 def _run_task(backend: Any, task: bytes) -> bytes:
     try:
-        fn, args, kwargs = pickle.loads(task)
+        try:
+            fn, args, kwargs = pickle.loads(task)
+        except (AttributeError, ImportError) as exc:  # pickled by name, not found here
+            raise unimportable_task(exc) from exc
         result = fn(backend, *args, **kwargs)
         # An asynchronous call never waited for ends with the function (as it would with
         # spawn's shutdown): its failure is this run's, not the next run's first call's.

@@ -180,6 +180,15 @@ def unpicklable_result(fn: Any, result: Any, error: Exception) -> TypeError:
                      "tensors, numbers, strings or containers of them instead")
 
 
+def unimportable_task(error: AttributeError | ImportError) -> BaseException:
+    """``error``, raised in a rank process unpickling the function spawn was given (or an
+    argument of it), of the same class, with what to do added to its message."""
+    return type(error)(
+        f"{error}: a rank process imports the function spawn runs by name, so it must be defined at "
+        "the top level of a module (not inside a function, nor under `if __name__ == \"__main__\":`, "
+        "which a rank process does not run); pass it arguments with functools.partial(fn, ...)")
+
+
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 _MPI_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID")
 LAUNCHER_COMMANDS = {"mpi": "mpiexec", "torchrun": "torchrun"}  # what a message tells the user to run
