@@ -123,7 +123,7 @@ class HybridShardedModel(ShardedModelBase):
         self._replaced_dense = {id(p): (weakref.ref(p), dense_names[id(p)]) for p in dense_params
                                 if id(p) in replaced}
         del dense_params
-        self.wrapped_model = stage
+        self.wrapped_model, self._call = stage, (stage,)  # not the dense model: it kept all stages alive
         self.tied_gradients = TiedGradients.for_stages(self.catalog.shared_across_stages(),
                                                        self.local_parameters, self.groups.pp)
         self.accepts_plain_optimizer = data_parallel == "ddp"
