@@ -14,6 +14,23 @@ it moves to the rank's next optimizer step instead (``distframe.models.deferred_
 predecessors), and ``finish()`` launches whatever has not been launched yet, so every rank issues
 the same collectives in the same order even when some parameters get no gradient on some ranks:
 their slots of the buffer hold zeros and are reduced as zeros. No rank can hang on another.
+
+[Note: buffers on first use] Without ``keep_buffers`` (ZeRO-2) a bucket that holds no gradient
+gets its buffer when its first gradient arrives (the hook attaches it: that gradient is copied in,
+its bucket-mates' ``.grad`` become zeroed views that autograd accumulates into in place), or at its
+launch if none arrives, and loses it once its reduce_scatter completes. Attaching every bucket
+before the forward, as DDP and ZeRO-1 do with the buffers they keep anyway, held the whole model's
+gradients through forward and backward: ZeRO-2's peak was no lower than ZeRO-1's. A bucket with
+a buffer (``no_sync`` accumulation) or a ``.grad`` is still attached before the forward, as before;
+either way a bucket's ``has_gradient`` flags are set when it is attached, before its launch. Lazy
+buffers alone bound nothing where the collectives lag behind backward (gloo on a few CPU cores: all
+16 buffers of a 16-bucket MLP were alive at once), so a launch first waits for all but the latest
+``RELEASED_IN_FLIGHT - 1`` reductions, as DeepSpeed's ZeRO-2 fills its two bucket buffers in turn
+(``overlap_comm``): a rank holds its gradient shards and about three buckets of full gradients.
+The wait is skipped where the peers it waits for share the calling thread (in-memory ranks on one
+GPU, which could then never arrive); there the reductions run unbounded, as before. It waits only
+for collectives this rank has launched, which every rank launches in the same order, so it cannot
+hang on a peer that is itself waiting.
 """
 from __future__ import annotations
 
@@ -32,6 +49,9 @@ from distframe.models.weak_hooks import weak_hook
 from distframe.models.flat import FlatSpace
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.precision import finer
+
+#: Reduce-scatters of buffers freed once reduced (ZeRO-2) in flight at a time: [Note: buffers on first use].
+RELEASED_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass
@@ -104,12 +124,15 @@ class GradientBuckets:
     # ---- life cycle --------------------------------------------------------------------------
     def prepare_for_backward(self, synchronize: bool) -> None:
         """Called before each forward that may be followed by backward: attaches each
-        parameter's ``.grad`` to its slot of the bucket buffer; ``synchronize`` arms the hooks."""
+        parameter's ``.grad`` to its slot of the bucket buffer (without ``keep_buffers``, of the
+        buckets that hold gradients: see [Note: buffers on first use]); ``synchronize`` arms the hooks."""
         if self._next_launch or self._armed and self._backward_finished:
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
         self._owner_thread = threading.current_thread()
         for bucket in self.buckets:
-            self._attach(bucket)
+            if self.keep_buffers or bucket.buffer is not None or any(
+                    p.grad is not None for p in bucket.parameters):
+                self._attach(bucket)
         self._armed = synchronize
         self._backward_finished = False
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -218,10 +241,10 @@ class GradientBuckets:
             self.finish()
         self._backward_finished = True
 
-    def _complete_leading(self, *, block: bool) -> None:
-        """Completes launched buckets in order: all of them (``block``), or those whose
-        collective has already finished, so ZeRO-2 frees full gradients during backward."""
-        while self._pending and (block or self._pending[0][1].is_completed()):
+    def _complete_leading(self, *, block: bool, leave: int = 0) -> None:
+        """Completes launched buckets in order: all but the last ``leave`` of them (``block``), or
+        those whose collective has already finished, so ZeRO-2 frees full gradients during backward."""
+        while len(self._pending) > leave and (block or self._pending[0][1].is_completed()):
             bucket, work = self._pending.pop(0)
             self.complete_fn(bucket, work.wait())
             if not self.keep_buffers:
@@ -229,6 +252,8 @@ class GradientBuckets:
 
     def _launch_next(self) -> None:
         self._complete_leading(block=False)
+        if not self.keep_buffers and not (self._peers_on_thread and self._peers_on_thread()):
+            self._complete_leading(block=True, leave=RELEASED_IN_FLIGHT - 1)  # [Note: buffers on first use]
         bucket = self.buckets[self._next_launch]
         if bucket.buffer is None:
             self._attach(bucket)
