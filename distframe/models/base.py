@@ -19,6 +19,7 @@ from distframe.errors import ConfigError
 from distframe.models.accumulation import accumulated_backward
 from distframe.models.casts import copy_refused, refuse_new_storage
 from distframe.models.config import ShardingConfig, TrainingState, resolve_config
+from distframe.models.devices import accelerator_of, inputs_on
 from distframe.models.direct_calls import DirectCalls
 from distframe.models.extra_state import copy_replicated
 from distframe.models.flat import Segment
@@ -76,9 +77,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         check_unwrapped(module, type(self).__name__)
         check_initialised(module, type(self).__name__)
         self._call = (module,)  # called as given (a tuple: not registered as a submodule again)
+        self._input_device = accelerator_of(module)  # CPU inputs go there, as DDP and FSDP2 move them
         module = self.wrapped_model = uncompiled(module)
-        self.backend = backend
-        self.config = resolve_config(config, settings)
+        self.backend, self.config = backend, resolve_config(config, settings)
         self._check_config(self.config)
         if self.config.find_unused_parameters and not self.skips_unused_parameters:
             raise ConfigError(
@@ -92,9 +93,8 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._wrapped_parameters = WrappedParameters(module, self.config.mixed_precision)
         route_zero_grad(module, self)  # net.zero_grad() clears the shards: zero_grad_route.py
         route_submodule_zero_grad(module, self)
-        self._synchronize = True
+        self._synchronize, self.training_state = True, TrainingState.IDLE
         self._replica_buffers = ReplicaBuffers(self._buffer_replicas, self.config.broadcast_buffers)
-        self.training_state = TrainingState.IDLE
         self._optimizer: Any = None
         guard(self)  # a plain optimizer over parameters its strategy shards is refused at step
 
@@ -166,6 +166,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         self._pre_forward()  # may end a synchronisation first (a backward without a step)
         self._replica_buffers.before_forward(self._synchronize, self.wrapped_model.training)
         with self._direct_calls.calling():  # [Note: the wrapped module called directly]
+            args, kwargs = inputs_on(self._input_device, (args, kwargs))
             return self._post_forward(self._call[0](*args, **kwargs))
 
     @contextlib.contextmanager
@@ -227,7 +228,7 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Forward on ``batch = (inputs, targets)`` (a dict or tuple of inputs is unpacked into the
         call) and backward of ``loss_fn(output, targets)``; returns this rank's loss. Gradients are
         synchronised as the strategy does during backward; no step is taken."""
-        inputs, targets = train_batch(batch)
+        inputs, targets = inputs_on(self._input_device, train_batch(batch))
         output = call_with(self, inputs)
         loss = loss_fn(output, targets)
         # Drop our reference to the output (for an LM, the logits: often the largest activation)
