@@ -92,9 +92,11 @@ class NCCLCommunicationBackend(TorchDistributedBackend):
     def _shutdown(self) -> None:
         group = self._pg
         super()._shutdown()
-        # As torch's destroy_process_group does: an NCCL group never shut down keeps its
-        # communicators to the end of the process and warns then that it may leak them.
-        close = getattr(group, "shutdown", None) or getattr(group, "_shutdown", None)
+        # An NCCL group left to its destructor aborts there, warning that destroy_process_group()
+        # was never called. Every call of this engine has completed or failed by now, so abort it
+        # here: unlike the graceful shutdown(), abort does not wait for kernels a failed peer
+        # left unfinished, which could hang.
+        close = getattr(group, "abort", None) or getattr(group, "shutdown", None)
         if close is not None:
             close()
 
