@@ -74,7 +74,8 @@ def _compare_contents(table: list[list[int]]) -> None:
                 raise ConfigError(
                     f"pipeline ranks {given[0][0]} and {rank} were given different {what} of one size "
                     f"(debug=True compares every rank's batch), so the last stage would pair the first "
-                    f"stage's inputs with targets of another slice. {_FIX}")
+                    f"stage's inputs with targets of another slice (a placeholder for a part a stage "
+                    f"does not use differs too: pass None for it). {_FIX}")
 
 
 def _rows(part: Any, cut_here: bool, refused: ConfigError | None) -> int:

@@ -147,11 +147,12 @@ def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer, params: list[to
     name = type(owner).__name__
     if not owner._stepping and not _adopted[optimizer][2]:  # noqa: SLF001 (set by ShardedOptimizerBase)
         raise ConfigError(
-            f"{name}.wrapped_optimizer.step() updates this rank's shards alone: {name}.step() steps it "
-            "between the model's gradient and parameter synchronisation, which this call skips (under "
-            "ZeRO-1/2 the all_gather of every rank's updated chunk into the weights the forward uses: "
-            f"the ranks trained on stale weights); call {name}.step() instead, and hand that {name}, "
-            "not its wrapped_optimizer, to whatever steps it")
+            f"{name}.wrapped_optimizer.step() steps alone what {name}.step() steps between the model's "
+            "gradient synchronisation (which ends at the step where backward could not end it: after "
+            "no_sync, on ranks sharing a GPU, under compression) and its parameter synchronisation (ZeRO-1/2's "
+            "all_gather of every rank's updated chunk into the weights the forward uses), which this "
+            f"call skips; call {name}.step() instead, and hand that {name}, not its wrapped_optimizer, "
+            "to whatever steps it")
     if not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
         raise ConfigError(
             f"this torch.optim.{type(optimizer).__name__} was handed to {name}, which now steps it "
