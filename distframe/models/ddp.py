@@ -11,6 +11,7 @@ from distframe.backends.types import ReduceOp, Work
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
 from distframe.models.config import ShardingConfig
+from distframe.models.direct_calls import DirectCalls
 from distframe.models.dp_modules import prepare_replicated_modules
 from distframe.models.flat import FlatSpace, Segment, partition_into_buckets
 from distframe.models.gradient_buckets import GradBucket, GradientBuckets
@@ -35,9 +36,14 @@ class DDPModel(ShardedModelBase):
     the first ``first_bucket_cap_mb``), one ``all_reduce(AVG)`` started asynchronously from the
     gradient hooks as soon as the bucket's gradients are accumulated during backward, waited for when
     backward finishes (so a plain optimizer, or clipping, sees averaged gradients), or at the latest
-    in ``synchronize_gradients()`` (called by ``train_step`` and ``DDPOptimizer.step``). Inside
-    ``no_sync()`` nothing is communicated. With ``find_unused_parameters=True`` a parameter that
-    no rank gave a gradient keeps ``.grad = None``, as in torch DDP (see ParameterUsage). Each
+    in ``synchronize_gradients()`` (called by ``train_step``, ``DDPOptimizer.step`` and before a
+    plain optimizer's step). A call of the wrapped module itself (``model.module(x)``, ``net(x)``)
+    arms the same reduction as the wrapper's call ([Note: the wrapped module called directly]).
+    Inside ``no_sync()`` nothing is communicated, an optimizer step included; a step after it
+    (outside) averages what backward passes left local when no synchronising backward followed
+    ([Note: gradients left local at the step] in gradient_buckets.py). With
+    ``find_unused_parameters=True`` a parameter that no rank gave a gradient keeps ``.grad = None``,
+    as in torch DDP (see ParameterUsage). Each
     nn.SyncBatchNorm adds one all_gather per training forward and one reduce_scatter in backward
     (sync_batchnorm.py).
 
@@ -53,7 +59,6 @@ class DDPModel(ShardedModelBase):
     accepts_plain_optimizer = True
     optimizer_name = "DDPOptimizer"
     skips_unused_parameters = True
-    replicates_gradients = True  # every rank holds the same averaged gradients
 
     def __init__(self, module: torch.nn.Module, backend: ICommunicationBackend, *,
                  config: ShardingConfig | None = None, **settings: Any) -> None:
@@ -74,6 +79,14 @@ class DDPModel(ShardedModelBase):
             spaces, grad_dtype=None, launch=self._launch, complete=self._complete, keep_buffers=True,
             usage=self._parameter_usage,
             peers_on_thread=getattr(backend, "peers_sharing_autograd_thread", None))
+        self._direct_calls = DirectCalls(self, arms=True)  # [Note: the wrapped module called directly]
+
+    @property
+    def replicates_gradients(self) -> bool:  # type: ignore[override]
+        """Every rank holds the same averaged gradients, except while backward passes under no_sync
+        left each rank its own until the step averages them: a plain GradScaler's inf check of those
+        would not agree (its step then raises ConfigError naming ShardedGradScaler, which agrees)."""
+        return not self.gradient_buckets.holds_left_local()
 
     def _check_config(self, config: ShardingConfig) -> None:
         refuse_policy(config.mixed_precision, type(self).__name__,
@@ -110,7 +123,11 @@ class DDPModel(ShardedModelBase):
         return output
 
     def synchronize_gradients(self) -> None:
-        self.gradient_buckets.finish()
+        self.gradient_buckets.finish(left_local=self._synchronize)
+
+    def before_plain_step(self) -> None:
+        # A plain optimizer after backward passes all under no_sync: see synchronize_gradients.
+        self.synchronize_gradients()
 
     def local_parameter_shard(self) -> list[torch.Tensor]:
         return [p for _, p in self._named]

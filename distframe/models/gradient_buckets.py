@@ -15,6 +15,24 @@ predecessors), and ``finish()`` launches whatever has not been launched yet, so 
 the same collectives in the same order even when some parameters get no gradient on some ranks:
 their slots of the buffer hold zeros and are reduced as zeros. No rank can hang on another.
 
+[Note: gradients left local at the step] Backward passes that all ran unarmed (inside ``no_sync``,
+or through a call the wrapper did not arm: a reentrant checkpoint, compiled code) leave their sum
+in the buffers (or in ``accumulated``) with no synchronising backward after them; an optimizer step
+took it as it was (DDP: each rank its own gradient, the replicas drifted apart) or never saw it
+(ZeRO-1/2: only the reduced chunks reach the masters). ``finish(left_local=True)`` reduces that
+sum as the synchronising backward would have: what a rank holds is re-attached (slots of gradients
+cleared since read as zeros) and every bucket launched in order. The models'
+``synchronize_gradients`` (every optimizer step, ``train_step``, ``clip_grad_norm_``) asks for it:
+DDP's outside ``no_sync`` only (inside, its step takes each rank's own gradient, as torch DDP's does
+and AsyncSGDOptimizer's workers need), ZeRO-1/2's always (their masters take reduced gradients
+only). Whether any gradient arrived unarmed since the last reduction or ``zero_grad``
+(``_left_local``), and whether a ``.grad`` is still held (a ``zero_grad`` that did not reach the
+buckets: DDP's own, a plain optimizer's) depend only on the calls each rank made, which
+``no_sync``'s contract makes the same on every rank: every rank takes the same path, so the
+collectives pair up. (DDP's gradients are then each rank's own until the step: ``holds_left_local``
+tells a plain GradScaler, whose check before the step would not agree, to refuse: see
+``DDPModel.replicates_gradients``.)
+
 [Note: buffers on first use] Without ``keep_buffers`` (ZeRO-2) a bucket that holds no gradient
 gets its buffer when its first gradient arrives (the hook attaches it: that gradient is copied in,
 its bucket-mates' ``.grad`` become zeroed views that autograd accumulates into in place), or at its
@@ -111,6 +129,7 @@ class GradientBuckets:
                 self._bucket_of[id(param)] = (bucket, k, len(self._bucket_of))
         self.usage = usage([e.name for e in entries], [e.param for e in entries])
         self._armed = False
+        self._left_local = False  # unarmed gradients arrived: [Note: gradients left local at the step]
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._next_launch = 0
         self._backward_end = BackwardEnd(self._finish_backward, only_if_accumulated=True)
@@ -129,10 +148,7 @@ class GradientBuckets:
         if self._next_launch or self._armed and self._backward_finished:
             self.finish()  # a backward ran without a step; keep the ranks' collectives aligned
         self._owner_thread = threading.current_thread()
-        for bucket in self.buckets:
-            if self.keep_buffers or bucket.buffer is not None or any(
-                    p.grad is not None for p in bucket.parameters):
-                self._attach(bucket)
+        self._attach_held()
         self._armed = synchronize
         self._backward_finished = False
         self._backward_end.reset()  # a backward that raised never ran its callback
@@ -144,10 +160,16 @@ class GradientBuckets:
         if self._armed:
             self._backward_end.watch(output)
 
-    def finish(self) -> None:
+    def finish(self, *, left_local: bool = False) -> None:
         """Launches the buckets that have not been launched (in order), waits for all of them and
-        completes each; a no-op when nothing was armed. Runs the same collectives on every rank."""
+        completes each; a no-op when nothing was armed, unless ``left_local`` and unarmed backward
+        passes left gradients to reduce ([Note: gradients left local at the step]). Runs the same
+        collectives on every rank."""
         deferred_finish.discard(self._owner_thread, id(self))
+        if left_local and not self._armed and not self._next_launch and self._left_local:
+            self._armed = self._left_local = self.holds_left_local()
+            if self._armed:
+                self._attach_held()
         if not self._armed and not self._next_launch:
             return
         while self._next_launch < len(self.buckets):
@@ -155,16 +177,18 @@ class GradientBuckets:
         flags = self.usage.start()
         self._complete_leading(block=True)
         self.usage.finish(flags)
-        self._armed = False
+        self._armed = self._left_local = False
         self._next_launch = 0
 
     def zero_grad(self) -> None:
+        self._left_local = False
         for bucket in self.buckets:
             if bucket.buffer is not None:
                 bucket.buffer.zero_()
             bucket.accumulated = None
 
     def release(self) -> None:
+        self._left_local = False
         for bucket in self.buckets:
             self._release(bucket)
             bucket.accumulated = None
@@ -181,6 +205,19 @@ class GradientBuckets:
         self._handles = []
 
     # ---- internals ---------------------------------------------------------------------------
+    def _attach_held(self) -> None:
+        """Attaches the buckets that hold gradients (every one with ``keep_buffers``)."""
+        for bucket in self.buckets:
+            if self.keep_buffers or bucket.buffer is not None or any(
+                    p.grad is not None for p in bucket.parameters):
+                self._attach(bucket)
+
+    def holds_left_local(self) -> bool:
+        """Whether unarmed backward passes left gradients that nothing reduced or cleared since."""
+        return self._left_local and any(
+            bucket.accumulated is not None or any(p.grad is not None for p in bucket.parameters)
+            for bucket in self.buckets)
+
     def _attach(self, bucket: GradBucket) -> None:
         if bucket.buffer is None:
             dtype = self.grad_dtype or bucket.parameters[0].dtype
@@ -218,6 +255,7 @@ class GradientBuckets:
                 f"a gradient arrived for bucket {bucket.index} after it was reduced: run one "
                 "backward per forward, or accumulate inside model.no_sync()")
         if not self._armed:
+            self._left_local = True  # see [Note: gradients left local at the step]
             if self.accumulate_dtype is not None:
                 if bucket.accumulated is None:
                     bucket.accumulated = torch.zeros(bucket.space.padded_numel, dtype=self.accumulate_dtype,

@@ -16,7 +16,9 @@ Per unit (FSDP2's vocabulary):
 parameters without gradients: reduced as zeros, in unit order) and waits for all of them, accumulating each
 rank's averaged chunk into its master's ``.grad``. A synchronising backward runs it as its last
 act (autograd's queued callback, as DDP's buckets do), so every master holds its gradient when
-``backward()`` returns; the model's synchronize_gradients runs it too.
+``backward()`` returns; the model's synchronize_gradients runs it too, and there, after backward
+passes that all ran under no_sync, it reduces every unit's accumulated gradients ([Note: a step
+after no_sync alone] in left_local_gradients.py).
 
 [Note: ordering] Forward gathers and prefetch follow the order modules actually run, which must
 be the same on every rank (as for any FSDP); in backward, gathers and reductions follow that
@@ -102,6 +104,7 @@ from distframe.backends.types import Work
 from distframe.errors import ConfigError
 from distframe.models.backward_end import BackwardEnd, PassAccumulation
 from distframe.models.config import TrainingState
+from distframe.models.left_local_gradients import holds_local_gradients
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.sharded_unit import ShardedUnit
 from distframe.models.unit_order import ForwardRecord, hook_inputs, in_backward, unit_ancestors
@@ -123,6 +126,7 @@ class UnitLifecycle:
         self.prefetch = prefetch
         self.synchronize = False  # set by each forward that may be followed by backward
         self._armed = False
+        self._left_local = False  # a no_sync backward left gradients: [Note: a step after no_sync alone]
         self._backward_end = BackwardEnd(self.finish)
         # See [Note: a pass that only reads gradients] in backward_end.py.
         self._accumulation = PassAccumulation([p for unit in units for p in unit.params])
@@ -298,8 +302,10 @@ class UnitLifecycle:
                                           "did not run (or ran before the last optimizer step, which "
                                           "changed the weights that forward used; torch refuses that too)")
         self.usage.has_gradient[index] = True
-        if not self.synchronize and unit.accumulates:
-            unit.keep_accumulated(param)
+        if not self.synchronize:
+            self._left_local = True  # [Note: a step after no_sync alone]
+            if unit.accumulates:
+                unit.keep_accumulated(param)
         self._backward_running()  # in case no output was watched (a loss that bypasses it)
         unit.ready.add(id(param))
 
@@ -317,6 +323,8 @@ class UnitLifecycle:
     def finish(self) -> None:
         """Completes this step's gradient reductions (see the module docstring); collective."""
         synchronising = self._armed and self._accumulation.accumulates()
+        if not self._armed and self._left_local:  # outside a backward: the step's
+            synchronising = self._left_local = holds_local_gradients(self.units)
         if synchronising:
             for unit in self.units:
                 if not unit.reduce_launched or unit.ready:  # none reduced yet, or some since
@@ -333,6 +341,7 @@ class UnitLifecycle:
         self._backward_number += 1
         self._step_done = True
         if synchronising:
+            self._left_local = False
             self.usage.finish(None)  # warns once if a parameter was averaged as zeros
 
     def _forget_cleared_gradients(self) -> None:

@@ -157,7 +157,10 @@ class _ReplicatedParametersShardedState(MasterWeightsModelBase):
 
     def synchronize_gradients(self) -> None:
         self._take_in_place_edits()  # before the optimizer steps the masters
-        self.gradient_buckets.finish()
+        # Gradients left by backward passes all under no_sync reach the masters only reduced, so
+        # they are reduced now, inside no_sync too (a step there has no local gradients to take):
+        # see [Note: gradients left local at the step] in gradient_buckets.py.
+        self.gradient_buckets.finish(left_local=True)
 
     def _attached_data(self) -> list[AttachedData]:
         return self._attached
