@@ -55,6 +55,7 @@ from distframe.models.hybrid_zero import ZeroShards
 from distframe.models.hybrid_state import (LocalParameter, ParameterCatalog, WrittenOnceLayout,
                                            all_reduce_grads, gather_full, owns_piece, shard_layout,
                                            zero_counted_segments)
+from distframe.models.tensor_group_batch import global_mean_loss
 from distframe.models.parameter_usage import ParameterUsage
 from distframe.models.pipeline_comm import broadcast_any
 from distframe.models.pipeline_outputs import refuse_backward
@@ -261,13 +262,9 @@ class HybridShardedModel(ShardedModelBase):
                                   accumulation_steps=accumulation_steps)
 
     def _global_mean_loss(self, loss: torch.Tensor) -> float:
-        # Every rank of a data-parallel replica already holds its replica's loss (broadcast over
-        # the pipeline group, the same across the tensor group), so the mean over the replica
-        # group (dp x cp: equal slices) is the global mean: one collective, none when dp*cp == 1.
-        total = loss.detach().to(torch.float64).reshape(1).clone()
-        if self.groups.replicas.world_size > 1:
-            self.groups.replicas.all_reduce(total, ReduceOp.AVG)
-        return float(total)
+        # One all_reduce over the replica group (none when dp*cp == 1); with tp > 1 first one all_gather
+        # over the tensor group: its ranks must be given one batch ([Note: one batch per tensor group]).
+        return global_mean_loss(loss, self.groups)
 
     # ---- ShardedModelBase ----------------------------------------------------------------------
     def _check_config(self, config: ShardingConfig) -> None:
