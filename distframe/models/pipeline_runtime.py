@@ -10,7 +10,7 @@ the slice). A backward receives the output's gradient from the next stage (the l
 from its loss), runs autograd through the chunk, and sends the input's gradient back. Parameter
 gradients accumulate in ``.grad`` over the micro-batches. Collectives: besides the p2p of
 ``pipeline_comm``, one all_gather of a few integers per training step, by which the ranks agree
-that they were given one batch ([Note: one batch per pipeline] in ``mistake_pipeline_batch``);
+that they were given one batch ([Note: one batch per pipeline] in ``pipeline_one_batch``);
 tensor-parallel layers inside a chunk run their own, in lockstep.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from distframe.backends.protocol import ICommunicationBackend
 from distframe.errors import ConfigError
 from distframe.models.devices import module_device
-from distframe.models.mistake_pipeline_batch import check_one_batch
+from distframe.models.pipeline_one_batch import check_one_batch
 from distframe.models.pipeline_comm import StageLinks
 from distframe.models.pipeline_metrics import ActivationMemoryMeter, StepTimeline
 from distframe.models.pipeline_outputs import concat_microbatches
