@@ -150,9 +150,9 @@ def _refuse_step_outside_owner(optimizer: torch.optim.Optimizer, params: list[to
             f"{name}.wrapped_optimizer.step() steps alone what {name}.step() steps between the model's "
             "gradient synchronisation (which ends at the step where backward could not end it: after "
             "no_sync, on ranks sharing a GPU, under compression) and its parameter synchronisation "
-            "(ZeRO-1/2's all_gather of every rank's updated chunk into the weights the forward uses), which this "
-            f"call skips; call {name}.step() instead, and hand that {name}, not its wrapped_optimizer, "
-            "to whatever steps it")
+            "(ZeRO-1/2's all_gather of every rank's updated chunk into the weights the forward uses), "
+            f"which this call skips; call {name}.step() instead, and hand that {name}, not its "
+            "wrapped_optimizer, to whatever steps it")
     if not owner._stepping:  # noqa: SLF001 (set by ShardedOptimizerBase)
         raise ConfigError(
             f"this torch.optim.{type(optimizer).__name__} was handed to {name}, which now steps it "
