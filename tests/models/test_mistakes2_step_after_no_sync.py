@@ -183,3 +183,4 @@ def test_a_sharded_grad_scaler_after_no_sync_trains_as_one_process():
 def test_a_plain_grad_scaler_after_no_sync_is_refused_on_every_rank():
     for message in spawn(functools.partial(_scaled, scaler_cls="plain"), WORLD, timeout=60):
         assert isinstance(message, str) and "ShardedGradScaler" in message, message
+        assert "no_sync" in message and "shard" not in message, message
