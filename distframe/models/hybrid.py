@@ -131,7 +131,8 @@ class HybridShardedModel(ShardedModelBase):
         self.optimizer_name = {"zero1": "ZeRO1Optimizer", "zero2": "ZeRO2Optimizer"}.get(
             data_parallel, "a torch.optim optimizer")
         self.zero = None if data_parallel == "ddp" else ZeroShards(
-            self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device)
+            self._trainable(), self.groups.replicas, stage=int(data_parallel[-1]), device=self._device,
+            bucket_cap_bytes=self.config.bucket_cap_bytes)  # the most one round moves (hybrid_zero.py)
         self._gradients_synchronized = False
         self._usage: ParameterUsage | None = None  # built at the first synchronisation that needs it
         # What this stage trains, fixed here (ZeRO's shards, the gradient hooks): checked per step.

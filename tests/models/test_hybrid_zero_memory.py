@@ -129,3 +129,17 @@ def test_rounds_reduce_and_gather_the_whole_flat_space(stage, cap):
         got = torch.cat([p.reshape(-1) for p in gathered])
         torch.testing.assert_close(got, shifted, rtol=0, atol=1e-12)
         assert gathered[2].shape == (7, 4)
+
+
+def _round_elements(backend, bucket_cap_mb):
+    model = HybridShardedModel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), backend,
+                               dims=ParallelDims(dp=2, tp=1, pp=1), data_parallel="zero1",
+                               bucket_cap_mb=bucket_cap_mb)
+    return model.zero.round
+
+
+def test_bucket_cap_mb_bounds_a_round():
+    # float32, dp 2: a cap of 1 KiB is 128 elements of every rank's chunk per round.
+    assert spawn(functools.partial(_round_elements, bucket_cap_mb=1 / 1024), 2) == [128, 128]
+    chunk = (2 * (64 * 64 + 64)) // 2
+    assert spawn(functools.partial(_round_elements, bucket_cap_mb=25), 2) == [-(-chunk // 4)] * 2
