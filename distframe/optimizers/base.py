@@ -11,7 +11,6 @@ import torch
 from distframe.backends.types import ReduceOp
 from distframe.errors import ConfigError
 from distframe.models.base import ShardedModelBase
-from distframe.models.ddp import DDPModel
 from distframe.models.plain_optimizer_guard import adopted_by, global_closure_loss, shown_name
 from distframe.models.sharded_state import RangeReader, ShardLayout
 from distframe.models.state_checks import check_optimizer_pieces
@@ -180,10 +179,7 @@ class ShardedOptimizerBase(torch.optim.Optimizer):
 
     def _needs_sharded_scaler_because(self) -> str:
         """Why a plain GradScaler is refused (the ConfigError's middle)."""
-        held = ("holds this rank's own gradients until this step averages what backward passes "
-                "under no_sync left" if isinstance(self.model, DDPModel) else
-                "holds this rank's shard of the gradients")
-        return (f"{held}, so a plain torch.amp.GradScaler finds "
+        return ("holds this rank's shard of the gradients, so a plain torch.amp.GradScaler finds "
                 "inf/nan on some ranks and not on others (they would skip different steps and keep "
                 "different scales); ShardedGradScaler agrees on it across ranks")
 

@@ -21,6 +21,13 @@ class DDPOptimizer(ShardedOptimizerBase):
 
     model_class = DDPModel
 
+    def _needs_sharded_scaler_because(self) -> str:
+        # Refused only while backward passes under no_sync left each rank its own gradients.
+        return ("holds this rank's own gradients until this step averages what backward passes "
+                "under no_sync left, so a plain torch.amp.GradScaler finds inf/nan on some ranks and "
+                "not on others (they would skip different steps and keep different scales); "
+                "ShardedGradScaler agrees on it across ranks")
+
     def synchronize_optimizer_state(self) -> None:
         """Broadcasts rank 0's optimizer state tensors to every rank (one broadcast each)."""
         backend = self.model.backend
