@@ -228,9 +228,9 @@ class ShardedModelBase(nn.Module, abc.ABC):
         """Forward on ``batch = (inputs, targets)`` (a dict or tuple of inputs is unpacked into the
         call) and backward of ``loss_fn(output, targets)``; returns this rank's loss. Gradients are
         synchronised as the strategy does during backward; no step is taken."""
-        inputs, targets = inputs_on(self._input_device, train_batch(batch))
-        output = call_with(self, inputs)
-        loss = loss_fn(output, targets)
+        inputs, targets = train_batch(batch)
+        output = call_with(self, inputs)  # forward moves the inputs to a GPU model's device
+        loss = loss_fn(output, inputs_on(self._input_device, targets))
         # Drop our reference to the output (for an LM, the logits: often the largest activation)
         # so backward can free it once the graph is done with it.
         del output
